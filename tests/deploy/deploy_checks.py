@@ -1,0 +1,121 @@
+"""Shared checks for the deployment tests: the real command lines the files run, rendered manifests.
+(A plain module, not conftest: pytest puts tests/deploy on sys.path, so the tests import it.)"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import re
+import shutil
+import subprocess
+from functools import cache
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+KUBECTL = shutil.which("kubectl") or "/usr/bin/kubectl"
+OVERLAYS = ("cpu-dev", "gpu", "gpu-hpa")
+
+# The CLI contract of issue 4 / the deploy brief, used while `kvfleet gateway` / `kvfleet worker` are not
+# registered in services/cli.py yet; once they are, their real argparse parsers decide.
+# flag -> None (free value), type (int/float) or a set of choices
+CONTRACT_FLAGS: dict[str, dict[str, object]] = {
+    "gateway": {"--redis-url": None, "--host": None, "--port": int, "--api-key": None,
+                "--routing": {"free_blocks", "prefix", "least_loaded", "round_robin"}},
+    "worker": {"--redis-url": None, "--model": None, "--worker-id": None, "--metrics-port": int,
+               "--drain-timeout": float, "--device": {"cuda", "cpu"}, "--dtype": None, "--num-kv-blocks": int,
+               "--kv-cache-memory": None, "--block-size": int, "--max-num-seqs": int,
+               "--max-num-batched-tokens": int, "--scheduling-policy": {"fcfs", "priority", "sjf"}},
+}
+CELERY_FLAGS = {"--loglevel", "--concurrency"}
+
+# Values that $(VAR) (Kubernetes) and ${VAR:-default} (compose, already interpolated) stand for.
+PLACEHOLDERS = {"KVFLEET_MODEL": "smollm2", "POD_NAME": "kvfleet-worker-7d9f8-abcde"}
+
+
+def expand(arg: str) -> str:
+    return re.sub(r"\$\((\w+)\)", lambda m: PLACEHOLDERS[m.group(1)], arg)
+
+
+def command_parser(command: str) -> argparse.ArgumentParser | None:
+    """The real argparse parser of `kvfleet <command>` (built as services/cli.py builds it, from that
+    command's module only), or None while the module does not exist yet."""
+    from services.cli import COMMANDS
+
+    module_name = COMMANDS[command][0]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name != module_name:
+            raise
+        return None
+    parser = argparse.ArgumentParser(prog=f"kvfleet {command}")
+    module.add_arguments(parser)
+    return parser
+
+
+def flag_values(argv: list[str]) -> dict[str, str]:
+    """--flag value pairs of a command line (every kvfleet flag used in deployment takes a value)."""
+    out, i = {}, 0
+    while i < len(argv):
+        if argv[i].startswith("--"):
+            out[argv[i]] = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else ""
+        i += 1
+    return out
+
+
+def check_command(argv: list[str]) -> str:
+    """Assert `argv` runs a real kvfleet entry point with flags that exist; return its kind."""
+    argv = [expand(a) for a in argv]
+    if argv[0] == "celery":
+        assert argv[1:4] == ["-A", "services.celery_app", "worker"], argv
+        assert set(flag_values(argv[4:])) <= CELERY_FLAGS, argv
+        if (REPO / "services" / "celery_app.py").exists():
+            import celery
+            import services.celery_app as app_module
+            assert any(isinstance(v, celery.Celery) for v in vars(app_module).values()), \
+                "services.celery_app defines no Celery app for `celery -A services.celery_app`"
+        return "celery"
+    assert argv[0] == "kvfleet" and argv[1] in CONTRACT_FLAGS, f"not a kvfleet gateway/worker command: {argv}"
+    command = argv[1]
+    parser = command_parser(command)
+    if parser is not None:
+        try:
+            parser.parse_args(argv[2:])
+        except SystemExit as e:
+            raise AssertionError(f"`kvfleet {command}` rejects {argv}") from e
+        return command
+    known = CONTRACT_FLAGS[command]
+    rest = argv[2:]
+    assert len(rest) % 2 == 0, f"flags without values in {argv}"
+    for flag, value in zip(rest[::2], rest[1::2], strict=True):
+        assert flag in known, f"`kvfleet {command}` has no flag {flag}"
+        kind = known[flag]
+        if isinstance(kind, set):
+            assert value in kind, f"{flag} {value}: not one of {sorted(kind)}"
+        elif kind is not None:
+            kind(value)
+    return command
+
+
+@cache
+def _render(overlay_dir: str) -> tuple[dict, ...]:
+    proc = subprocess.run([KUBECTL, "kustomize", overlay_dir], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, f"kubectl kustomize {overlay_dir} failed:\n{proc.stderr}"
+    return tuple(d for d in yaml.safe_load_all(proc.stdout) if d)
+
+
+def render(overlay: str | Path) -> list[dict]:
+    path = Path(overlay) if Path(overlay).is_absolute() else REPO / "k8s" / "overlays" / str(overlay)
+    return list(_render(str(path)))
+
+
+def find(resources: list[dict], kind: str, name: str | None = None) -> list[dict]:
+    return [r for r in resources if r["kind"] == kind and (name is None or r["metadata"]["name"] == name)]
+
+
+def one(resources: list[dict], kind: str, name: str) -> dict:
+    found = find(resources, kind, name)
+    assert len(found) == 1, f"expected one {kind}/{name}, found {len(found)}"
+    return found[0]
