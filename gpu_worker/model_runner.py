@@ -1,0 +1,158 @@
+"""The model runner: owns the model and the paged KV cache; turns a SchedulerOutput into one forward.
+
+execute(sched_out) applies copy-on-write block copies, runs every scheduled token in one forward and
+returns float32 logits only for the sequences that sample this step (lm_head runs on those rows only).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+
+from gpu_worker.config import num_blocks_for_memory, parse_memory_size
+from gpu_worker.model_loader import ModelFiles
+from gpu_worker.models.llama import AttentionMetadata, LlamaForCausalLM
+from gpu_worker.scheduler_output import SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+CPU_KV_CACHE_MAX_BYTES = 4 * 2**30  # like vLLM CPU's default KV cache space
+CPU_MEMORY_FRACTION = 0.5  # of MemAvailable, when sizing from free memory
+CUDA_MEMORY_FRACTION = 0.85  # of free device memory after the weights are loaded
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free for the KV cache: device memory on CUDA, MemAvailable from /proc/meminfo on CPU."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free * CUDA_MEMORY_FRACTION)
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                kib = int(line.split()[1])
+                return min(int(kib * 1024 * CPU_MEMORY_FRACTION), CPU_KV_CACHE_MAX_BYTES)
+    return CPU_KV_CACHE_MAX_BYTES  # pragma: no cover - every Linux has MemAvailable
+
+
+@dataclass
+class KVCacheShape:
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+
+def choose_num_blocks(shape: KVCacheShape, device: torch.device, *, num_kv_blocks: int | None,
+                      kv_cache_memory: str | int | None, max_num_seqs: int, max_model_len: int) -> int:
+    """An explicit block count wins; else a memory budget; else free memory (capped at what max_num_seqs
+    full-length sequences can use)."""
+    if num_kv_blocks is not None:
+        if num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {num_kv_blocks}")
+        return num_kv_blocks
+    budget = parse_memory_size(kv_cache_memory) if kv_cache_memory is not None else available_memory(device)
+    blocks = num_blocks_for_memory(budget, block_size=shape.block_size, num_layers=shape.num_layers,
+                                   num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+                                   dtype_bytes=shape.dtype.itemsize)
+    if kv_cache_memory is None:
+        blocks = min(blocks, max_num_seqs * -(-max_model_len // shape.block_size))
+    if blocks < 1:
+        raise ValueError(f"KV cache memory {budget} bytes holds no block of {shape.bytes_per_block} bytes")
+    return blocks
+
+
+class ModelRunner:
+    def __init__(self, files: ModelFiles, *, dtype: torch.dtype, device: torch.device, max_model_len: int,
+                 block_size: int, num_kv_blocks: int | None = None, kv_cache_memory: str | int | None = None,
+                 max_num_seqs: int = 128, use_triton: bool | None = None):
+        self.device, self.dtype, self.block_size = device, dtype, block_size
+        self.model = LlamaForCausalLM(files.config, max_positions=max_model_len, dtype=dtype, device=device,
+                                      use_triton=use_triton)
+        self.model.load_weights(files.weights())
+        self.model.eval()
+        arch = self.model.arch
+        shape = KVCacheShape(arch.num_layers, block_size, arch.num_kv_heads, arch.head_dim, dtype)
+        self.num_blocks = choose_num_blocks(shape, device, num_kv_blocks=num_kv_blocks,
+                                            kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
+                                            max_model_len=max_model_len)
+        log.info("KV cache: %d blocks of %d tokens (%.1f MiB, %d tokens)", self.num_blocks, block_size,
+                 self.num_blocks * shape.bytes_per_block / 2**20, self.num_blocks * block_size)
+        cache_shape = (self.num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+        # kv_caches[layer] = (key_cache, value_cache): [num_blocks, block_size, Hkv, D] each. Left
+        # uninitialised (zeroing GiBs takes seconds); a block is zeroed when a block table first names it, so
+        # never-written slots hold no NaN (masked attention weights still multiply them by 0).
+        self.kv_caches = [(torch.empty(cache_shape, dtype=dtype, device=device),
+                           torch.empty(cache_shape, dtype=dtype, device=device)) for _ in range(arch.num_layers)]
+        self._zeroed = torch.zeros(self.num_blocks, dtype=torch.bool)  # [num_blocks]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.arch.vocab_size
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block src -> block dst in every layer."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
+        for key_cache, value_cache in self.kv_caches:
+            key_cache[dst] = key_cache[src]
+            value_cache[dst] = value_cache[src]
+
+    def _zero_new_blocks(self, block_tables: torch.Tensor) -> None:
+        """block_tables: [S, max_blocks] on the CPU; zero the blocks never seen before."""
+        fresh = block_tables[~self._zeroed[block_tables]]
+        if fresh.numel():
+            fresh = fresh.unique().long()
+            self._zeroed[fresh] = True
+            fresh = fresh.to(self.device)
+            for key_cache, value_cache in self.kv_caches:
+                key_cache[fresh] = 0
+                value_cache[fresh] = 0
+
+    def prepare_inputs(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
+                                                              torch.Tensor]:
+        seqs = sched.seqs
+        lens = [len(s.token_ids) for s in seqs]
+        starts = [0]
+        for n in lens:
+            starts.append(starts[-1] + n)
+        max_blocks = max(len(s.block_table) for s in seqs)
+        dev = self.device
+
+        def t(data, dtype):
+            return torch.tensor(data, dtype=dtype).to(dev, non_blocking=True)
+
+        block_tables = torch.tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs],
+                                    dtype=torch.int32)  # [S, max_blocks]
+        self._zero_new_blocks(block_tables)
+
+        input_ids = t(list(chain.from_iterable(s.token_ids for s in seqs)), torch.long)  # [T]
+        positions = t([p for s in seqs for p in range(s.start_pos, s.start_pos + len(s.token_ids))],
+                      torch.long)  # [T]
+        meta = AttentionMetadata(
+            slot_mapping=t(list(chain.from_iterable(s.slot_mapping for s in seqs)), torch.long),  # [T]
+            block_tables=block_tables.to(dev, non_blocking=True),
+            query_start_loc=t(starts, torch.int32),  # [S + 1]
+            context_lens=t([s.start_pos + n for s, n in zip(seqs, lens, strict=True)], torch.int32),  # [S]
+        )
+        sample_rows = t([starts[i + 1] - 1 for i, s in enumerate(seqs) if s.sample], torch.long)  # [N]
+        return input_ids, positions, meta, sample_rows
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> torch.Tensor:
+        """-> logits [num sample=True seqs, vocab] float32, in batch order."""
+        self.copy_blocks(sched.blocks_to_copy)
+        if not sched.seqs:
+            return torch.empty(0, self.vocab_size, device=self.device)
+        input_ids, positions, meta, sample_rows = self.prepare_inputs(sched)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, H]
+        return self.model.compute_logits(hidden[sample_rows])  # [N, V]

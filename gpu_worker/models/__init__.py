@@ -1,0 +1,1 @@
+"""kvfleet's own torch model implementations."""

@@ -1,0 +1,82 @@
+"""Greedy tokens and logprobs equal Hugging Face transformers' generate on the same tiny checkpoints, with a
+cache small enough to preempt, a token budget small enough to chunk prefills, and shared prefixes."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from gpu_worker import LLM, SamplingParams
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny models on shared cores: one thread avoids OpenMP spin-waits (10x faster here)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+MAX_TOKENS = 10
+SHARED = list(range(1000, 1013))  # 13 tokens: 3 full blocks of 4 shared between prompts
+PROMPTS = [
+    list(range(200, 205)),
+    SHARED + [7, 8, 9],
+    list(range(3000, 3031)),  # 31 tokens: chunked by the 16-token budget
+    SHARED + [11],
+    [42],
+    SHARED + list(range(500, 510)),
+]
+
+
+def hf_greedy(model_dir, prompts, max_tokens):
+    """Per-prompt HF generate (no padding): (token ids, chosen-token logprobs)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    results = []
+    with torch.inference_mode():
+        for p in prompts:
+            g = model.generate(torch.tensor([p]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                               do_sample=False, output_logits=True, return_dict_in_generate=True,
+                               pad_token_id=model.config.eos_token_id)
+            ids = g.sequences[0, len(p):].tolist()
+            lps = torch.stack(g.logits)[:, 0].float().log_softmax(-1)
+            results.append((ids, [lps[i, t].item() for i, t in enumerate(ids)]))
+    return results
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral"])
+def test_greedy_batch_matches_hf(kind, request):
+    model_dir = request.getfixturevalue(f"tiny_{kind}_dir")
+    llm = LLM(str(model_dir), block_size=4, num_kv_blocks=22, max_num_batched_tokens=16, max_num_seqs=6,
+              max_model_len=128)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0, "the cache was meant to be too small for the whole batch"
+    assert stats.prefix_cache_hits > 0, "the shared prefix was meant to hit the prefix cache"
+    for (want_ids, want_lps), out in zip(hf_greedy(model_dir, PROMPTS, MAX_TOKENS), outs, strict=True):
+        c = out.outputs[0]
+        assert c.token_ids == want_ids
+        assert c.finish_reason == "length"
+        got_lps = [lp[t] for lp, t in zip(c.logprobs, c.token_ids, strict=True)]
+        assert max(abs(a - b) for a, b in zip(got_lps, want_lps, strict=True)) < 1e-3
+        assert c.cumulative_logprob == pytest.approx(sum(want_lps), abs=1e-2)
+        assert c.text == llm.get_tokenizer().decode(c.token_ids, skip_special_tokens=True)
+
+
+def test_repetition_penalty_matches_hf(tiny_llama_dir):
+    """vLLM's and HF's repetition penalty agree: divide positive / multiply negative logits of every token
+    seen in prompt or output."""
+    prompt = list(range(300, 320))
+    llm = LLM(str(tiny_llama_dir), block_size=4, num_kv_blocks=64, max_model_len=128)
+    out = llm.generate({"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.8),
+                       use_tqdm=False)[0].outputs[0]
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    want = model.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                          repetition_penalty=1.8, pad_token_id=2)[0, len(prompt):].tolist()
+    assert out.token_ids == want
+    plain = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0]
+    assert plain.token_ids != want  # the penalty changed something

@@ -1,0 +1,77 @@
+"""Loading checkpoints the ways users ship them (sharded safetensors), the CLI command, and incremental
+detokenization with the real tokenizer."""
+
+import argparse
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from gpu_worker import LLM, SamplingParams, generate_cmd
+from gpu_worker.detokenizer import IncrementalDetokenizer
+
+pytestmark = pytest.mark.integration
+
+PROMPT = list(range(400, 420))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def greedy(model_dir):
+    llm = LLM(str(model_dir), block_size=4, num_kv_blocks=32, max_model_len=64)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    return llm.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_sharded_safetensors_load_like_one_file(tiny_qwen2_dir, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32)
+    model.save_pretrained(tmp_path, max_shard_size="2MB")
+    (tmp_path / "tokenizer.json").write_bytes((tiny_qwen2_dir / "tokenizer.json").read_bytes())
+    (tmp_path / "tokenizer_config.json").write_bytes((tiny_qwen2_dir / "tokenizer_config.json").read_bytes())
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    assert greedy(tmp_path) == greedy(tiny_qwen2_dir)
+
+
+def test_generate_command_prints_the_text(tiny_llama_dir, capsys):
+    parser = argparse.ArgumentParser()
+    generate_cmd.add_arguments(parser)
+    args = parser.parse_args(["--model", str(tiny_llama_dir), "--prompt", "Hello there", "--max-tokens", "5",
+                              "--ignore-eos", "--num-kv-blocks", "16", "--max-model-len", "64"])
+    assert generate_cmd.run(args) == 0
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=16, max_model_len=64)
+    want = llm.generate("Hello there", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].text
+    assert capsys.readouterr().out == want + "\n"
+
+
+def test_generate_command_rejects_bad_params(tiny_llama_dir, capsys):
+    parser = argparse.ArgumentParser()
+    generate_cmd.add_arguments(parser)
+    args = parser.parse_args(["--model", str(tiny_llama_dir), "--prompt", "x", "--top-p", "0"])
+    assert generate_cmd.run(args) == 2
+    assert "top_p must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_incremental_detokenization_matches_a_full_decode(tiny_llama_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    text = " Grüße aus Köln 🌍🚀 — naïve café, 東京タワー!\n  indented <|im_end|> done"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    prompt = tok("Say:", add_special_tokens=False)["input_ids"]
+    detok = IncrementalDetokenizer(tok, prompt)
+    pieces = []
+    for i in ids:
+        before = detok.text
+        detok.add_tokens([i])
+        assert "\ufffd" not in detok.text  # half a character is never shown
+        pieces.append(detok.text[len(before):])
+    assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True)
+    assert detok.text == tok.decode(ids, skip_special_tokens=True)

@@ -1,0 +1,124 @@
+"""gpu_worker.sampler on hand-made logits, each feature against a direct computation."""
+
+import math
+
+import pytest
+import torch
+
+from gpu_worker.sampler import Sampler, SamplingRow, apply_penalties, filter_logits
+from shared.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.unit
+
+V = 12
+
+
+def row(params: SamplingParams, prompt=(), output=(), banned=(), seed=None) -> SamplingRow:
+    gen = None
+    if seed is not None:
+        gen = torch.Generator()
+        gen.manual_seed(seed)
+    return SamplingRow(params, list(prompt), list(output), list(banned), gen)
+
+
+def test_greedy_is_argmax_and_logprobs_are_raw():
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(0))
+    params = SamplingParams(temperature=0, logprobs=3, repetition_penalty=1.0)
+    out = Sampler()(logits.clone(), [row(params)] * 3)
+    assert out.token_ids == logits.argmax(-1).tolist()
+    lp = logits.log_softmax(-1)
+    for i in range(3):
+        top = lp[i].topk(3)
+        want = {int(t): float(v) for t, v in zip(top.indices, top.values, strict=True)}
+        assert out.logprobs[i].keys() == want.keys()
+        for t, v in want.items():
+            assert math.isclose(out.logprobs[i][t], v, abs_tol=1e-6)
+
+
+def test_logprobs_include_the_chosen_token_outside_the_top_n():
+    logits = torch.tensor([[5.0, 4.0, 3.0, 0.0]])
+    params = SamplingParams(temperature=0, logprobs=1, repetition_penalty=10.0)  # penalty moves argmax
+    out = Sampler()(logits.clone(), [row(params, prompt=[0])]).token_ids  # 5 / 10 = 0.5 < 4
+    assert out == [1]
+    full = Sampler()(logits.clone(), [row(params, prompt=[0])]).logprobs[0]
+    lp = logits.log_softmax(-1)[0]
+    assert set(full) == {0, 1}  # chosen (1) + top-1 (0), raw logprobs
+    assert math.isclose(full[1], float(lp[1]), abs_tol=1e-6)
+
+
+def test_min_tokens_bans_eos_and_stop_ids():
+    logits = torch.zeros(2, V)
+    logits[:, 3] = 10.0  # eos would win
+    logits[:, 5] = 9.0  # then a stop id
+    greedy = SamplingParams(temperature=0)
+    out = Sampler()(logits.clone(), [row(greedy, banned=[3, 5]), row(greedy)])
+    assert out.token_ids == [logits[0].clone().index_fill_(0, torch.tensor([3, 5]), -1e9).argmax().item(), 3]
+
+
+def test_penalties_match_direct_computation():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, V, generator=g)
+    rows = [
+        row(SamplingParams(repetition_penalty=1.5), prompt=[0, 1, 1], output=[2, 7]),
+        row(SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), prompt=[0, 4], output=[4, 4, 9]),
+        row(SamplingParams(), prompt=[1], output=[1]),
+    ]
+    got = logits.clone()
+    apply_penalties(got, rows)
+    want = logits.clone()
+    for t in {0, 1, 2, 7}:  # repetition over prompt + output
+        want[0, t] = want[0, t] / 1.5 if want[0, t] > 0 else want[0, t] * 1.5
+    want[1, 4] -= 0.25 * 2 + 0.5  # frequency x count + presence, over the output only (4 is also in the prompt)
+    want[1, 9] -= 0.25 * 1 + 0.5
+    torch.testing.assert_close(got, want)
+
+
+def test_top_k_top_p_min_p_keep_the_right_tokens():
+    probs = torch.tensor([0.40, 0.25, 0.15, 0.10, 0.06, 0.04])
+    logits = probs.log().repeat(4, 1)
+    out = filter_logits(logits, top_k=torch.tensor([2, 0, 0, 3]), top_p=torch.tensor([1.0, 0.7, 1.0, 0.6]),
+                        min_p=torch.tensor([0.0, 0.0, 0.3, 0.0]))
+    kept = (out > float("-inf")).tolist()
+    assert kept[0] == [True, True, False, False, False, False]  # top-k 2
+    assert kept[1] == [True, True, True, False, False, False]  # 0.40 + 0.25 < 0.7: the third is needed
+    assert kept[2] == [True, True, True, False, False, False]  # p >= 0.3 * 0.40 = 0.12
+    assert kept[3] == [True, True, False, False, False, False]  # top-k 3, then top-p 0.6 of the renormalized (0.5, 0.31, 0.19)
+    torch.testing.assert_close(out[0, :2], logits[0, :2])
+
+
+def test_sampling_follows_the_filtered_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log()[None].repeat(4000, 1)
+    params = SamplingParams(temperature=1.0, top_k=3)
+    out = Sampler(seed=3)(logits, [row(params)] * 4000).token_ids
+    counts = torch.bincount(torch.tensor(out), minlength=4).float() / 4000
+    want = torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95
+    assert counts[3] == 0
+    torch.testing.assert_close(counts, want, atol=0.03, rtol=0)
+
+
+def test_temperature_sharpens():
+    logits = torch.tensor([[1.0, 0.0]]).repeat(3000, 1)
+    cold = Sampler(seed=0)(logits, [row(SamplingParams(temperature=0.25))] * 3000).token_ids
+    p0 = 1 / (1 + math.exp(-4.0))  # softmax([4, 0])[0]
+    assert abs(cold.count(0) / 3000 - p0) < 0.02
+
+
+def test_seeded_rows_do_not_depend_on_the_batch():
+    g = torch.Generator().manual_seed(2)
+    target = torch.randn(1, 50, generator=g)
+    params = SamplingParams(temperature=1.0, seed=11)
+    alone = Sampler(seed=0)(target.clone(), [row(params, seed=11)]).token_ids
+    others = torch.randn(3, 50, generator=g)
+    mixed_rows = [row(SamplingParams(temperature=0.7)), row(params, seed=11), row(SamplingParams(seed=3), seed=3),
+                  row(SamplingParams(temperature=0))]
+    mixed = Sampler(seed=99)(torch.cat([others[:1], target, others[1:]]), mixed_rows).token_ids
+    assert mixed[1] == alone[0]
+    # a sequence of draws from one generator is the same whatever runs next to it
+    seq_a, seq_b = row(params, seed=11), row(params, seed=11)
+    s = Sampler(seed=5)
+    a = [s(target.clone(), [seq_a]).token_ids[0] for _ in range(8)]
+    b = [s(torch.cat([others[:2], target]), [row(SamplingParams()), row(SamplingParams()), seq_b]).token_ids[2]
+         for _ in range(8)]
+    assert a == b
+    assert len(set(a)) > 1  # really sampling
