@@ -1,0 +1,97 @@
+"""The Celery app for backends that hand generation jobs to the fleet like any other job:
+`celery -A services.celery_app worker` starts a worker; `generate.delay(prompt, max_tokens=64).get()` returns
+the OpenAI-shaped completion as a plain dict.
+
+Tasks (same parameters as the HTTP API, validated by the gateway's own models):
+  kvfleet.generate(prompt, model=None, **params)    like POST /v1/completions
+  kvfleet.chat(messages, model=None, **params)      like POST /v1/chat/completions
+model=None: the model the fleet serves. Each task puts its request straight into the fleet's streams (routed
+by free KV blocks, like the gateway) under the task id as request id, and waits for the output.
+
+Delivery: acks_late and reject_on_worker_lost, so a task whose Celery worker dies is delivered again (after
+KVFLEET_CELERY_VISIBILITY_TIMEOUT_S with the Redis broker); the job record for its request id makes the
+second delivery attach to the first one's generation, or return its stored result, instead of generating
+again. A full fleet (429), no live worker (503) or a lost Redis connection is retried with exponential
+backoff; a bad request fails at once with InvalidRequest naming the field.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import redis
+from celery import Celery, Task
+
+from services.backend_settings import BackendSettings
+from services.call_errors import FleetUnavailable, InvalidRequest
+from services.fleet_calls import FleetCaller
+from services.loop_thread import LoopThread
+from shared.settings import hf_offline
+
+SETTINGS = BackendSettings.from_env()
+
+
+def configure(app: Celery, settings: BackendSettings) -> None:
+    """Broker and result backend on Redis (the fleet's, by default) and the delivery guarantees above."""
+    vt = settings.celery_visibility_timeout_s
+    app.conf.update(
+        broker_url=settings.broker_url,
+        result_backend=settings.result_backend,
+        task_serializer="json", result_serializer="json", accept_content=["json"],
+        task_acks_late=True, task_reject_on_worker_lost=True, task_track_started=True,
+        worker_prefetch_multiplier=1,
+        result_expires=int(settings.job_ttl_s),
+        broker_connection_retry_on_startup=True,
+        # How soon a task left unacked by a dead worker goes back to the queue, and how often a worker looks.
+        broker_transport_options={"visibility_timeout": vt, "unacked_restore_interval": max(1, min(10, int(vt / 4))),
+                                  "unacked_restore_throttle": 1 if vt < 600 else 10},
+        result_backend_transport_options={"visibility_timeout": vt},
+    )
+
+
+app = Celery("kvfleet")
+configure(app, SETTINGS)
+
+
+class _Runtime:
+    """Per worker process: one event loop thread and one FleetCaller (its Redis client and the tokenizers,
+    each tokenizer loaded once per process). Rebuilt in a forked child."""
+
+    def __init__(self) -> None:
+        self.loop = LoopThread("kvfleet-celery")
+        self.caller: FleetCaller | None = None
+        self.pid = os.getpid()
+
+    def run(self, kind: str, body: dict[str, Any], request_id: str) -> dict[str, Any]:
+        return self.loop.run(self._call(kind, body, request_id))
+
+    async def _call(self, kind: str, body: dict[str, Any], request_id: str) -> dict[str, Any]:
+        if self.caller is None or self.pid != os.getpid():
+            hf_offline()
+            self.pid = os.getpid()
+            self.caller = FleetCaller(SETTINGS)
+        return await self.caller.call(kind, body, request_id)
+
+
+_runtime = _Runtime()
+
+TASK_OPTIONS: dict[str, Any] = dict(
+    bind=True, acks_late=True, reject_on_worker_lost=True,
+    # a full fleet, no live worker, a Redis blip: retrying is safe, the job record makes it attach
+    autoretry_for=(FleetUnavailable, redis.ConnectionError, redis.TimeoutError), retry_backoff=True, retry_jitter=True,
+    throws=(InvalidRequest,),  # the caller's mistake: logged without a traceback
+    retry_backoff_max=SETTINGS.celery_retry_backoff_max_s, max_retries=SETTINGS.celery_max_retries,
+)
+
+
+@app.task(name="kvfleet.generate", **TASK_OPTIONS)
+def generate(self: Task, prompt: Any, model: str | None = None, **params: Any) -> dict[str, Any]:
+    """A text completion (POST /v1/completions parameters: max_tokens, temperature, top_p, stop, seed, ...)."""
+    return _runtime.run("completion", {"prompt": prompt, "model": model, **params}, self.request.id)
+
+
+@app.task(name="kvfleet.chat", **TASK_OPTIONS)
+def chat(self: Task, messages: list[dict[str, Any]], model: str | None = None, **params: Any) -> dict[str, Any]:
+    """A chat completion (POST /v1/chat/completions parameters); messages like [{"role": "user", "content": ...}]."""
+    return _runtime.run("chat", {"messages": messages, "model": model, **params}, self.request.id)

@@ -1,0 +1,143 @@
+"""The job record: what makes a request id enter the fleet at most once, however often its caller retries
+(a Celery task redelivered after its worker died, a batch file rerun after a kill).
+
+kvfleet:job:{request_id} holds JSON {state, since, owner, call, result}, kept `job_ttl_s`:
+  placing   an attempt holds the lease: it is routing and enqueuing the request right now
+  enqueued  the request is in the fleet; `call` says how to render its output (attach to its output stream)
+  done      `result` is the finished response body (returned as is; the fleet is not asked again)
+A placing lease older than `lease_s` (placing is a few Redis round trips) belongs to an attempt that died while placing: the next attempt takes
+it over and first looks for the request in the fleet's streams (it may have been enqueued just before the
+death) before enqueuing it. Claim, promotion and release are atomic (Lua compare-and-set).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from shared import keys, streams
+
+LEASE_S = 10.0  # placing (claim, route, enqueue, promote) takes milliseconds; a lease this old lost its owner
+SCAN_PAGE = 500
+
+# KEYS[1] record; ARGV: our placing record, now, lease seconds, ttl ms -> {1 fresh | 2 taken over | 0 held, old}
+_CLAIM = """
+local cur = redis.call('GET', KEYS[1])
+if cur then
+  local ok, rec = pcall(cjson.decode, cur)
+  if not (ok and rec.state == 'placing' and tonumber(ARGV[2]) - tonumber(rec.since) > tonumber(ARGV[3])) then
+    return {0, cur}
+  end
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[4])
+if cur then return {2, cur} end
+return {1, ''}
+"""
+# KEYS[1] record; ARGV: expected value, new value ('' deletes), ttl ms -> 1 replaced | 0 not ours any more
+_REPLACE = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if ARGV[2] == '' then redis.call('DEL', KEYS[1]) else redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) end
+return 1
+"""
+
+
+def key(request_id: str) -> str:
+    return f"{keys.PREFIX}:job:{request_id}"
+
+
+@dataclass
+class Record:
+    state: str  # placing | enqueued | done
+    since: float
+    owner: str = ""
+    call: dict[str, Any] | None = None  # how to render the output (services.fleet_calls.CallInfo)
+    result: dict[str, Any] | None = None
+
+    def dumps(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def loads(cls, raw: str) -> Record:
+        return cls(**json.loads(raw))
+
+
+class Claim(enum.Enum):
+    FRESH = 1  # nobody had it: enqueue
+    TAKEN_OVER = 2  # a dead attempt's lease: look in the fleet first
+    HELD = 0  # another attempt placed it (or is placing it now): attach
+
+
+@dataclass
+class Claimed:
+    outcome: Claim
+    lease: str  # the placing record we wrote ("" when HELD): promote/release compare against it
+    held: Record | None = None
+
+
+async def claim(r: Any, request_id: str, *, ttl_s: float, lease_s: float = LEASE_S) -> Claimed:
+    lease = Record(state="placing", since=time.time(), owner=uuid.uuid4().hex).dumps()
+    outcome, old = await r.register_script(_CLAIM)(
+        keys=[key(request_id)], args=[lease, time.time(), lease_s, int(ttl_s * 1000)])
+    outcome = Claim(int(outcome))
+    if outcome is Claim.HELD:
+        return Claimed(outcome, "", Record.loads(old))
+    return Claimed(outcome, lease)
+
+
+async def get(r: Any, request_id: str) -> Record | None:
+    raw = await r.get(key(request_id))
+    return Record.loads(raw) if raw else None
+
+
+async def promote(r: Any, request_id: str, lease: str, call: dict[str, Any], *, ttl_s: float) -> bool:
+    """placing -> enqueued, if the lease is still ours."""
+    new = Record(state="enqueued", since=time.time(), owner=Record.loads(lease).owner, call=call).dumps()
+    return bool(await r.register_script(_REPLACE)(keys=[key(request_id)], args=[lease, new, int(ttl_s * 1000)]))
+
+
+async def release(r: Any, request_id: str, lease: str) -> None:
+    """Drop our lease: nothing was enqueued (the fleet was full, the request was refused)."""
+    await r.register_script(_REPLACE)(keys=[key(request_id)], args=[lease, "", 0])
+
+
+async def finish(r: Any, request_id: str, call: dict[str, Any], result: dict[str, Any], *, ttl_s: float,
+                 output_ttl_s: float) -> None:
+    """Store the finished body; the output stream is no longer needed past `output_ttl_s`."""
+    rec = Record(state="done", since=time.time(), call=call, result=result)
+    pipe = r.pipeline(transaction=True)
+    pipe.set(key(request_id), rec.dumps(), px=int(ttl_s * 1000))
+    pipe.pexpire(keys.out_stream(request_id), int(output_ttl_s * 1000))
+    await pipe.execute()
+
+
+async def wait_placed(r: Any, request_id: str, *, lease_s: float = LEASE_S, poll_s: float = 0.05) -> Record | None:
+    """Wait while another live attempt holds the placing lease; the record once it moved on (None: it was
+    released, or its lease went stale, so the caller claims again)."""
+    while True:
+        rec = await get(r, request_id)
+        if rec is None or rec.state != "placing" or time.time() - rec.since > lease_s:
+            return None if rec is None or rec.state == "placing" else rec
+        await asyncio.sleep(poll_s)
+
+
+async def in_fleet(r: Any, request_id: str) -> bool:
+    """Was the request enqueued? Its entry stays in a request stream until the worker writes its final chunk
+    (the ack and XDEL go in the same MULTI as that chunk), so: look in the streams first, then for output."""
+    names = [keys.REQ_ANY] + [keys.req_stream(w) for w in sorted(await r.smembers(keys.WORKERS))]
+    for name in names:
+        start = "-"
+        while True:
+            entries = await r.xrange(name, min=start, max="+", count=SCAN_PAGE)
+            for _entry_id, fields in entries:
+                raw = fields.get(keys.FIELD, "")
+                if request_id in raw and streams.parse_request(fields).request_id == request_id:
+                    return True
+            if len(entries) < SCAN_PAGE:
+                break
+            start = "(" + entries[-1][0]
+    return bool(await r.exists(keys.out_stream(request_id)))

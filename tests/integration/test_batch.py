@@ -1,0 +1,135 @@
+"""`kvfleet batch INPUT.jsonl OUTPUT.jsonl`: OpenAI Batch API files through the fleet. A real Redis (with a
+password) and a real fleet worker on the tiny model, one for the module."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from fleet_harness import REPO, Fleet
+
+from services.backend_settings import BackendSettings
+from services.batch import request_id_for, run_batch
+from services.cli import main as kvfleet
+from shared import keys, streams
+
+pytestmark = pytest.mark.integration
+
+# Output streams outlive the test, so it can count what the fleet generated for each line.
+KEEP_OUTPUT = {"KVFLEET_OUTPUT_TTL_AFTER_READ_S": "900"}
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_llama_dir, tmp_path_factory):
+    with Fleet(tiny_llama_dir, tmp_path_factory.mktemp("batch"), env=KEEP_OUTPUT) as f:
+        f.start_worker("w0", "--num-kv-blocks", "512", "--max-num-seqs", "32")
+        r = streams.connect(f.redis.url)
+        f.wait_for(lambda: r.get(keys.status("w0")), 180, "fleet worker w0")
+        r.close()
+        yield f
+
+
+def line(custom_id, model, i):
+    if i % 2:
+        return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+                "body": {"model": model, "messages": [{"role": "user", "content": f"Question {i}?"}],
+                         "max_tokens": 3, "ignore_eos": True}}
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/completions",
+            "body": {"model": model, "prompt": f"Line {i} of the batch", "max_tokens": 3, "ignore_eos": True}}
+
+
+def read_output(path):
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def complete_lines(path):
+    return sum(1 for x in path.read_bytes().split(b"\n")[:-1] if x)
+
+
+def test_200_lines_complete_and_a_rerun_after_a_kill_does_only_the_rest(fleet, tmp_path):
+    """The first run is killed (SIGKILL) once about half the lines are answered; the rerun does the rest."""
+    n = 200
+    model = os.path.basename(fleet.model)
+    ids = [f"req-{i:03d}" for i in range(n)]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps(line(cid, model, i)) + "\n" for i, cid in enumerate(ids)))
+
+    log = fleet.log_dir / "batch-first.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "batch", str(inp), str(out),
+                                 "--concurrency", "16"], cwd=REPO, env=fleet.env, stdout=f, stderr=subprocess.STDOUT)
+    try:
+        fleet.wait_for(lambda: out.exists() and complete_lines(out) >= n // 2 or proc.poll() is not None, 300,
+                       f"{n // 2} lines of output")
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    assert proc.returncode == -signal.SIGKILL, log.read_text()[-2000:]
+    done_before = complete_lines(out)
+    assert n // 2 <= done_before < n
+
+    # leases the killed run held while placing are stale after 1 s here (10 s by default)
+    settings = BackendSettings(redis_url=fleet.redis.url, output_ttl_after_read_s=900, job_lease_s=1)
+    summary = asyncio.run(run_batch(settings, inp, out, concurrency=16, progress=False))
+    assert (summary.skipped, summary.ran, summary.failed) == (done_before, n - done_before, 0)
+
+    results = read_output(out)
+    assert sorted(x["custom_id"] for x in results) == ids  # each line once
+    for x in results:
+        assert x["error"] is None and x["response"]["status_code"] == 200, x
+        body = x["response"]["body"]
+        assert body["usage"]["completion_tokens"] == 3
+        assert body["id"] == x["response"]["request_id"] == request_id_for(out, x["custom_id"])
+    # The fleet generated every line exactly once, including those in flight when the first run died.
+    r = streams.connect(fleet.redis.url)
+    for cid in ids:
+        chunks = streams.read_all_chunks(r, request_id_for(out, cid))
+        assert [c.seq for c in chunks] == list(range(len(chunks))) and sum(c.final for c in chunks) == 1, cid
+        assert sum(len(c.token_ids) for c in chunks) == 3, cid
+    r.close()
+
+
+def test_errors_are_recorded_per_line_and_the_batch_goes_on(fleet, tmp_path, capsys):
+    model = os.path.basename(fleet.model)
+    lines = [
+        json.dumps(line("ok-1", model, 0)),
+        json.dumps(line("bad-url", model, 2) | {"url": "/v1/embeddings"}),
+        json.dumps(line("bad-temp", model, 4) | {"body": {"model": model, "prompt": "x", "temperature": 9}}),
+        "{this is not json",
+        json.dumps(line("ok-1", model, 6)),  # duplicate custom_id
+        json.dumps(line("ok-2", model, 1)),
+        json.dumps({"custom_id": "no-body", "method": "POST", "url": "/v1/completions"}),
+    ]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    env = fleet.env["KVFLEET_REDIS_URL"]
+    assert kvfleet(["batch", str(inp), str(out), "--redis-url", env, "--concurrency", "3"]) == 0
+    captured = capsys.readouterr()
+    assert "batch: ran 7 request(s), 5 failed; skipped 0" in captured.out
+    assert "7/7" in captured.err  # the progress bar
+
+    by_id = {}
+    for x in read_output(out):
+        by_id.setdefault(x["custom_id"], []).append(x)
+    answered, duplicate = sorted(by_id["ok-1"], key=lambda x: "line" in x)  # output is in completion order
+    assert answered["error"] is None and answered["response"]["body"]["object"] == "text_completion"
+    assert duplicate["error"]["code"] == "duplicate_custom_id" and duplicate["line"] == 5
+    assert by_id["ok-2"][0]["error"] is None and by_id["ok-2"][0]["response"]["body"]["object"] == "chat.completion"
+    bad_url = by_id["bad-url"][0]
+    assert bad_url["response"]["status_code"] == 400 and bad_url["response"]["body"]["error"]["param"] == "url"
+    bad_temp = by_id["bad-temp"][0]
+    assert bad_temp["response"]["body"]["error"]["param"] == "temperature"
+    assert "temperature" in bad_temp["error"]["message"]
+    assert by_id["no-body"][0]["response"]["body"]["error"]["param"] == "body"
+    assert by_id[None][0]["error"]["code"] == "invalid_line" and by_id[None][0]["line"] == 4
+
+    # A rerun finds every line answered.
+    assert kvfleet(["batch", str(inp), str(out), "--redis-url", env, "--no-progress"]) == 0
+    assert "batch: ran 0 request(s), 0 failed; skipped 7" in capsys.readouterr().out
+    assert len(read_output(out)) == 7

@@ -1,0 +1,138 @@
+"""The Python client (services.client): requests straight into the fleet's streams, no HTTP, no Celery. A real
+Redis (with a password) and a real fleet worker on the tiny model, one for the module."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from fleet_harness import Fleet
+
+from services.call_errors import InvalidRequest
+from services.client import FleetClient
+from shared import keys, streams
+from shared.messages import WorkerStatus
+
+pytestmark = pytest.mark.integration
+
+BLOCKS = 256
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_llama_dir, tmp_path_factory):
+    with Fleet(tiny_llama_dir, tmp_path_factory.mktemp("client")) as f:
+        f.start_worker("w0", "--num-kv-blocks", str(BLOCKS))
+        r = streams.connect(f.redis.url)
+        f.wait_for(lambda: r.get(keys.status("w0")), 180, "fleet worker w0")
+        r.close()
+        yield f
+
+
+@pytest.fixture(scope="module")
+def client(fleet):
+    with FleetClient(fleet.redis.url) as c:
+        yield c
+
+
+@pytest.fixture
+def r(fleet):
+    client = streams.connect(fleet.redis.url)
+    yield client
+    client.close()
+
+
+def test_submit_and_result(client):
+    handle = client.submit("The weather today is", max_tokens=6, temperature=0, ignore_eos=True)
+    assert handle.request_id.startswith("cmpl-")
+    out = handle.result(timeout=120)
+    assert out["id"] == handle.request_id and out["object"] == "text_completion"
+    assert out["choices"][0]["text"] and out["choices"][0]["finish_reason"] == "length"
+    assert out["usage"]["completion_tokens"] == 6
+    assert handle.result() == out  # kept
+
+
+def test_chat_messages(client):
+    out = client.submit(messages=[{"role": "user", "content": "Hi!"}], max_tokens=4, logprobs=True,
+                        top_logprobs=2).result(timeout=120)
+    assert out["object"] == "chat.completion" and out["id"].startswith("chatcmpl-")
+    tokens = out["choices"][0]["logprobs"]["content"]
+    assert len(tokens) == out["usage"]["completion_tokens"] and all(len(t["top_logprobs"]) == 2 for t in tokens)
+
+
+def test_async_and_sync_iteration_stream_each_chunk_once(client):
+    handle = client.submit("Count with me:", max_tokens=12, temperature=0, ignore_eos=True)
+
+    async def consume():
+        return [chunk async for chunk in handle]
+
+    chunks = asyncio.run(consume())
+    assert [c.seq for c in chunks] == list(range(len(chunks))) and chunks[-1].final
+    assert sum(len(c.token_ids) for c in chunks) == 12
+    text = "".join(c.text for c in chunks)
+    assert text == handle.result(timeout=60)["choices"][0]["text"]
+    assert "".join(c.text for c in handle) == text  # the sync iterator reads the same stream again
+
+
+def test_cancel_stops_the_generation_and_frees_its_blocks(fleet, client, r):
+    handle = client.submit("An endless story:", max_tokens=900, ignore_eos=True)
+    first = next(iter(handle))
+    assert not first.final
+    handle.cancel()
+    out = handle.result(timeout=120)
+    assert out["choices"][0]["finish_reason"] == "abort"
+    assert out["usage"]["completion_tokens"] < 900
+
+    def all_free():
+        status = WorkerStatus.model_validate_json(r.get(keys.status("w0")))
+        return status.running == 0 and status.free_blocks == status.total_blocks
+
+    fleet.wait_for(all_free, 60, "the worker to free the cancelled request's blocks")
+
+
+def test_same_request_id_attaches_instead_of_generating_again(client, r):
+    first = client.submit("Once only", max_tokens=5, ignore_eos=True, request_id="client-once-1")
+    out = first.result(timeout=120)
+    chunks = streams.read_all_chunks(r, "client-once-1")
+    again = client.submit("Once only", max_tokens=5, ignore_eos=True, request_id="client-once-1")
+    assert again.result(timeout=10) == out
+    assert streams.read_all_chunks(r, "client-once-1") == chunks  # the fleet did not run it again
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "model": "gpt-17"}, "model"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+    ({}, "prompt"),
+])
+def test_bad_request_raises_naming_the_field(client, kwargs, field):
+    with pytest.raises(InvalidRequest) as exc:
+        client.submit(**kwargs)
+    assert exc.value.param == field, str(exc.value)
+
+
+def test_an_attempt_that_died_after_enqueuing_is_not_enqueued_again(fleet, client, r):
+    """A previous attempt took the lease, enqueued, and died before marking the request enqueued: the next
+    attempt with the same id takes the stale lease over, finds the request in the fleet and attaches."""
+    from services import job_record
+    from shared.messages import GenerationRequest
+
+    rid = "client-orphan-1"
+    r.set(job_record.key(rid), job_record.Record(state="placing", since=0.0, owner="dead").dumps())
+    # what the dead attempt enqueued: 7 prompt tokens ("Orphan" is 2)
+    streams.enqueue(r, GenerationRequest(request_id=rid, prompt_token_ids=[42] * 7,
+                                         sampling_params={"max_tokens": 4, "ignore_eos": True}), "w0")
+    out = client.submit("Orphan", max_tokens=4, ignore_eos=True, request_id=rid).result(timeout=120)
+    assert out["usage"]["prompt_tokens"] == 7 and out["usage"]["completion_tokens"] == 4  # the orphan's output
+    chunks = streams.read_all_chunks(r, rid)
+    assert [c.seq for c in chunks] == list(range(len(chunks))) and sum(c.final for c in chunks) == 1
+
+
+def test_an_attempt_that_died_before_enqueuing_is_enqueued_by_the_next(client, r):
+    from services import job_record
+
+    rid = "client-orphan-2"
+    r.set(job_record.key(rid), job_record.Record(state="placing", since=0.0, owner="dead").dumps())
+    out = client.submit("Orphan", max_tokens=3, ignore_eos=True, request_id=rid).result(timeout=120)
+    assert out["usage"]["completion_tokens"] == 3
+    assert job_record.Record.loads(r.get(job_record.key(rid))).state == "done"

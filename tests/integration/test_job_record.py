@@ -1,0 +1,89 @@
+"""services.job_record against a real Redis (no fleet): the claim / take-over / promote / release protocol
+that lets a request id enter the fleet at most once, and the scan that finds an enqueued request."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services import job_record
+from services.job_record import Claim
+from shared import keys, streams
+from shared.messages import GenerationRequest, OutputChunk
+from shared.redis_server import RedisServer
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    with RedisServer() as srv:
+        yield srv.url
+
+
+def run(redis_url, body):
+    async def main():
+        r = streams.connect_async(redis_url)
+        try:
+            return await body(r)
+        finally:
+            await r.aclose()
+
+    return asyncio.run(main())
+
+
+def test_one_claim_wins_and_the_others_attach(redis_url):
+    async def body(r):
+        claims = await asyncio.gather(*[job_record.claim(r, "j1", ttl_s=60) for _ in range(8)])
+        assert sorted(c.outcome.value for c in claims) == [0] * 7 + [1]
+        mine = next(c for c in claims if c.outcome is Claim.FRESH)
+        assert all(c.held.state == "placing" for c in claims if c is not mine)
+        waiter = asyncio.create_task(job_record.wait_placed(r, "j1"))
+        await asyncio.sleep(0.1)
+        assert not waiter.done()
+        assert await job_record.promote(r, "j1", mine.lease, {"kind": "completion"}, ttl_s=60)
+        rec = await waiter
+        assert rec.state == "enqueued" and rec.call == {"kind": "completion"}
+        assert not await job_record.promote(r, "j1", mine.lease, {}, ttl_s=60)  # not a placing lease any more
+        await job_record.finish(r, "j1", {"kind": "completion"}, {"id": "j1"}, ttl_s=60, output_ttl_s=1)
+        again = await job_record.claim(r, "j1", ttl_s=60)
+        assert again.outcome is Claim.HELD and again.held.result == {"id": "j1"}
+        assert 0 < await r.pttl(job_record.key("j1")) <= 60_000
+
+    run(redis_url, body)
+
+
+def test_release_lets_the_next_attempt_claim_and_a_stale_lease_is_taken_over(redis_url):
+    async def body(r):
+        first = await job_record.claim(r, "j2", ttl_s=60)
+        await job_record.release(r, "j2", "not my lease")
+        assert (await job_record.get(r, "j2")).state == "placing"  # someone else's lease stays
+        await job_record.release(r, "j2", first.lease)
+        assert await job_record.get(r, "j2") is None
+        assert (await job_record.claim(r, "j2", ttl_s=60)).outcome is Claim.FRESH
+        held = await job_record.claim(r, "j2", ttl_s=60, lease_s=10)
+        assert held.outcome is Claim.HELD
+        await asyncio.sleep(0.05)
+        assert await job_record.wait_placed(r, "j2", lease_s=0.01) is None  # its owner is gone
+        assert (await job_record.claim(r, "j2", ttl_s=60, lease_s=0.01)).outcome is Claim.TAKEN_OVER
+
+    run(redis_url, body)
+
+
+def test_in_fleet_finds_a_request_in_any_stream_or_by_its_output(redis_url):
+    async def body(r):
+        await r.sadd(keys.WORKERS, "w0", "w1")
+        for i in range(600):  # more than a page of other requests before it
+            await streams.aenqueue(r, GenerationRequest(request_id=f"other-{i}", prompt_token_ids=[1]), "w1")
+        assert not await job_record.in_fleet(r, "j3")
+        await streams.aenqueue(r, GenerationRequest(request_id="j3", prompt_token_ids=[1]), "w1")
+        assert await job_record.in_fleet(r, "j3")
+        await streams.aenqueue(r, GenerationRequest(request_id="j4", prompt_token_ids=[1]), None)
+        assert await job_record.in_fleet(r, "j4")
+        assert not await job_record.in_fleet(r, "j5")
+        await r.xadd(keys.out_stream("j5"), {keys.FIELD: OutputChunk(request_id="j5", seq=0).model_dump_json()})
+        assert await job_record.in_fleet(r, "j5")  # taken, finished and acked: only its output is left
+        assert not await job_record.in_fleet(r, "j")  # a prefix of other ids is not a match
+
+    run(redis_url, body)
