@@ -1,0 +1,75 @@
+"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}, never a bare 500 for bad input."""
+
+from __future__ import annotations
+
+import logging
+
+import redis
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("kvfleet.gateway")
+
+TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+         429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or TYPES.get(status, "server_error")
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def param_of(message: str) -> str | None:
+    """SamplingParams errors start with the field name ("top_p must be in (0, 1], got 2")."""
+    first = message.split(" ", 1)[0]
+    return first if first.isidentifier() else None
+
+
+def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    detail = err.get("msg", "invalid value")
+    if "input" in err and err.get("type") != "missing" and not isinstance(err["input"], dict | list):
+        detail += f", got {err['input']!r}"
+    message = f"{param}: {detail}" if param else detail
+    return APIError(400, message, param=param, code="invalid_value").response()
+
+
+def install_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    app.add_exception_handler(RequestValidationError, _validation_error)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return APIError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None)).response()
+
+    @app.exception_handler(redis.RedisError)
+    async def _redis_error(_request: Request, exc: redis.RedisError) -> JSONResponse:
+        log.warning("redis unavailable: %s", exc)
+        return APIError(503, "the request queue (Redis) is unavailable; retry shortly", code="redis_unavailable",
+                        headers={"Retry-After": "1"}).response()
+
+    @app.exception_handler(Exception)
+    async def _internal(_request: Request, exc: Exception) -> JSONResponse:
+        log.exception("internal error")
+        return APIError(500, f"internal error: {type(exc).__name__}", type="server_error").response()

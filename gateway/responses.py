@@ -1,0 +1,180 @@
+"""Output chunks -> OpenAI responses: whole bodies (stream false) and server-sent events (stream true, ending
+in `data: [DONE]`), for /v1/completions and /v1/chat/completions."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.errors import APIError
+from gateway.generation import Submitted, chunk_error
+from gateway.openai_api import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatMessageOut,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    TokenLogprob,
+    TopLogprob,
+    UsageInfo,
+)
+from gateway.tokenizer import token_strings
+from shared.messages import OutputChunk, Usage
+
+
+def usage_info(usage: Usage | None) -> UsageInfo | None:
+    if usage is None:
+        return None
+    details = {"cached_tokens": usage.cached_tokens} if usage.cached_tokens else None
+    return UsageInfo(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+                     total_tokens=usage.total_tokens, prompt_tokens_details=details)
+
+
+def _ranked(lp: dict[int, float]) -> list[tuple[int, float]]:
+    return sorted(lp.items(), key=lambda kv: -kv[1])
+
+
+def completion_logprobs(tok: Any, token_ids: list[int], lps: list[dict[int, float]], offset: int
+                        ) -> CompletionLogprobs:
+    out = CompletionLogprobs()
+    for t, s, lp in zip(token_ids, token_strings(tok, token_ids), lps, strict=False):
+        out.tokens.append(s)
+        out.token_logprobs.append(lp.get(t))
+        ranked = _ranked(lp)
+        names = token_strings(tok, [k for k, _ in ranked])
+        out.top_logprobs.append({name: v for name, (_, v) in zip(names, ranked, strict=True)})
+        out.text_offset.append(offset)
+        offset += len(s)
+    return out
+
+
+def chat_logprobs(tok: Any, token_ids: list[int], lps: list[dict[int, float]], top_n: int) -> ChatLogprobs:
+    out = ChatLogprobs()
+    for t, s, lp in zip(token_ids, token_strings(tok, token_ids), lps, strict=False):
+        ranked = _ranked(lp)[:top_n]
+        tops = [TopLogprob(token=ts, logprob=v, bytes=list(ts.encode()))
+                for ts, (_, v) in zip(token_strings(tok, [k for k, _ in ranked]), ranked, strict=True)]
+        out.content.append(TokenLogprob(token=s, logprob=lp.get(t, float("-inf")), bytes=list(s.encode()),
+                                        top_logprobs=tops))
+    return out
+
+
+@dataclass
+class _Choice:
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+async def collect(chunks: AsyncIterator[OutputChunk], n: int) -> tuple[list[_Choice], Usage | None]:
+    choices = [_Choice() for _ in range(n)]
+    usage = None
+    async for c in chunks:
+        if c.error is not None:
+            raise chunk_error(c)
+        ch = choices[c.index]
+        ch.text.append(c.text)
+        ch.token_ids += c.token_ids
+        ch.logprobs += c.logprobs or []
+        ch.finish_reason = c.finish_reason or ch.finish_reason
+        if c.final:
+            usage = c.usage
+    return choices, usage
+
+
+async def completion_body(sub: Submitted, chunks: AsyncIterator[OutputChunk], *, echo: bool,
+                          logprobs: int | None) -> CompletionResponse:
+    choices, usage = await collect(chunks, sub.request.params().n)
+    prefix = (sub.request.prompt or "") if echo else ""
+    tok = sub.target.tokenizer
+    return CompletionResponse(id=sub.request_id, model=sub.target.model, usage=usage_info(usage), choices=[
+        CompletionChoice(index=i, text=prefix + "".join(c.text), finish_reason=c.finish_reason,
+                         logprobs=completion_logprobs(tok, c.token_ids, c.logprobs, len(prefix))
+                         if logprobs is not None else None)
+        for i, c in enumerate(choices)])
+
+
+async def chat_body(sub: Submitted, chunks: AsyncIterator[OutputChunk], *, top_logprobs: int | None
+                    ) -> ChatCompletionResponse:
+    choices, usage = await collect(chunks, sub.request.params().n)
+    tok = sub.target.tokenizer
+    return ChatCompletionResponse(id=sub.request_id, model=sub.target.model, usage=usage_info(usage), choices=[
+        ChatChoice(index=i, message=ChatMessageOut(content="".join(c.text)), finish_reason=c.finish_reason,
+                   logprobs=chat_logprobs(tok, c.token_ids, c.logprobs, top_logprobs)
+                   if top_logprobs is not None else None)
+        for i, c in enumerate(choices)])
+
+
+def sse(obj: Any) -> str:
+    payload = obj.model_dump_json(exclude_none=False) if hasattr(obj, "model_dump_json") else json.dumps(obj)
+    return f"data: {payload}\n\n"
+
+
+async def _events(chunks: AsyncIterator[OutputChunk], render: Any, usage_event: Any) -> AsyncIterator[str]:
+    """Shared SSE loop: one event per chunk, the usage event, [DONE]; an error becomes an error event.
+    Closing this stream early (client gone) closes `chunks` at once, which cancels the request."""
+    try:
+        async for c in chunks:
+            if c.error is not None:
+                yield sse(chunk_error(c).body())
+                break
+            if c.token_ids or c.text or c.finish_reason:
+                yield render(c)
+            if c.final and usage_event is not None:
+                yield usage_event(c.usage)
+    except APIError as e:
+        yield sse(e.body())
+    finally:
+        await chunks.aclose()
+    yield "data: [DONE]\n\n"
+
+
+async def completion_events(sub: Submitted, chunks: AsyncIterator[OutputChunk], *, echo: bool,
+                            logprobs: int | None, include_usage: bool) -> AsyncIterator[str]:
+    tok, model, rid = sub.target.tokenizer, sub.target.model, sub.request_id
+    offsets = [len(sub.request.prompt or "") if echo else 0] * sub.request.params().n
+    if echo:
+        for i in range(sub.request.params().n):
+            yield sse(CompletionResponse(id=rid, model=model, choices=[CompletionChoice(
+                index=i, text=sub.request.prompt or "")]))
+
+    def render(c: OutputChunk) -> str:
+        lp = None
+        if logprobs is not None:
+            lp = completion_logprobs(tok, c.token_ids, c.logprobs or [], offsets[c.index])
+            offsets[c.index] += sum(len(s) for s in lp.tokens)
+        return sse(CompletionResponse(id=rid, model=model, choices=[
+            CompletionChoice(index=c.index, text=c.text, logprobs=lp, finish_reason=c.finish_reason)]))
+
+    def usage_event(usage: Usage | None) -> str:
+        return sse(CompletionResponse(id=rid, model=model, choices=[], usage=usage_info(usage)))
+
+    async for event in _events(chunks, render, usage_event if include_usage else None):
+        yield event
+
+
+async def chat_events(sub: Submitted, chunks: AsyncIterator[OutputChunk], *, top_logprobs: int | None,
+                      include_usage: bool) -> AsyncIterator[str]:
+    tok, model, rid = sub.target.tokenizer, sub.target.model, sub.request_id
+    for i in range(sub.request.params().n):
+        yield sse(ChatCompletionChunk(id=rid, model=model, choices=[
+            ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))]))
+
+    def render(c: OutputChunk) -> str:
+        lp = chat_logprobs(tok, c.token_ids, c.logprobs or [], top_logprobs) if top_logprobs is not None else None
+        return sse(ChatCompletionChunk(id=rid, model=model, choices=[ChatChunkChoice(
+            index=c.index, delta=ChatDelta(content=c.text), logprobs=lp, finish_reason=c.finish_reason)]))
+
+    def usage_event(usage: Usage | None) -> str:
+        return sse(ChatCompletionChunk(id=rid, model=model, choices=[], usage=usage_info(usage)))
+
+    async for event in _events(chunks, render, usage_event if include_usage else None):
+        yield event

@@ -1,0 +1,84 @@
+"""The gateway's tokenizers: only the tokenizer of each served model (never its weights), loaded once in a
+thread, so the gateway knows a prompt's length in tokens (and KV blocks) before it routes."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("kvfleet.gateway")
+
+
+def load_tokenizer(model: str) -> Any:
+    """`model` is an alias, a Hugging Face directory or a .gguf file (as `kvfleet worker --model` takes)."""
+    from transformers import AutoTokenizer
+
+    from gpu_worker.model_loader import resolve_model
+
+    path = Path(resolve_model(model))
+    if path.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(path)
+
+
+def same_model(name: str, model: str, model_path: str = "") -> bool:
+    """Does a request's `model` name the model a worker reports (its name, path, or their base names)?"""
+    if not name:
+        return False
+    names = {model, model_path, os.path.basename(model.rstrip("/")), os.path.basename(model_path.rstrip("/"))}
+    if name in names - {""}:
+        return True
+    return bool(model_path) and resolved_path(name) == model_path
+
+
+@functools.lru_cache(maxsize=256)
+def resolved_path(name: str) -> str | None:
+    """The local path an alias or path names (an alias of the default model names its GGUF), or None."""
+    from gpu_worker.model_loader import ModelNotFound, resolve_model
+
+    try:
+        return str(resolve_model(name))
+    except (ModelNotFound, OSError):
+        return None
+
+
+class Tokenizers:
+    """model path -> tokenizer, each loaded once (concurrent callers share the load)."""
+
+    def __init__(self) -> None:
+        self._loads: dict[str, asyncio.Task] = {}
+
+    def preload(self, model: str) -> None:
+        self._task(model)
+
+    def _task(self, model: str) -> asyncio.Task:
+        task = self._loads.get(model)
+        if task is None or (task.done() and task.exception() is not None):
+            task = asyncio.get_running_loop().create_task(asyncio.to_thread(load_tokenizer, model))
+            self._loads[model] = task
+        return task
+
+    async def get(self, model: str) -> Any:
+        return await asyncio.shield(self._task(model))
+
+
+def prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
+    return list(tokenizer(prompt)["input_ids"])
+
+
+def chat_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+    """The tokenizer's chat template with the assistant's turn opened."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model has no chat template: use /v1/completions")
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = out["input_ids"] if not isinstance(out, list) else out
+    return list(ids)
+
+
+def token_strings(tokenizer: Any, token_ids: list[int]) -> list[str]:
+    """What each token reads as, for logprobs (decoded alone, so byte-level markers become text)."""
+    return [tokenizer.decode([t]) for t in token_ids]

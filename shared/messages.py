@@ -1,0 +1,108 @@
+"""Wire messages: what travels through Redis between gateways, workers and clients (pydantic, JSON).
+
+GenerationRequest  gateway/Celery/client -> kvfleet:req:{worker} or kvfleet:req:any
+OutputChunk        worker -> kvfleet:out:{request_id}; numbered by `seq` so a reader drops repeats
+WorkerStatus       worker -> kvfleet:status:{worker} (with a TTL)
+DeadLetter         worker -> kvfleet:dead
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from shared.sampling_params import SamplingParams
+
+FinishReason = Literal["stop", "length", "abort"]
+# What went wrong, when a chunk carries an error: the gateway maps it to an HTTP status.
+ErrorKind = Literal["invalid_request", "dead_letter", "internal"]
+
+
+class GenerationRequest(BaseModel):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: dict[str, Any] = Field(default_factory=dict)  # SamplingParams.to_dict()
+    model: str = ""
+    priority: int = 0
+    prompt: str | None = None  # the text, when the caller had one (echo, tracing)
+    arrival_time: float = Field(default_factory=time.time)  # wall clock, seconds
+    # W3C trace context (traceparent, tracestate) injected by the caller's tracer; empty when off.
+    trace_context: dict[str, str] = Field(default_factory=dict)
+    attempt: int = 0  # times this request was re-enqueued by a worker (deliveries are counted by Redis)
+    kv_blocks: int = 0  # blocks the router counted for it (its reservation); 0 when unrouted
+
+    def params(self) -> SamplingParams:
+        return SamplingParams.from_dict(self.sampling_params)
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    cached_tokens: int = 0
+
+
+class ChunkError(BaseModel):
+    kind: ErrorKind
+    message: str
+
+
+class OutputChunk(BaseModel):
+    """A step's worth of output for one choice of one request. `seq` counts chunks of the request from 0
+    across all choices; a request's last chunk has `final` set (and `usage`, or `error`)."""
+
+    request_id: str
+    seq: int
+    index: int = 0  # which of the n choices
+    token_ids: list[int] = Field(default_factory=list)
+    text: str = ""  # text delta
+    logprobs: list[dict[int, float]] | None = None  # one dict per token: chosen + top-k token id -> logprob
+    finish_reason: FinishReason | None = None  # this choice finished
+    stop_reason: int | str | None = None
+    final: bool = False  # the request finished: nothing follows
+    usage: Usage | None = None
+    error: ChunkError | None = None
+    worker_id: str = ""
+
+
+class WorkerStatus(BaseModel):
+    worker_id: str
+    model: str
+    model_path: str = ""  # where the worker loaded it from (the gateway loads its tokenizer from there)
+    max_model_len: int
+    block_size: int
+    total_blocks: int
+    free_blocks: int
+    # blocks the requests it holds will still claim: not-yet-started ones in full, running ones until they
+    # reach their max_tokens (capped as the router caps it); free - promised is what it can still take
+    promised_blocks: int = 0
+    running: int = 0
+    waiting: int = 0
+    num_preemptions: int = 0
+    num_finished: int = 0  # requests this worker completed (its output's final chunk written)
+    cached_blocks: int = 0
+    pid: int = 0
+    host: str = ""
+    started_at: float = 0.0
+    heartbeat: float = Field(default_factory=time.time)
+    draining: bool = False
+
+    def available_blocks(self) -> int:
+        """Free blocks not already promised to requests this worker holds."""
+        return self.free_blocks - self.promised_blocks
+
+    def same_state(self, other: WorkerStatus | None) -> bool:
+        """Equal but for the heartbeat: publishing it again would tell nobody anything new."""
+        if other is None:
+            return False
+        return self.model_dump(exclude={"heartbeat"}) == other.model_dump(exclude={"heartbeat"})
+
+
+class DeadLetter(BaseModel):
+    request: GenerationRequest
+    reason: str
+    deliveries: int
+    worker_id: str
+    time: float = Field(default_factory=time.time)

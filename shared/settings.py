@@ -1,0 +1,120 @@
+"""Settings: the only module that reads the environment. One dataclass, passed down.
+
+Every field has a KVFLEET_* variable (the field name upper-cased, e.g. KVFLEET_QUEUE_BOUND); command-line
+flags override them through `Settings.from_env(**overrides)`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+DEFAULT_MODEL = "smollm2"
+ENV_PREFIX = "KVFLEET_"
+
+
+def _default_worker_id() -> str:
+    host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())
+    return f"{host}-{os.getpid()}"
+
+
+@dataclass(frozen=True, repr=False)
+class Settings:
+    redis_url: str = DEFAULT_REDIS_URL
+    model: str = DEFAULT_MODEL
+    api_keys: tuple[str, ...] = ()  # never printed (see __repr__)
+    worker_id: str = field(default_factory=_default_worker_id)
+    routing: str = "free_blocks"
+    # Requests that no worker fits go to the shared stream; past this many waiting there, answer 429.
+    queue_bound: int = 64
+    retry_after_s: int = 1
+    # A worker's status lives this long unless refreshed; heartbeats come every heartbeat_s.
+    status_ttl_s: float = 5.0
+    heartbeat_s: float = 1.0
+    status_max_hz: float = 20.0
+    # free_blocks routing keeps this many blocks free on every worker for the requests it already runs.
+    reserve_blocks: int = 2
+    # Routing counts a request's output at most this many tokens (the scheduler preempts past that).
+    route_max_output_tokens: int = 512
+    reservation_ttl_s: float = 30.0
+    max_deliveries: int = 3
+    output_ttl_s: float = 3600.0  # output streams nobody reads expire after this
+    output_ttl_after_read_s: float = 120.0  # ... and this long after a gateway read the final chunk
+    request_timeout_s: float = 600.0  # no chunk for this long: the gateway cancels and answers 504
+    queue_when_no_workers: bool = False  # scale-to-zero: queue in the shared stream instead of 503
+    metrics_host: str = "127.0.0.1"  # where a worker serves /livez, /readyz, /metrics (0.0.0.0 in pods)
+
+    def __repr__(self) -> str:
+        """Safe to log: the Redis password redacted, API keys only counted."""
+        shown = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("redis_url", "api_keys")}
+        body = ", ".join(f"{k}={v!r}" for k, v in shown.items())
+        return (f"Settings(redis_url={redacted_url(self.redis_url)!r}, api_keys=<{len(self.api_keys)}>, "
+                f"{body})")
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> Settings:
+        """Defaults <- KVFLEET_* environment <- non-None `overrides` (command-line flags)."""
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = env.get(ENV_PREFIX + f.name.upper())
+            if raw is None or raw == "":
+                continue
+            values[f.name] = _parse(f.name, f.type, raw)
+        settings = cls(**values)
+        return settings.with_overrides(**overrides)
+
+    def with_overrides(self, **overrides: Any) -> Settings:
+        clean = {k: v for k, v in overrides.items() if v is not None and not (k == "api_keys" and not v)}
+        if "api_keys" in clean:
+            clean["api_keys"] = tuple(clean["api_keys"])
+        return replace(self, **clean)
+
+
+def _parse(name: str, type_name: Any, raw: str) -> Any:
+    type_name = str(type_name)
+    try:
+        if type_name.startswith("tuple"):
+            return tuple(s.strip() for s in raw.split(",") if s.strip())
+        if type_name == "bool":
+            return raw.strip().lower() in ("1", "true", "yes", "on")
+        if type_name == "int":
+            return int(raw)
+        if type_name == "float":
+            return float(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a valid {type_name}") from None
+    return raw
+
+
+def hf_offline() -> None:
+    """kvfleet never downloads from a hub: make every transformers call offline."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def redacted_url(url: str) -> str:
+    """A Redis URL safe to print: the password replaced by ***."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or "@" not in rest:
+        return url
+    creds, _, host = rest.rpartition("@")
+    user = creds.split(":", 1)[0] if ":" in creds else ""
+    return f"{scheme}://{user}:***@{host}"
+
+
+def otel_traces_export(env: dict[str, str] | None = None) -> tuple[str | None, str]:
+    """(traces endpoint, protocol) from the standard OpenTelemetry variables; endpoint None: tracing is off.
+
+    Only what decides whether to export at all is read here; the OTel SDK itself reads the rest
+    (OTEL_SERVICE_NAME, OTEL_TRACES_SAMPLER(_ARG), OTEL_EXPORTER_OTLP_HEADERS, OTEL_BSP_*, ...)."""
+    env = os.environ if env is None else env
+    off = (env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
+           or env.get("OTEL_TRACES_EXPORTER", "otlp").strip().lower() == "none")
+    endpoint = (env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or "").strip()
+    protocol = (env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+                or "http/protobuf").strip().lower()
+    return (None if off or not endpoint else endpoint), protocol

@@ -1,0 +1,71 @@
+"""`kvfleet up` with the default model (alias smollm2): a private Redis, the gateway and a worker come up,
+the `openai` client gets a sensible English chat answer, and SIGTERM leaves nothing running."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from shared.redis_server import free_port
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_kvfleet_up_answers_a_chat_in_english(tmp_path):
+    port = free_port()
+    log = tmp_path / "up.log"
+    with open(log, "wb") as out:
+        # a modest KV cache: these machines are shared
+        up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--workers", "1", "--port", str(port),
+                               "--kv-cache-memory", "256MiB"], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                              env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    try:
+        deadline = time.monotonic() + 240
+        while "kvfleet: ready" not in log.read_text():
+            assert up.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        text = log.read_text()
+        assert f"http://127.0.0.1:{port}/v1" in text
+        pids = [int(p) for p in re.findall(r"pid (\d+)", text) + re.findall(r"worker\(s\) \(([\d, ]+)\)", text)[0]
+                .split(", ")]
+        assert len(pids) == 3  # redis, gateway, one worker
+        assert httpx.get(f"http://127.0.0.1:{port}/health").json()["workers"] == 1
+
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
+        assert [m.id for m in client.models.list().data] == ["smollm2"]
+        reply = client.chat.completions.create(
+            model="smollm2", temperature=0, max_tokens=40,
+            messages=[{"role": "user", "content": "What is the capital of France? Answer in one sentence."}])
+        answer = reply.choices[0].message.content
+        print(f"\nsmollm2 says: {answer!r}")
+        assert "Paris" in answer
+        words = re.findall(r"[A-Za-z]+", answer)
+        assert len(words) >= 3 and {"the", "is", "of"} & {w.lower() for w in words}
+        assert reply.usage.completion_tokens <= 40 and reply.choices[0].finish_reason in ("stop", "length")
+    finally:
+        if up.poll() is None:
+            os.kill(up.pid, signal.SIGTERM)
+        up.wait(90)
+    assert up.returncode == 0, log.read_text()[-3000:]
+    assert "kvfleet: stopped" in log.read_text()
+    assert not [p for p in pids if _alive(p)], "children left running"

@@ -1,0 +1,138 @@
+"""A real fleet for tests: a private Redis (shared/redis_server.py), worker processes and gateway processes
+started with `python -m services.cli ...`, stopped by PID. Logs go to files; `tail()` shows them on failure.
+
+    with Fleet(model_dir, tmp_path) as fleet:
+        fleet.start_worker("w0", "--num-kv-blocks", "64")
+        gw = fleet.start_gateway()
+        fleet.wait_ready(workers=1)
+        client = fleet.client()
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from shared.redis_server import RedisServer, free_port
+
+REPO = Path(__file__).resolve().parent.parent
+API_KEY = "test-key-0123"
+
+
+class Fleet:
+    def __init__(self, model: str | Path, log_dir: Path, *, redis_password: str | None = "p@ss:word",
+                 env: dict[str, str] | None = None):
+        self.model = str(model)
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.redis = RedisServer(password=redis_password)
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", **(env or {}))
+        self.workers: dict[str, subprocess.Popen] = {}
+        self.gateways: dict[int, subprocess.Popen] = {}
+        self.logs: dict[str, Path] = {}
+
+    # ---- processes -----------------------------------------------------------------------------
+    def start(self) -> Fleet:
+        self.redis.start()
+        self.env["KVFLEET_REDIS_URL"] = self.redis.url  # secrets via the environment, as `kvfleet up` does
+        return self
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        log = self.log_dir / f"{name}.log"
+        self.logs[name] = log
+        with open(log, "ab") as f:
+            return subprocess.Popen([sys.executable, "-m", "services.cli", *args], cwd=REPO, env=self.env,
+                                    stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    def start_worker(self, worker_id: str, *flags: str) -> subprocess.Popen:
+        proc = self._spawn(worker_id, ["worker", "--model", self.model, "--worker-id", worker_id, *flags])
+        self.workers[worker_id] = proc
+        return proc
+
+    def start_gateway(self, *flags: str, api_key: str | None = API_KEY) -> int:
+        port = free_port()
+        key = ["--api-key", api_key] if api_key else []
+        self.gateways[port] = self._spawn(f"gateway-{port}", ["gateway", "--port", str(port), "--model", self.model,
+                                                              *key, *flags])
+        return port
+
+    def signal_worker(self, worker_id: str, sig: int = signal.SIGKILL) -> None:
+        os.kill(self.workers[worker_id].pid, sig)
+
+    def stop(self) -> None:
+        procs = list(self.gateways.values()) + list(self.workers.values())
+        for p in procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for p in procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.kill(p.pid, signal.SIGKILL)
+                p.wait()
+        self.redis.stop()
+
+    def __enter__(self) -> Fleet:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def tail(self, lines: int = 40) -> str:
+        out = []
+        for name, path in self.logs.items():
+            text = path.read_text(errors="replace").splitlines()[-lines:]
+            out.append(f"---- {name} ----\n" + "\n".join(text))
+        return "\n".join(out)
+
+    # ---- clients -------------------------------------------------------------------------------
+    def url(self, port: int | None = None) -> str:
+        return f"http://127.0.0.1:{port or next(iter(self.gateways))}"
+
+    def client(self, port: int | None = None, **kw: Any):
+        import openai
+
+        return openai.OpenAI(base_url=self.url(port) + "/v1", api_key=API_KEY, max_retries=0, **kw)
+
+    def http(self, port: int | None = None, **kw: Any) -> httpx.Client:
+        return httpx.Client(base_url=self.url(port), headers={"Authorization": f"Bearer {API_KEY}"}, **kw)
+
+    def fleet_status(self, port: int | None = None) -> dict[str, Any]:
+        with self.http(port) as h:
+            return h.get("/v1/fleet").raise_for_status().json()
+
+    def worker_status(self, worker_id: str, port: int | None = None) -> dict[str, Any]:
+        return next(w for w in self.fleet_status(port)["workers"] if w["worker_id"] == worker_id)
+
+    def wait_ready(self, workers: int, timeout_s: float = 180.0) -> None:
+        """Every gateway answers /health and `workers` workers are alive."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            dead = [n for n, p in {**self.workers, **{str(k): v for k, v in self.gateways.items()}}.items()
+                    if p.poll() is not None and (n not in self.workers or p.returncode != -signal.SIGKILL)]
+            assert not dead, f"processes exited: {dead}\n{self.tail()}"
+            try:
+                ok = all(httpx.get(self.url(p) + "/health", timeout=2).status_code == 200 for p in self.gateways)
+                if ok and len(self.fleet_status()["workers"]) >= workers:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise AssertionError(f"fleet not ready in {timeout_s}s\n{self.tail()}")
+
+    def wait_for(self, predicate: Any, timeout_s: float = 30.0, what: str = "condition") -> Any:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            time.sleep(0.1)
+        raise AssertionError(f"timed out waiting for {what}\n{self.tail(15)}")

@@ -1,0 +1,264 @@
+"""The fleet through its OpenAI-compatible API: a real Redis (with a password), two real worker processes on
+the tiny random-weight model, a real gateway, the real `openai` client. One fleet for the whole module."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+from fleet_harness import API_KEY, REPO, Fleet
+
+from shared.redis_server import free_port
+
+pytestmark = pytest.mark.integration
+
+BLOCKS = 64
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_llama_dir, tmp_path_factory):
+    with Fleet(tiny_llama_dir, tmp_path_factory.mktemp("fleet-api")) as f:
+        f.metrics_port = free_port()
+        f.start_worker("w0", "--num-kv-blocks", str(BLOCKS), "--max-num-seqs", "16",
+                       "--metrics-port", str(f.metrics_port))
+        f.start_worker("w1", "--num-kv-blocks", str(BLOCKS), "--max-num-seqs", "16")
+        f.start_gateway("--queue-bound", "2")
+        f.wait_ready(workers=2)
+        yield f
+
+
+@pytest.fixture(scope="module")
+def client(fleet):
+    return fleet.client(timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(fleet):
+    return os.path.basename(fleet.model)
+
+
+def test_health_models_and_fleet_status(fleet, client, model):
+    assert httpx.get(fleet.url() + "/health").json() == {"status": "ok", "workers": 2}
+    assert httpx.get(fleet.url() + "/livez").status_code == 200
+    cards = client.models.list().data
+    assert [c.id for c in cards] == [fleet.model] and cards[0].workers == 2 and cards[0].max_model_len == 1024
+    snap = fleet.fleet_status()
+    assert sorted(w["worker_id"] for w in snap["workers"]) == ["w0", "w1"]
+    assert all(w["total_blocks"] == BLOCKS and w["heartbeat_age_s"] < 5 for w in snap["workers"])
+    out = subprocess.run([sys.executable, "-m", "services.cli", "status"], cwd=REPO, env=fleet.env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "w0" in out.stdout and "w1" in out.stdout and "kvfleet:req:any" in out.stdout
+    assert "p@ss:word" not in out.stdout + out.stderr
+    probes = f"http://127.0.0.1:{fleet.metrics_port}"
+    assert httpx.get(probes + "/livez").status_code == 200 and httpx.get(probes + "/readyz").text == "ok\n"
+    assert httpx.get(probes + "/metrics").headers["content-type"].startswith("text/plain")
+
+
+def test_completion_and_its_stream_agree(client, model):
+    prompt = "The quick brown fox jumps over the lazy dog because"
+    full = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True, "priority": 1})
+    choice = full.choices[0]
+    assert choice.finish_reason == "length" and choice.text
+    assert full.usage.completion_tokens == 12 and full.usage.prompt_tokens > 5
+    assert full.usage.total_tokens == full.usage.prompt_tokens + 12
+    events = list(client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    text = "".join(e.choices[0].text for e in events if e.choices)
+    assert text == choice.text
+    finishes = [e.choices[0].finish_reason for e in events if e.choices and e.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert events[-1].choices == [] and events[-1].usage.completion_tokens == 12
+
+
+def test_chat_and_its_stream_agree(client, model):
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello."}]
+    full = client.chat.completions.create(model=model, messages=messages, max_tokens=10, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    msg = full.choices[0].message
+    assert msg.role == "assistant" and msg.content and full.choices[0].finish_reason == "length"
+    assert full.usage.completion_tokens == 10
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=10, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True})
+    deltas = [c.choices[0].delta for c in stream if c.choices]
+    assert deltas[0].role == "assistant"
+    assert "".join(d.content or "" for d in deltas) == msg.content
+
+
+def test_n_choices(client, model):
+    out = client.completions.create(model=model, prompt="Once upon a time", max_tokens=8, n=3, temperature=0.9,
+                                    seed=7, extra_body={"ignore_eos": True})
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert all(c.finish_reason == "length" and c.text for c in out.choices)
+    assert out.usage.completion_tokens == 24
+    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], n=2,
+                                            max_tokens=5, temperature=0.9, stream=True,
+                                            extra_body={"ignore_eos": True})
+    finished = {c.choices[0].index: c.choices[0].finish_reason for c in stream
+                if c.choices and c.choices[0].finish_reason}
+    assert finished == {0: "length", 1: "length"}
+
+
+def test_stop_strings(client, model):
+    prompt = "Numbers: one two three"
+    base = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0, logprobs=0,
+                                     extra_body={"ignore_eos": True}).choices[0]
+    stop = next(t for t in base.logprobs.tokens[3:] if t.strip())
+    cut = base.text.index(stop)
+    out = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True}).choices[0]
+    assert out.finish_reason == "stop"
+    assert out.text == base.text[:cut]
+
+
+def test_seed_reproducibility(client, model):
+    def sample(seed: int) -> str:
+        return client.completions.create(model=model, prompt="Random words:", max_tokens=12, temperature=1.0,
+                                         seed=seed, extra_body={"ignore_eos": True}).choices[0].text
+
+    first = sample(1234)
+    assert sample(1234) == first
+    assert sample(4321) != first
+
+
+def test_logprobs(client, model):
+    out = client.completions.create(model=model, prompt="Hello", max_tokens=6, temperature=0, logprobs=3,
+                                    extra_body={"ignore_eos": True}).choices[0]
+    lp = out.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    assert "".join(lp.tokens) == out.text
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert chosen <= 0 and 3 <= len(top) <= 4
+        assert chosen == pytest.approx(max(top.values()))  # greedy picks the most likely token
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=2,
+                                          extra_body={"ignore_eos": True}).choices[0]
+    content = chat.logprobs.content
+    assert len(content) == 4 and "".join(c.token for c in content) == chat.message.content
+    assert all(len(c.top_logprobs) == 2 and c.logprob == pytest.approx(c.top_logprobs[0].logprob) for c in content)
+
+
+def _error(exc: openai.APIStatusError) -> dict:
+    body = exc.response.json()
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+def test_bad_requests_get_clear_4xx(fleet, client, model):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt="hello " * 1100, max_tokens=10)
+    err = _error(e.value)
+    m = re.search(r"maximum context length is (\d+) tokens.*requested (\d+) tokens \((\d+) in the prompt, 10 ",
+                  err["message"])
+    assert m, err
+    assert int(m[1]) == 1024 and int(m[2]) == int(m[3]) + 10 > 1024 and err["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=5000)
+    assert "1024" in _error(e.value)["message"] and "5000" in _error(e.value)["message"]
+    for field, value, limit in [("temperature", 5, "2"), ("top_p", 0, "0"), ("n", 0, "1"), ("logprobs", 50, "20"),
+                                ("max_tokens", 0, "1")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=model, prompt="x", **{"max_tokens": 4, field: value})
+        err = _error(e.value)
+        assert err["param"] == field and limit in err["message"], err
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt="x", max_tokens=2, extra_body={"min_p": 3})
+    assert _error(e.value)["param"] == "min_p"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=[], max_tokens=2)
+    assert _error(e.value)["param"] == "messages"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
+    assert _error(e.value)["code"] == "model_not_found"
+    c = openai.OpenAI(base_url=fleet.url() + "/v1", api_key="wrong-key", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        c.completions.create(model=model, prompt="x", max_tokens=2)
+    assert _error(e.value)["code"] == "invalid_api_key"
+    missing = httpx.post(fleet.url() + "/v1/completions", json={"model": model, "prompt": "x"})
+    assert missing.status_code == 401 and missing.json()["error"]["code"] == "invalid_api_key"
+
+
+def _sse_lines(resp: httpx.Response):
+    for line in resp.iter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
+
+
+def test_client_disconnect_frees_blocks(fleet, model):
+    body = {"model": model, "prompt": "tell me a very long story " * 12, "max_tokens": 900, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    with fleet.http(timeout=60) as h, h.stream("POST", "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200
+        worker = resp.headers["x-kvfleet-worker"]
+        events = _sse_lines(resp)
+        for _ in range(3):
+            next(events)
+        during = fleet.worker_status(worker)
+        assert during["running"] == 1 and during["free_blocks"] < BLOCKS
+    # the connection is closed: the cancel must reach the worker and free the request's blocks
+    fleet.wait_for(lambda: (s := fleet.worker_status(worker))["running"] == 0 and s["free_blocks"] == BLOCKS,
+                   timeout_s=10, what=f"{worker} to free its blocks")
+
+
+def test_overload_answers_429_then_the_fleet_still_serves(fleet, client, model):
+    # 400 distinct prompt tokens + 100 output = 32 blocks: one running per 64-block worker (no shared
+    # prefixes), 2 more in the shared queue (--queue-bound 2), the rest must get 429.
+    rng = random.Random(0)
+
+    def post(_):
+        body = {"model": model, "prompt": [rng.randrange(100, 40000) for _ in range(400)], "max_tokens": 100,
+                "temperature": 0, "ignore_eos": True}
+        with fleet.http(timeout=120) as h:
+            r = h.post("/v1/completions", json=body)
+            return r.status_code, r.headers.get("retry-after"), r.json()
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(post, range(16)))
+    codes = [c for c, _, _ in results]
+    assert set(codes) <= {200, 429}, results
+    assert codes.count(429) >= 4 and codes.count(200) >= 4, codes
+    for code, retry_after, payload in results:
+        if code == 429:
+            assert retry_after is not None and int(retry_after) >= 1
+            assert payload["error"]["code"] == "fleet_overloaded"
+        else:
+            assert payload["usage"]["completion_tokens"] == 100
+    t0 = time.monotonic()
+    ok = client.completions.create(model=model, prompt="still there?", max_tokens=3)
+    assert ok.choices[0].text is not None and time.monotonic() - t0 < 30
+
+
+def test_secrets_never_reach_the_logs(fleet):
+    for path in fleet.logs.values():
+        text = path.read_text(errors="replace")
+        assert API_KEY not in text and "p@ss:word" not in text and "p%40ss" not in text, path
+
+
+def test_no_live_worker_then_no_redis_answer_503(fleet, client, model):
+    """Last in the module: it stops the fleet's workers, then its Redis."""
+    for wid in ("w0", "w1"):
+        fleet.signal_worker(wid, signal.SIGTERM)  # graceful: each removes its status as it exits
+    for wid in ("w0", "w1"):
+        assert fleet.workers[wid].wait(30) == 0
+    health = httpx.get(fleet.url() + "/health")
+    assert health.status_code == 503 and health.json()["reason"] == "no live worker"
+    with pytest.raises(openai.InternalServerError) as e:
+        client.completions.create(model=model, prompt="anyone?", max_tokens=2)
+    assert e.value.status_code == 503 and _error(e.value)["code"] == "no_workers"
+    fleet.redis.stop()
+    assert httpx.get(fleet.url() + "/health").status_code == 503
+    with pytest.raises(openai.InternalServerError) as e:
+        client.completions.create(model=model, prompt="anyone?", max_tokens=2)
+    assert e.value.status_code == 503 and _error(e.value)["code"] == "redis_unavailable"

@@ -1,0 +1,132 @@
+"""The router is a pure function: exact picks for small fleets."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.router import blocks_for, headroom, request_blocks, route
+from shared.messages import WorkerStatus
+
+pytestmark = pytest.mark.unit
+
+
+def ws(wid: str, free: int, total: int = 100, *, promised: int = 0, running: int = 0, waiting: int = 0,
+       draining: bool = False) -> WorkerStatus:
+    return WorkerStatus(worker_id=wid, model="m", max_model_len=2048, block_size=16, total_blocks=total,
+                        free_blocks=free, promised_blocks=promised, running=running, waiting=waiting,
+                        draining=draining)
+
+
+def test_free_blocks_picks_most_headroom():
+    fleet = [ws("a", 30), ws("b", 80), ws("c", 50)]
+    assert route(10, fleet, "free_blocks", {}) == "b"
+
+
+def test_free_blocks_counts_reservations_and_promised_blocks():
+    fleet = [ws("a", 60), ws("b", 80, promised=15), ws("c", 70)]
+    # b: 80 - 15 - 10 = 55 ; a: 60 - 10 = 50 ; c: 70 - 20 - 10 = 40
+    assert route(10, fleet, "free_blocks", {"c": 20}) == "b"
+    assert route(10, fleet, "free_blocks", {"c": 20, "b": 10}) == "a"
+
+
+def test_free_blocks_requires_reserve_and_returns_none_when_nothing_fits():
+    fleet = [ws("a", 12), ws("b", 11)]
+    assert route(10, fleet, "free_blocks", {}, reserve_blocks=2) == "a"
+    assert route(10, fleet, "free_blocks", {}, reserve_blocks=3) is None
+    assert route(10, fleet, "free_blocks", {"a": 1}, reserve_blocks=2) is None
+
+
+def test_a_burst_spreads_over_workers_through_reservations():
+    fleet = [ws("big", 100), ws("small", 40)]
+    reservations: dict[str, int] = {}
+    picks = []
+    for _ in range(20):
+        w = route(10, fleet, "free_blocks", reservations, reserve_blocks=2)
+        if w is None:
+            break
+        picks.append(w)
+        reservations[w] = reservations.get(w, 0) + 10
+    # big takes requests until its headroom falls to small's, then they alternate; both end full.
+    assert picks.count("big") > picks.count("small") > 0
+    assert reservations["big"] <= 100 - 2 and reservations["small"] <= 40 - 2
+    assert route(10, fleet, "free_blocks", reservations, reserve_blocks=2) is None
+
+
+@pytest.mark.parametrize("policy", ["free_blocks", "prefix", "least_loaded", "round_robin"])
+def test_never_routes_to_a_worker_that_cannot_hold_the_request(policy):
+    fleet = [ws("tiny", 20, total=20), ws("big", 30, total=200, running=9)]
+    for turn in range(4):
+        assert route(25, fleet, policy, {}, turn=turn) == "big"
+    assert route(300, fleet, policy, {}) is None
+
+
+@pytest.mark.parametrize("policy", ["free_blocks", "prefix", "least_loaded", "round_robin"])
+def test_draining_workers_get_nothing(policy):
+    fleet = [ws("a", 90, draining=True), ws("b", 20)]
+    assert route(5, fleet, policy, {}) == "b"
+    assert route(5, [ws("a", 90, draining=True)], policy, {}) is None
+
+
+def test_round_robin_cycles_in_id_order_ignoring_free_blocks():
+    fleet = [ws("c", 5), ws("a", 90), ws("b", 1)]
+    assert [route(4, fleet, "round_robin", {}, turn=t) for t in range(4)] == ["a", "b", "c", "a"]
+
+
+def test_least_loaded_counts_requests():
+    fleet = [ws("a", 90, running=5, waiting=2), ws("b", 10, running=3, waiting=3), ws("c", 50, running=8)]
+    assert route(4, fleet, "least_loaded", {}) == "b"
+
+
+def test_prefix_prefers_cached_prefix_against_load():
+    fleet = [ws("a", 60), ws("b", 90)]
+    # 20 prompt blocks: a holds 15 of them (cost 5 + 40 in use = 45) vs b (20 + 10 = 30): b still wins.
+    assert route(22, fleet, "prefix", {}, prompt_blocks=20, prefix_overlap={"a": 15}) == "b"
+    # with prefill weighted 4x: a = 4*5 + 40 = 60 < b = 4*20 + 10 = 90.
+    assert route(22, fleet, "prefix", {}, prompt_blocks=20, prefix_overlap={"a": 15}, prefill_weight=4) == "a"
+    # but never where it does not fit
+    assert route(22, [ws("a", 21), ws("b", 90)], "prefix", {}, prompt_blocks=20, prefix_overlap={"a": 20},
+                 prefill_weight=100) == "b"
+
+
+def test_unknown_policy_is_an_error():
+    with pytest.raises(ValueError, match="round_robin"):
+        route(1, [ws("a", 9)], "random", {})
+
+
+def test_block_arithmetic():
+    assert blocks_for(0, 16) == 0 and blocks_for(1, 16) == 1 and blocks_for(16, 16) == 1 and blocks_for(17, 16) == 2
+    assert request_blocks(20, 12, 1, 16) == 2
+    # n=3: one shared full prompt block; each choice holds 4 tail tokens + 30 output -> 3 blocks
+    assert request_blocks(20, 30, 3, 16) == 1 + 3 * 3
+    assert headroom(ws("a", 50, promised=5), 10, {"a": 7}) == 28
+
+
+def test_prefix_index_hashes_chain_and_overlap_counts_leading_blocks():
+    import asyncio
+
+    from gateway.prefix_index import block_hashes, overlap, remember_commands
+    from shared import keys
+
+    a = block_hashes(list(range(40)), 16, "m")  # 2 full blocks; the 8-token tail is not hashed
+    b = block_hashes(list(range(32)) + [99] * 20, 16, "m")
+    c = block_hashes([7] + list(range(1, 40)), 16, "m")
+    assert len(a) == 2 and b[:2] == a and len(b) == 3
+    assert not set(c) & set(a)  # a block's hash covers every token before it
+    assert block_hashes(list(range(40)), 16, "other-model") != a
+
+    class Store:  # the two Redis calls prefix_index makes, on a dict
+        def __init__(self):
+            self.kv = {}
+
+        def set(self, k, v, ex):
+            self.kv[k] = v
+
+        async def mget(self, ks):
+            return [self.kv.get(k) for k in ks]
+
+    store = Store()
+    remember_commands(store, a, "w1")
+    remember_commands(store, b[2:], "w2")
+    assert store.kv[keys.prefix_block(a[0])] == "w1"
+    assert asyncio.run(overlap(store, b)) == {"w1": 2}  # w2 holds block 3 only after w1's blocks: no run
+    assert asyncio.run(overlap(store, c)) == {}
