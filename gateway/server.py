@@ -15,8 +15,8 @@ from shared.settings import Settings, hf_offline, redacted_url
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", help="Redis URL (redis://, rediss://, with password); env KVFLEET_REDIS_URL")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help='address to listen on (0.0.0.0 to accept other machines)')
+    p.add_argument("--port", type=int, default=8000, help='HTTP port of the OpenAI-compatible API')
     p.add_argument("--routing", choices=POLICIES, help="routing policy (default free_blocks; env KVFLEET_ROUTING)")
     p.add_argument("--model", help="model whose tokenizer to load first (default: what the workers report)")
     p.add_argument("--api-key", action="append", dest="api_keys",
@@ -26,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=float, help="seconds without output before a request is cancelled")
     p.add_argument("--graceful-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let open streams finish")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", help='uvicorn log level: critical, error, warning, info, debug')
 
 
 def run(args: argparse.Namespace) -> int:

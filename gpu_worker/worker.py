@@ -19,9 +19,11 @@ from collections import OrderedDict
 from typing import Any
 
 from gpu_worker.intake import Cancel, Intake, Room, requeue
+from gpu_worker.metrics import WorkerMetrics
 from gpu_worker.outbox import Ack, Outbox
+from gpu_worker.request_telemetry import RequestTelemetry
 from gpu_worker.request_tracker import Job, RequestTracker
-from shared import keys, streams
+from shared import keys, streams, telemetry
 from shared.messages import ChunkError, WorkerStatus
 from shared.settings import Settings, hf_offline, redacted_url
 
@@ -47,6 +49,9 @@ class Worker:
         self.outbox: Outbox | None = None
         self.last_tick = time.monotonic()
         self.started_at = time.time()
+        self.last_stats: Any = None  # the scheduler's stats at the last tick (metrics read it at scrape time)
+        self.metrics = WorkerMetrics(model_name, self.worker_id, lambda: self.last_stats)
+        self.telemetry = RequestTelemetry(self.worker_id, engine, self.metrics)
         self.status = self._status()
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -54,7 +59,8 @@ class Worker:
         r = streams.connect(self.settings.redis_url, health_check_interval=30)
         self.outbox = Outbox(r, self.settings, self.worker_id).start()
         self.outbox.set_status(self.status)
-        self.intake = Intake(r, self.settings, self.worker_id, self.inbox, lambda: self._room).start()
+        self.intake = Intake(r, self.settings, self.worker_id, self.inbox, lambda: self._room,
+                             metrics=self.metrics).start()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         log.info("worker %s serving %s on %s", self.worker_id, self.model_name, redacted_url(self.settings.redis_url))
@@ -84,6 +90,7 @@ class Worker:
         if self.engine.has_unfinished_requests() and not self.stopped:
             for output in self.engine.step():
                 self._emit(output)
+            self.telemetry.after_step()
         self.status = self._status()
         self._room = self._compute_room()
         self.outbox.set_status(self.status, self.taken)
@@ -115,6 +122,7 @@ class Worker:
             self.outbox.send([], Ack(job.stream, job.entry_id))
             return
         self.tracker.add(job)
+        self.telemetry.taken(job)
         if rid in self.cancelled:
             del self.cancelled[rid]
             self._close(job, finish_reason="abort")
@@ -129,6 +137,7 @@ class Worker:
             if isinstance(e, RequestRejected) and job.stream != keys.req_stream(self.worker_id) \
                     and req.attempt + 1 < self.settings.max_deliveries:
                 self.tracker.pop(rid)  # another worker may have the room this one lacks
+                self.telemetry.ended(rid, "handed back", error=str(e))
                 self.outbox.hand_back(requeue(req), Ack(job.stream, job.entry_id))
                 return
             self._close(job, error=ChunkError(kind="invalid_request", message=str(e)))
@@ -147,6 +156,9 @@ class Worker:
 
     def _close(self, job: Job, **final: Any) -> None:
         self.tracker.pop(job.request_id)
+        error = final.get("error")
+        self.telemetry.ended(job.request_id, final.get("finish_reason") or "error",
+                             error=error.message if error else None)
         self.outbox.send([self.tracker.final_chunk(job, **final)], Ack(job.stream, job.entry_id))
 
     # ---- output ------------------------------------------------------------------------------
@@ -154,7 +166,9 @@ class Worker:
         job = self.tracker.jobs.get(output.request_id)
         if job is None:
             return  # aborted meanwhile
+        first = output.request_id not in self.tracker.started
         chunks = self.tracker.chunks_for(output)
+        self.telemetry.output(job, output, chunks, first=first)
         if output.finished:
             self.num_finished += 1
             self.tracker.pop(job.request_id)
@@ -168,18 +182,20 @@ class Worker:
             if rid not in self.tracker.started:
                 self.engine.abort_request(rid)
                 self.tracker.pop(rid)
+                self.telemetry.ended(rid, "handed back (drain)")
                 self.outbox.hand_back(requeue(job.request), Ack(job.stream, job.entry_id))
         if not self.tracker.jobs or time.monotonic() >= self.drain_deadline:
             for rid in list(self.tracker.jobs):  # unfinished: left pending; their output so far is written
                 self.engine.abort_request(rid)
                 self.tracker.pop(rid)
+                self.telemetry.ended(rid, "left pending (drain)")
             if self.tracker.jobs or self.engine.has_unfinished_requests():
                 log.warning("engine still holds requests after drain")
             self.stopped = True
 
     # ---- status ------------------------------------------------------------------------------
     def _status(self) -> WorkerStatus:
-        stats = self.engine.stats()
+        stats = self.last_stats = self.engine.stats()
         kv = getattr(stats, "kv_cache", None) or getattr(stats, "kv_cache_stats", None) or stats
         return WorkerStatus(
             worker_id=self.worker_id, model=self.model_name, model_path=self.model_path,
@@ -188,7 +204,7 @@ class Worker:
             promised_blocks=self.tracker.promised_blocks(self.engine.block_size,
                                                          self.settings.route_max_output_tokens), running=stats.num_running, waiting=stats.num_waiting,
             num_preemptions=stats.num_preemptions, num_finished=self.num_finished, pid=os.getpid(), host=socket.gethostname(),
-            started_at=self.started_at, draining=self.draining)
+            started_at=self.started_at, draining=self.draining, **self.metrics.recent())
 
     def _compute_room(self) -> Room:
         s, backlog = self.status, self.status.waiting + self.inbox.qsize()
@@ -218,15 +234,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-id", help="stable id (its stream is kvfleet:req:ID); default host-pid")
     p.add_argument("--num-kv-blocks", type=int, help="KV cache size in blocks")
     p.add_argument("--kv-cache-memory", help="KV cache size in memory, e.g. 2GiB (instead of --num-kv-blocks)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--block-size", type=int, default=16, help='tokens per KV-cache block')
+    p.add_argument("--max-num-seqs", type=int, default=128, help='most sequences in one batch')
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help='token budget of one engine step (prefill chunks + decodes)')
     p.add_argument("--max-model-len", type=int, help="context window (default: the model's)")
-    p.add_argument("--scheduling-policy", choices=["fcfs", "priority", "sjf"], default="fcfs")
-    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--scheduling-policy", choices=["fcfs", "priority", "sjf"], default="fcfs", help='order of admission: first come first served, priority (lower first), shortest prompt first (with aging)')
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false", help='turn off automatic prefix caching')
+    p.add_argument("--dtype", default="float32", help='weights and KV cache dtype: float32, bfloat16 or float16')
+    p.add_argument("--device", default="cpu", help='cpu or cuda')
+    p.add_argument("--seed", type=int, default=0, help='seed for requests that give none')
     p.add_argument("--metrics-port", type=int, help="serve /livez, /readyz, /metrics on this port")
     p.add_argument("--metrics-host", help="address for --metrics-port (default 127.0.0.1; 0.0.0.0 in pods; env "
                                           "KVFLEET_METRICS_HOST)")
@@ -238,6 +254,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     hf_offline()
+    telemetry.setup_tracing("kvfleet-worker")
     settings = Settings.from_env(redis_url=args.redis_url, model=args.model, worker_id=args.worker_id,
                                  status_ttl_s=args.status_ttl, max_deliveries=args.max_deliveries,
                                  metrics_host=args.metrics_host)
@@ -263,7 +280,10 @@ def run(args: argparse.Namespace) -> int:
         worker = Worker(engine, settings, model_name=args.served_model_name or engine.model_name,
                         model_path=str(resolve_model(settings.model)), drain_timeout_s=args.drain_timeout,
                         max_backlog=args.max_num_seqs)
+        if health:
+            health.registry = worker.metrics.registry
         return worker.run()
     finally:
         if health:
             health.stop()
+        telemetry.shutdown()

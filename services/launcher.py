@@ -26,8 +26,8 @@ WORKER_FLAGS = [("--num-kv-blocks", "num_kv_blocks"), ("--kv-cache-memory", "kv_
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=1, help="how many engine workers")
     p.add_argument("--model", help="HF directory, .gguf file or alias (default smollm2; env KVFLEET_MODEL)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help='address the gateway listens on')
+    p.add_argument("--port", type=int, default=8000, help="HTTP port of the gateway's OpenAI-compatible API")
     p.add_argument("--redis-url", help="use this Redis instead of starting a private one")
     p.add_argument("--routing", help="gateway routing policy (free_blocks, prefix, least_loaded, round_robin)")
     p.add_argument("--api-key", action="append", dest="api_keys", help="require this bearer key (repeatable)")
@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--docker", action="store_true", help="start the fleet as Docker containers instead")
     for flag, dest in WORKER_FLAGS:
         p.add_argument(flag, dest=dest, help="passed to every worker (see `kvfleet worker --help`)")
-    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false", help='turn off automatic prefix caching on every worker')
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for the fleet")
 
 
