@@ -2,20 +2,24 @@
 
 execute(sched_out) applies copy-on-write block copies, runs every scheduled token in one forward and
 returns float32 logits only for the sequences that sample this step (lm_head runs on those rows only).
+On CPU with N > 1 torch threads, the step's sequences are split into N groups (batch_split) that run as N
+concurrent forwards, one thread each, with single-threaded ops (see batch_split for why).
 """
 
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import chain
 
 import torch
 
+from gpu_worker.batch_split import split_batch
 from gpu_worker.config import num_blocks_for_memory, parse_memory_size
 from gpu_worker.model_loader import ModelFiles
 from gpu_worker.models.llama import AttentionMetadata, LlamaForCausalLM
-from gpu_worker.scheduler_output import SchedulerOutput
+from gpu_worker.scheduler_output import ScheduledSeq, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -92,13 +96,22 @@ class ModelRunner:
         self.kv_caches = [(torch.empty(cache_shape, dtype=dtype, device=device),
                            torch.empty(cache_shape, dtype=dtype, device=device)) for _ in range(arch.num_layers)]
         self._zeroed = torch.zeros(self.num_blocks, dtype=torch.bool)  # [num_blocks]
+        # CPU: one worker per torch thread, each running its group of sequences with single-threaded ops
+        self.num_parts = torch.get_num_threads() if device.type == "cpu" else 1
+        self._pool = (ThreadPoolExecutor(self.num_parts, thread_name_prefix="kvfleet-forward",
+                                         initializer=torch.set_num_threads, initargs=(1,))
+                      if self.num_parts > 1 else None)
 
     @property
     def vocab_size(self) -> int:
         return self.model.arch.vocab_size
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy-on-write: block src -> block dst in every layer."""
+        """Copy-on-write: block src -> block dst in every layer.
+
+        A dst now holds initialised data (src was zeroed when first used), so it is marked zeroed: the lazy
+        zeroing of blocks a block table names for the first time, which runs after this, must not wipe the copy.
+        """
         if not pairs:
             return
         src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.device)
@@ -106,6 +119,7 @@ class ModelRunner:
         for key_cache, value_cache in self.kv_caches:
             key_cache[dst] = key_cache[src]
             value_cache[dst] = value_cache[src]
+        self._zeroed[[d for _, d in pairs]] = True
 
     def _zero_new_blocks(self, block_tables: torch.Tensor) -> None:
         """block_tables: [S, max_blocks] on the CPU; zero the blocks never seen before."""
@@ -118,9 +132,8 @@ class ModelRunner:
                 key_cache[fresh] = 0
                 value_cache[fresh] = 0
 
-    def prepare_inputs(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
-                                                              torch.Tensor]:
-        seqs = sched.seqs
+    def prepare_inputs(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
+                                                                 torch.Tensor]:
         lens = [len(s.token_ids) for s in seqs]
         starts = [0]
         for n in lens:
@@ -133,7 +146,6 @@ class ModelRunner:
 
         block_tables = torch.tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs],
                                     dtype=torch.int32)  # [S, max_blocks]
-        self._zero_new_blocks(block_tables)
 
         input_ids = t(list(chain.from_iterable(s.token_ids for s in seqs)), torch.long)  # [T]
         positions = t([p for s in seqs for p in range(s.start_pos, s.start_pos + len(s.token_ids))],
@@ -153,6 +165,18 @@ class ModelRunner:
         self.copy_blocks(sched.blocks_to_copy)
         if not sched.seqs:
             return torch.empty(0, self.vocab_size, device=self.device)
-        input_ids, positions, meta, sample_rows = self.prepare_inputs(sched)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, H]
-        return self.model.compute_logits(hidden[sample_rows])  # [N, V]
+        width = max(len(s.block_table) for s in sched.seqs)
+        self._zero_new_blocks(torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in sched.seqs],
+                                           dtype=torch.int32))  # [S, width]
+        parts = split_batch(sched.seqs, self.num_parts, self.block_size) if self._pool is not None else [sched.seqs]
+        if len(parts) == 1:
+            return self._forward(sched.seqs)
+        futures = [self._pool.submit(self._forward, part) for part in parts]
+        return torch.cat([f.result() for f in futures])  # [N, V]: the parts are contiguous, in batch order
+
+    def _forward(self, seqs: list[ScheduledSeq]) -> torch.Tensor:
+        """One forward over `seqs` -> logits of its sampling sequences [N, V] (inference mode is per thread)."""
+        with torch.inference_mode():
+            input_ids, positions, meta, sample_rows = self.prepare_inputs(seqs)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, H]
+            return self.model.compute_logits(hidden[sample_rows])  # [N, V]

@@ -1,12 +1,16 @@
 """The engine's request features on a tiny Llama: stop strings / ids, max/min tokens, n > 1 with shared
 blocks, seeds across batch compositions, resume, rejection, unsupported architectures, chat."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from gpu_worker import LLM, LLMEngine, SamplingParams
-from gpu_worker.model_loader import UnsupportedArchitecture
+from gpu_worker.model_loader import UnsupportedArchitecture, load_model_files
+from gpu_worker.model_runner import ModelRunner
 from gpu_worker.scheduler import RequestRejected
+from gpu_worker.scheduler_output import ScheduledSeq, SchedulerOutput
 
 pytestmark = pytest.mark.integration
 
@@ -97,6 +101,75 @@ def test_n_samples_share_the_prompt_blocks(llm):
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
     prompt_blocks = len(PROMPT) // 4
     assert peak_used < 3 * prompt_blocks  # 3 sequences, one copy of the prompt's full blocks
+
+
+GROUP_BS = 8
+GROUP_LENGTHS = (1, 5, GROUP_BS - 1, GROUP_BS, GROUP_BS + 1)  # 1 token, less than a block, around one block
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def fresh_llm(model_dir):
+    """A new engine: its KV blocks were never used, so none is lazily zeroed yet (as on a fresh worker)."""
+    return LLM(str(model_dir), block_size=GROUP_BS, num_kv_blocks=64, max_num_batched_tokens=256, max_model_len=64)
+
+
+def prompt_of(length, base=300):
+    return list(range(base, base + length))
+
+
+@pytest.fixture(scope="module")
+def n1_output(tiny_llama_dir):
+    ref, memo = fresh_llm(tiny_llama_dir), {}
+
+    def output(prompt):
+        if tuple(prompt) not in memo:
+            memo[tuple(prompt)] = gen(ref, prompt, max_tokens=8, ignore_eos=True).token_ids
+        return memo[tuple(prompt)]
+    return output
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_greedy_n_samples_all_equal_the_n1_output(tiny_llama_dir, n1_output, n):
+    # Regression: the leader (and all but the last sibling) write the last prompt token into a copy-on-write
+    # copy of the shared partial block; the runner zeroed that never-used copy after copying into it.
+    llm = fresh_llm(tiny_llama_dir)
+    prompts = [prompt_of(length) for length in GROUP_LENGTHS]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        dataclasses.replace(GREEDY, n=n), use_tqdm=False)
+    for length, p, out in zip(GROUP_LENGTHS, prompts, outs, strict=True):
+        assert [c.token_ids for c in out.outputs] == [n1_output(p)] * n, f"prompt of {length} tokens"
+
+
+def test_greedy_n_samples_equal_the_n1_output_in_a_mixed_batch(tiny_llama_dir, n1_output):
+    engine = fresh_llm(tiny_llama_dir).engine
+    waves = [  # (request id, prompt, n): groups fork while other requests prefill and decode
+        [("o0", prompt_of(12, 500), 1), ("g5", prompt_of(5), 3)],
+        [("g1", prompt_of(1), 2), ("g7", prompt_of(GROUP_BS - 1), 2), ("o1", prompt_of(3, 600), 1)],
+        [("g8", prompt_of(GROUP_BS), 3), ("o2", prompt_of(20, 700), 1), ("g9", prompt_of(GROUP_BS + 1), 2)],
+    ]
+    done = {}
+    for wave in waves:
+        for rid, p, n in wave:
+            engine.add_request(rid, p, dataclasses.replace(GREEDY, n=n))
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    engine.add_request("t", prompt_of(6, 800), SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=8))
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    for rid, p, n in (r for wave in waves for r in wave):
+        assert [c.token_ids for c in done[rid].outputs] == [n1_output(p)] * n, rid
+    assert engine.stats().used_blocks == 0
+
+
+def test_runner_keeps_a_copy_on_write_destination_it_has_not_zeroed_yet(tiny_llama_dir):
+    runner = ModelRunner(load_model_files(tiny_llama_dir), dtype=torch.float32, device=torch.device("cpu"),
+                         max_model_len=64, block_size=4, num_kv_blocks=4)
+    runner.execute(SchedulerOutput([ScheduledSeq("a", [5, 6, 7], 0, [0], [0, 1, 2], sample=False)]))
+    # block 1 is named by a block table for the first time in the step that copies block 0 into it
+    runner.execute(SchedulerOutput([ScheduledSeq("b", [8], 3, [1], [7], sample=True)], blocks_to_copy=[(0, 1)]))
+    for key_cache, value_cache in runner.kv_caches:  # [num_blocks, block_size, Hkv, D] each
+        assert key_cache[0, :3].abs().sum() > 0
+        assert torch.equal(key_cache[1, :3], key_cache[0, :3]) and torch.equal(value_cache[1, :3], value_cache[0, :3])
+        assert key_cache[1, 3].abs().sum() > 0  # the step's own token landed in the copy
 
 
 def test_seeded_request_is_reproducible_across_batches(llm):

@@ -276,6 +276,25 @@ def test_group_forks_after_prompt_minus_one_and_copies_on_write():
     assert s.stats().used_blocks == 0
 
 
+def test_group_with_a_prompt_shorter_than_a_block_writes_each_last_token_into_its_own_block():
+    s = make()
+    s.add_request_group([req(f"g{i}", [10, 11, 12], max_tokens=2) for i in range(2)])
+    out, _ = step(s)
+    assert [(q.request_id, q.token_ids, q.block_table, q.slot_mapping, q.sample) for q in out.seqs] == [
+        ("g0", [10, 11], [0], [0, 1], False)]
+    out, _ = step(s)  # the leader writes into the copy of block 0 (made before the forward), g1 into block 0
+    assert [(q.request_id, q.start_pos, q.token_ids, q.block_table, q.slot_mapping) for q in out.seqs] == [
+        ("g0", 2, [12], [1], [6]),
+        ("g1", 2, [12], [0], [2]),
+    ]
+    assert out.blocks_to_copy == [(0, 1)]
+    out, _ = step(s, token=8)
+    assert [(q.request_id, q.token_ids, q.block_table, q.slot_mapping) for q in out.seqs] == [
+        ("g0", [7], [1], [7]), ("g1", [7], [0], [3])]
+    assert out.blocks_to_copy == []
+    assert not s.has_unfinished_requests() and s.stats().used_blocks == 0
+
+
 def test_resumed_group_recomputes_outputs_and_stops_its_hit_at_the_shared_prefix():
     s = make()
     s.add_request(req("a", [*range(8), 1, 2, 3, 4, 5], max_tokens=1))
