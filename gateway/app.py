@@ -11,7 +11,7 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway import fleet, responses
 from gateway.errors import APIError, bad_request, install_handlers
@@ -25,10 +25,11 @@ from gateway.generation import (
     target_for,
     watch_disconnect,
 )
+from gateway.instrumentation import Instrumentation
 from gateway.openai_api import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from gateway.router import POLICIES
 from gateway.tokenizer import Tokenizers, chat_ids, prompt_ids
-from shared import streams
+from shared import streams, telemetry
 from shared.settings import Settings
 
 log = logging.getLogger("kvfleet.gateway")
@@ -50,10 +51,12 @@ def create_app(settings: Settings) -> FastAPI:
             state.tokenizers.preload(settings.model)
         yield
         await state.redis.aclose()
+        telemetry.flush()  # the last requests' spans: uvicorn ends the process by re-raising SIGTERM
 
     app = FastAPI(title="kvfleet gateway", lifespan=lifespan)
     app.state.kvfleet = state
     install_handlers(app)
+    app.add_middleware(Instrumentation, metrics=state.metrics)
 
     def authorized(request: Request) -> None:
         if not settings.api_keys:
@@ -149,7 +152,8 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+        await state.metrics.refresh(state.redis)
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
 

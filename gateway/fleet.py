@@ -14,8 +14,9 @@ import redis
 
 from gateway import prefix_index
 from gateway.errors import APIError
+from gateway.instrumentation import enqueue_span, note_route
 from gateway.router import route
-from shared import keys, streams
+from shared import keys, streams, telemetry
 from shared.messages import GenerationRequest, WorkerStatus
 from shared.settings import Settings
 
@@ -79,25 +80,29 @@ async def place(r: Any, settings: Settings, request: GenerationRequest, serves: 
     serializes calls within one gateway; the Lua checks in shared.streams keep replicas from over-committing."""
     checks_room = policy in ("free_blocks", "prefix")
     for _ in range(MAX_ROUTE_TRIES):
-        view = await read_fleet(r)
-        candidates = view.serving(serves)
-        hashes: list[str] = []
-        overlap: dict[str, int] = {}
-        turn = 0
-        if policy == "prefix" and candidates:
-            hashes = prefix_index.block_hashes(request.prompt_token_ids, candidates[0].block_size, request.model)
-            overlap = await prefix_index.overlap(r, hashes)
-        elif policy == "round_robin":
-            turn = await r.incr(keys.ROUND_ROBIN)
-        worker = route(routing_blocks, candidates, policy, view.reservations,
-                       reserve_blocks=settings.reserve_blocks, turn=turn, prompt_blocks=len(hashes),
-                       prefix_overlap=overlap)
+        with telemetry.span("kvfleet.route", attributes={telemetry.KVFLEET_ROUTING_POLICY: policy,
+                                                         telemetry.KVFLEET_KV_BLOCKS: routing_blocks}) as span:
+            view = await read_fleet(r)
+            candidates = view.serving(serves)
+            hashes: list[str] = []
+            overlap: dict[str, int] = {}
+            turn = 0
+            if policy == "prefix" and candidates:
+                hashes = prefix_index.block_hashes(request.prompt_token_ids, candidates[0].block_size, request.model)
+                overlap = await prefix_index.overlap(r, hashes)
+            elif policy == "round_robin":
+                turn = await r.incr(keys.ROUND_ROBIN)
+            worker = route(routing_blocks, candidates, policy, view.reservations,
+                           reserve_blocks=settings.reserve_blocks, turn=turn, prompt_blocks=len(hashes),
+                           prefix_overlap=overlap)
+            note_route(span, worker, candidates, view.reservations)
         if worker is None:
             break
         request.kv_blocks = routing_blocks
-        entry_id = await streams.aenqueue_routed(
-            r, request, worker, min_headroom=settings.reserve_blocks if checks_room else None,
-            reservation_ttl_s=settings.reservation_ttl_s)
+        with enqueue_span(request, keys.req_stream(worker)):
+            entry_id = await streams.aenqueue_routed(
+                r, request, worker, min_headroom=settings.reserve_blocks if checks_room else None,
+                reservation_ttl_s=settings.reservation_ttl_s)
         if entry_id is not None:
             if hashes:
                 pipe = r.pipeline(transaction=False)
@@ -105,7 +110,10 @@ async def place(r: Any, settings: Settings, request: GenerationRequest, serves: 
                 await pipe.execute()
             return Placement(worker, entry_id, policy)
     request.kv_blocks = 0
-    entry_id = await streams.aenqueue_shared(r, request, bound=settings.queue_bound)
+    with enqueue_span(request, keys.REQ_ANY) as span:
+        entry_id = await streams.aenqueue_shared(r, request, bound=settings.queue_bound)
+        if entry_id is None:
+            telemetry.set_error(span, "shared queue full")
     if entry_id is None:
         raise APIError(
             429, f"the fleet is full: no worker has {routing_blocks} free KV blocks for this request and "

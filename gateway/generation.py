@@ -13,6 +13,8 @@ from typing import Any
 
 from gateway import fleet
 from gateway.errors import APIError, bad_request, param_of
+from gateway.instrumentation import RelayObserver, annotate_request
+from gateway.metrics import GatewayMetrics
 from gateway.router import blocks_for, request_blocks
 from gateway.tokenizer import same_model
 from shared import streams
@@ -30,6 +32,7 @@ class GatewayState:
     tokenizers: Any  # gateway.tokenizer.Tokenizers
     background: set[asyncio.Task] = field(default_factory=set)
     admission: asyncio.Lock = field(default_factory=asyncio.Lock)  # one placement at a time per gateway
+    metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
 
     def spawn(self, coro: Any) -> None:
         """Run `coro` to completion even if the caller's scope is being cancelled (a client disconnect)."""
@@ -127,7 +130,10 @@ async def submit(state: GatewayState, target: Target, prompt_ids: list[int], par
     async with state.admission:
         placement = await fleet.place(state.redis, state.settings, request, lambda w: w.worker_id in ids,
                                       policy=state.settings.routing, routing_blocks=routing_blocks)
-    return Submitted(request.request_id, target, request, placement)
+    state.metrics.routed(placement.policy, placement.worker_id)
+    sub = Submitted(request.request_id, target, request, placement)
+    annotate_request(sub)
+    return sub
 
 
 def chunk_error(chunk: OutputChunk) -> APIError:
@@ -147,8 +153,10 @@ async def relay(state: GatewayState, sub: Submitted, disconnected: Any = None) -
     chunks = streams.aiter_output(state.redis, sub.request_id, timeout_s=settings.request_timeout_s,
                                   expire_after_s=settings.output_ttl_after_read_s)
     loop = asyncio.get_running_loop()
+    observer = RelayObserver(state.metrics, sub)
     try:
         async for chunk in chunks:
+            observer.chunk(chunk)
             finished = chunk.final
             yield chunk
             if disconnected is not None and not finished and loop.time() >= next_check:

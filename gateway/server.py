@@ -10,6 +10,7 @@ import argparse
 import logging
 
 from gateway.router import POLICIES
+from shared import telemetry
 from shared.settings import Settings, hf_offline, redacted_url
 
 
@@ -39,11 +40,15 @@ def run(args: argparse.Namespace) -> int:
     settings = Settings.from_env(redis_url=args.redis_url, routing=args.routing, model=args.model,
                                  api_keys=args.api_keys, queue_bound=args.queue_bound,
                                  reserve_blocks=args.reserve_blocks, request_timeout_s=args.request_timeout)
+    telemetry.setup_tracing("kvfleet-gateway")
     app = create_app(settings)
     logging.getLogger("kvfleet.gateway").info(
         "gateway on http://%s:%d/v1 (redis %s, routing %s, %s)", args.host, args.port,
         redacted_url(settings.redis_url), settings.routing,
         f"{len(settings.api_keys)} API key(s)" if settings.api_keys else "no API keys")
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                timeout_graceful_shutdown=int(args.graceful_timeout))
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                    timeout_graceful_shutdown=int(args.graceful_timeout))
+    finally:
+        telemetry.shutdown()  # on a signal uvicorn exits by re-raising it: the app's lifespan flushes first
     return 0

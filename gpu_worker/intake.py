@@ -24,12 +24,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 
 from gateway.router import request_blocks
 from gpu_worker.request_tracker import Job, RequestTracker
-from shared import keys, streams
+from shared import keys, streams, telemetry
 from shared.messages import ChunkError, DeadLetter, GenerationRequest, WorkerStatus
 from shared.settings import Settings
 
@@ -69,8 +70,9 @@ def ensure_group(r: redis.Redis, stream: str) -> None:
 
 class Intake:
     def __init__(self, r: redis.Redis, settings: Settings, worker_id: str, inbox: queue.Queue,
-                 room: Callable[[], Room]):
+                 room: Callable[[], Room], *, metrics: Any = None):
         self.r, self.settings, self.worker_id = r, settings, worker_id
+        self.metrics = metrics  # gpu_worker.metrics.WorkerMetrics: counts dead letters
         self.inbox, self.room = inbox, room
         self.own = keys.req_stream(worker_id)
         self._stop = threading.Event()
@@ -273,6 +275,13 @@ class Intake:
         letter = DeadLetter(request=job.request, reason=reason, deliveries=job.deliveries, worker_id=self.worker_id)
         self.r.xadd(keys.DEAD, {keys.FIELD: letter.model_dump_json()}, maxlen=10_000, approximate=True)
         self._finish(job, error=ChunkError(kind="dead_letter", message=f"request failed: {reason}"))
+        if self.metrics is not None:
+            self.metrics.dead_letters.inc()
+        span = telemetry.start_span("kvfleet.dead_letter", context=telemetry.extract(job.request.trace_context),
+                                    attributes={telemetry.KVFLEET_WORKER_ID: self.worker_id,
+                                                telemetry.KVFLEET_DELIVERIES: job.deliveries})
+        telemetry.set_error(span, reason)
+        span.end()
 
     # ---- cancels -----------------------------------------------------------------------------
     def _cancels(self) -> None:

@@ -137,7 +137,7 @@ class Worker:
             if isinstance(e, RequestRejected) and job.stream != keys.req_stream(self.worker_id) \
                     and req.attempt + 1 < self.settings.max_deliveries:
                 self.tracker.pop(rid)  # another worker may have the room this one lacks
-                self.telemetry.ended(rid, "handed back", error=str(e))
+                self.telemetry.ended(rid, f"handed back: {e}")
                 self.outbox.hand_back(requeue(req), Ack(job.stream, job.entry_id))
                 return
             self._close(job, error=ChunkError(kind="invalid_request", message=str(e)))

@@ -6,6 +6,10 @@ With no OTLP endpoint set (OTEL_EXPORTER_OTLP_ENDPOINT / OTEL_EXPORTER_OTLP_TRAC
 configured: `enabled()` is False, the helpers return at once without touching the SDK, and `inject` gives
 an empty carrier, so a fleet without tracing pays nothing for it.
 
+The provider stays kvfleet's own (it is not installed as OTel's global one), so a trace holds kvfleet's
+boundary spans only: libraries that trace themselves when a global provider exists (FastAPI's native
+telemetry adds a server span plus dependency and endpoint spans to every request) stay off, at no cost.
+
 Spans made after the fact (a request's prefill and decode, from the engine's timestamps when it finishes)
 take explicit times: `record_span(..., start_ns=..., end_ns=...)`, with `wall_ns` turning the engine's
 monotonic clock into the epoch nanoseconds OTel wants.
@@ -87,8 +91,7 @@ def setup_tracing(default_service_name: str) -> bool:
             resource = resource.merge(Resource({SERVICE_NAME: default_service_name}))
         provider = TracerProvider(resource=resource)  # sampler from OTEL_TRACES_SAMPLER(_ARG)
         provider.add_span_processor(BatchSpanProcessor(_exporter(protocol)))
-        trace.set_tracer_provider(provider)
-        install(provider)
+        install(provider)  # not the global provider: see the module doc
     log.info("tracing on: OTLP %s to %s as %s", protocol, endpoint, resource.attributes.get(SERVICE_NAME))
     return True
 
@@ -120,6 +123,14 @@ def install(provider: Any) -> None:
 
 def enabled() -> bool:
     return _provider is not None
+
+
+def flush(timeout_s: float = 5.0) -> None:
+    """Export what is buffered now (an ASGI app's shutdown: uvicorn re-raises SIGTERM once it has stopped,
+    so nothing after `uvicorn.run` runs, not even atexit hooks)."""
+    provider = _provider
+    if provider is not None:
+        provider.force_flush(int(timeout_s * 1000))
 
 
 def shutdown(timeout_s: float = 5.0) -> None:

@@ -1,0 +1,101 @@
+"""The gateway's Prometheus metrics (its own registry): HTTP requests by endpoint and status, latency and
+time to first token as the client sees them, routing decisions by policy and worker, 429s; and, read from
+Redis at scrape time (`refresh`), the fleet: request-stream length / pending / lag and each live worker's
+free and total KV blocks.
+
+Names differ from the workers' (kvfleet_http_*, kvfleet_gateway_*, kvfleet_fleet_*) so that sums over all
+scraped targets never count a request or a block twice.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+log = logging.getLogger("kvfleet.gateway")
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0)
+
+
+class _FleetCollector(Collector):
+    """The last fleet snapshot (gateway.fleet.snapshot) as gauges."""
+
+    def __init__(self) -> None:
+        self.snapshot: dict[str, Any] | None = None
+
+    def collect(self) -> Iterator[Any]:
+        snap = self.snapshot
+        if snap is None:
+            return
+        length = GaugeMetricFamily("kvfleet_stream_length", "Entries in a request stream (queued + in work).",
+                                   labels=["stream"])
+        pending = GaugeMetricFamily("kvfleet_stream_pending", "Entries delivered to a worker, not yet acked.",
+                                    labels=["stream"])
+        lag = GaugeMetricFamily("kvfleet_stream_lag", "Entries no worker has taken yet (length - pending).",
+                                labels=["stream"])
+        for name, info in snap["streams"].items():
+            length.add_metric([name], info["length"])
+            pending.add_metric([name], info["pending"])
+            lag.add_metric([name], max(0, info["length"] - info["pending"]))
+        yield from (length, pending, lag)
+        free = GaugeMetricFamily("kvfleet_fleet_free_blocks", "A live worker's free KV blocks (its status).",
+                                 labels=["worker", "model_name"])
+        total = GaugeMetricFamily("kvfleet_fleet_total_blocks", "A live worker's KV blocks (its status).",
+                                  labels=["worker", "model_name"])
+        for w in snap["workers"]:
+            free.add_metric([w["worker_id"], w["model"]], w["free_blocks"])
+            total.add_metric([w["worker_id"], w["model"]], w["total_blocks"])
+        yield from (free, total)
+        live = GaugeMetricFamily("kvfleet_fleet_workers", "Workers by state.", labels=["state"])
+        live.add_metric(["live"], len(snap["workers"]))
+        live.add_metric(["dead"], len(snap["dead_workers"]))
+        yield live
+        dead = GaugeMetricFamily("kvfleet_dead_letter_stream_length", "Entries in the dead-letter stream.")
+        dead.add_metric([], snap["dead_letters"])
+        yield dead
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = r = registry if registry is not None else CollectorRegistry()
+        ProcessCollector(registry=r)
+        self.requests = Counter("kvfleet_http_requests_total", "HTTP requests by endpoint and status.",
+                                ["endpoint", "status"], registry=r)
+        self.latency = Histogram("kvfleet_gateway_request_latency_seconds",
+                                 "HTTP request to the last byte of the response, by endpoint.", ["endpoint"],
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("kvfleet_gateway_time_to_first_token_seconds",
+                              "Request arrival to the first output token relayed, by model.", ["model_name"],
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.routing = Counter("kvfleet_routing_decisions_total",
+                               "Requests placed, by routing policy and worker (\"any\": the shared stream).",
+                               ["policy", "worker"], registry=r)
+        self.rejected = Counter("kvfleet_rejected_total", "Requests answered 429 (fleet full).", registry=r)
+        self._fleet = _FleetCollector()
+        r.register(self._fleet)
+
+    def observe_http(self, endpoint: str, status: int, seconds: float) -> None:
+        self.requests.labels(endpoint, str(status)).inc()
+        self.latency.labels(endpoint).observe(seconds)
+        if status == 429:
+            self.rejected.inc()
+
+    def routed(self, policy: str, worker_id: str | None) -> None:
+        self.routing.labels(policy, worker_id or "any").inc()
+
+    async def refresh(self, r: Any) -> None:
+        """Read the fleet from Redis for this scrape; a Redis error leaves the fleet gauges out."""
+        from gateway import fleet
+
+        try:
+            self._fleet.snapshot = await fleet.snapshot(r)
+        except Exception as e:  # noqa: BLE001 (any Redis trouble: scrape what the gateway itself knows)
+            log.warning("metrics: cannot read the fleet from Redis: %s", type(e).__name__)
+            self._fleet.snapshot = None

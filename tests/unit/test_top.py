@@ -1,0 +1,52 @@
+"""services/top.py: the frame it draws (free-block bars, tokens/s from two reads, TTFT, stream lag)."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.top import Sample, bar, render, tokens_per_s
+
+pytestmark = pytest.mark.unit
+
+
+def worker(wid: str, free: int, total: int, tokens: int, **kw) -> dict:
+    return {"worker_id": wid, "model": "tiny", "free_blocks": free, "total_blocks": total, "running": 2,
+            "waiting": 1, "num_preemptions": 0, "heartbeat_age_s": 0.3, "draining": False,
+            "generation_tokens": tokens} | kw
+
+
+def snap(*workers, streams=None) -> dict:
+    return {"workers": list(workers), "dead_workers": [], "dead_letters": 0,
+            "streams": streams or {"kvfleet:req:any": {"length": 5, "pending": 2}}}
+
+
+def test_bar_shows_used_blocks():
+    assert bar(10, 10, width=10) == "[" + "." * 10 + "]"
+    assert bar(0, 10, width=10) == "[" + "#" * 10 + "]"
+    assert bar(25, 100, width=4) == "[###.]"
+    assert bar(0, 0, width=3) == "[...]"
+
+
+def test_tokens_per_second_from_two_reads():
+    prev = Sample(snap(worker("w1", 5, 10, tokens=100)), at=10.0)
+    now = Sample(snap(worker("w1", 5, 10, tokens=150)), at=12.0)
+    assert tokens_per_s(now, prev, "w1") == 25.0
+    assert tokens_per_s(now, None, "w1") is None
+    assert tokens_per_s(Sample(snap(worker("w2", 1, 2, 9)), 13.0), prev, "w2") is None  # new worker
+
+
+def test_frame_lists_workers_streams_and_ttft():
+    prev = Sample(snap(worker("w1", 5, 10, tokens=0)), at=0.0)
+    now = Sample(snap(worker("w1", 4, 16, tokens=30, ttft_p50_s=0.012, ttft_p95_s=0.05, ttft_p99_s=0.2),
+                      worker("w0", 16, 16, tokens=0, draining=True)), at=1.0)
+    lines = render(now, prev)
+    text = "\n".join(lines)
+    (w1,) = [line for line in lines if line.startswith("w1")]
+    assert "[###############.....]" in w1 and "4/16" in w1 and "30.0" in w1 and "12/50/200" in w1
+    (w0,) = [line for line in lines if line.startswith("w0")]
+    assert "draining" in w0 and "-/-/-" in w0
+    (stream,) = [line for line in lines if line.startswith("kvfleet:req:any")]
+    assert stream.split()[1:] == ["5", "2", "3"]  # length, pending, lag
+    assert "30.0 tokens/s" in text
+    assert all(len(line) <= 60 for line in render(now, prev, width=60))
+    assert "(no live worker)" in render(Sample(snap(), 1.0), None)
