@@ -14,21 +14,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway import fleet, responses
-from gateway.errors import APIError, bad_request, install_handlers
-from gateway.generation import (
-    GatewayState,
-    make_params,
-    relay,
-    resolve_max_tokens,
-    routing_header,
-    submit,
-    target_for,
-    watch_disconnect,
-)
+from gateway.errors import APIError, install_handlers
+from gateway.generation import GatewayState, relay, routing_header, submit, target_for, watch_disconnect
 from gateway.instrumentation import Instrumentation
 from gateway.openai_api import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from gateway.prompts import prepare
 from gateway.router import POLICIES
-from gateway.tokenizer import Tokenizers, chat_ids, prompt_ids
+from gateway.tokenizer import Tokenizers
 from shared import streams, telemetry
 from shared.settings import Settings
 
@@ -85,32 +77,32 @@ def create_app(settings: Settings) -> FastAPI:
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(body: CompletionRequest, request: Request) -> Response:
         target = await target_for(state, body.model)
-        ids, text = completion_prompt(target.tokenizer, body.prompt)
-        max_tokens = resolve_max_tokens(target, len(ids), body.max_tokens, "prompt")
-        params = make_params(lambda: body.sampling_params(max_tokens, body.logprobs))
-        sub = await submit(state, target, ids, params, priority=body.priority, prompt=text, id_prefix="cmpl")
-        headers = routing_header(sub)
+        batch = await submit(state, target, prepare(target, body), id_prefix="cmpl")
+        headers = routing_header(batch)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = responses.completion_events(sub, relay(state, sub, request.is_disconnected), echo=body.echo,
-                                                 logprobs=body.logprobs, include_usage=include_usage)
+            chunks = responses.merge_chunks([relay(state, s, request.is_disconnected) for s in batch.subs], batch.n)
+            events = responses.completion_events(batch, chunks, echo=body.echo, logprobs=body.logprobs,
+                                                 include_usage=include_usage)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers | SSE_HEADERS)
-        return await finish(request, responses.completion_body(sub, relay(state, sub), echo=body.echo,
-                                                               logprobs=body.logprobs), headers)
+
+        async def whole() -> Any:
+            parts = [asyncio.ensure_future(responses.completion_body(s, relay(state, s), echo=body.echo,
+                                                                     logprobs=body.logprobs)) for s in batch.subs]
+            try:  # one prompt failing (or the client leaving) cancels the others
+                return responses.merge_completions(batch.request_id, list(await asyncio.gather(*parts)))
+            finally:
+                for part in parts:
+                    part.cancel()
+
+        return await finish(request, whole(), headers)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         target = await target_for(state, body.model)
-        try:
-            ids = chat_ids(target.tokenizer, [m.as_template_input() for m in body.messages])
-        except ValueError as e:
-            raise bad_request(str(e), "messages") from None
-        wanted = body.max_completion_tokens or body.max_tokens
-        max_tokens = resolve_max_tokens(target, len(ids), wanted, "messages")
-        top = (body.top_logprobs or 0) if body.logprobs else None
-        params = make_params(lambda: body.sampling_params(max_tokens, top))
-        sub = await submit(state, target, ids, params, priority=body.priority, prompt=None, id_prefix="chatcmpl")
-        headers = routing_header(sub)
+        prepared = prepare(target, body)
+        batch = await submit(state, target, prepared, id_prefix="chatcmpl")
+        sub, top, headers = batch.subs[0], prepared.logprobs, routing_header(batch)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             events = responses.chat_events(sub, relay(state, sub, request.is_disconnected), top_logprobs=top,
@@ -157,18 +149,3 @@ def create_app(settings: Settings) -> FastAPI:
 
     return app
 
-
-def completion_prompt(tokenizer: Any, prompt: Any) -> tuple[list[int], str | None]:
-    """A completion's prompt (text, token ids, or a batch of one of either) -> (token ids, text or None)."""
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-        if len(prompt) != 1:
-            raise bad_request(f"batched prompts are not supported (got {len(prompt)}); send one prompt per "
-                              "request", "prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return prompt_ids(tokenizer, prompt), prompt
-    vocab = len(tokenizer)
-    bad = [t for t in prompt if not 0 <= t < vocab]
-    if bad:
-        raise bad_request(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}", "prompt")
-    return list(prompt), None

@@ -1,6 +1,7 @@
-"""One generation through the fleet, from the gateway's side: find the workers that serve the model, check
-the request against the context window and the caches, place it (route, reserve, enqueue), then relay its
-output chunks, cancelling it when the client goes away or nothing arrives in time."""
+"""One generation through the fleet, from the gateway's side: find the workers that serve the model (its
+prompts are then prepared by gateway.prompts), build each request and check it against the caches, place it
+(route, reserve, enqueue), then relay its output chunks, cancelling it when the client goes away or nothing
+arrives in time. services.fleet_calls builds and places through the same functions (build_request, place)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway import fleet
-from gateway.errors import APIError, bad_request, param_of
+from gateway.errors import APIError, bad_request
 from gateway.instrumentation import RelayObserver, annotate_request
 from gateway.metrics import GatewayMetrics
+from gateway.prompts import Prepared, Prompt, part_ids
 from gateway.router import blocks_for, request_blocks
 from gateway.tokenizer import same_model
 from shared import streams
 from shared.messages import GenerationRequest, OutputChunk, WorkerStatus
-from shared.sampling_params import SamplingParams
 from shared.settings import Settings
 
 log = logging.getLogger("kvfleet.gateway")
@@ -76,31 +77,17 @@ async def target_for(state: GatewayState, model: str) -> Target:
                   max_total_blocks=max(w.total_blocks for w in workers))
 
 
-def resolve_max_tokens(target: Target, prompt_len: int, max_tokens: int | None, param: str) -> int | None:
-    """max_tokens as the workers will run it; 400 (with both numbers) when prompt + output exceed the window.
-    With no worker alive (scale to zero) the window is unknown: the worker that takes it checks."""
-    if not target.workers:
-        return max_tokens
-    limit = target.max_model_len
-    if max_tokens is None:
-        if prompt_len >= limit:
-            raise bad_request(f"This model's maximum context length is {limit} tokens. However, your prompt is "
-                              f"{prompt_len} tokens, leaving no room for output.", param, "context_length_exceeded")
-        return limit - prompt_len
-    if prompt_len + max_tokens > limit:
-        raise bad_request(
-            f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion "
-            f"(max_tokens)). Please reduce the length of the prompt or max_tokens.", param,
-            "context_length_exceeded")
-    return max_tokens
+@dataclass
+class Planned:
+    """A request built and checked, not yet placed."""
 
+    request: GenerationRequest
+    target: Target
+    routing_blocks: int  # what routing counts for it: prompt plus (capped) output, times n
 
-def make_params(build: Any) -> SamplingParams:
-    try:
-        return build()
-    except ValueError as e:
-        raise bad_request(str(e), param_of(str(e)), "invalid_value") from None
+    def serves(self, w: WorkerStatus) -> bool:
+        """The workers it may go to: those that serve its model (as target_for found them)."""
+        return any(w.worker_id == t.worker_id for t in self.target.workers)
 
 
 @dataclass
@@ -110,30 +97,89 @@ class Submitted:
     request: GenerationRequest
     placement: fleet.Placement
 
+    @property
+    def num_choices(self) -> int:
+        return self.request.params().n
 
-async def submit(state: GatewayState, target: Target, prompt_ids: list[int], params: SamplingParams, *,
-                 priority: int, prompt: str | None, id_prefix: str) -> Submitted:
-    if not prompt_ids:
+    def prompt_of(self, _choice: int) -> str | None:
+        return self.request.prompt
+
+
+@dataclass
+class Batch:
+    """A completion's prompts, each its own fleet request, answered as one response: prompt i's choice j is
+    choice i * n + j."""
+
+    request_id: str  # the response's id (the only prompt's request id when there is one)
+    subs: list[Submitted]
+
+    @property
+    def target(self) -> Target:
+        return self.subs[0].target
+
+    @property
+    def n(self) -> int:
+        return self.subs[0].num_choices
+
+    @property
+    def num_choices(self) -> int:
+        return self.n * len(self.subs)
+
+    def prompt_of(self, choice: int) -> str | None:
+        return self.subs[choice // self.n].request.prompt
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def build_request(settings: Settings, target: Target, prompt: Prompt, *, priority: int,
+                  request_id: str) -> Planned:
+    """The request with its KV-block count; 400 when it is empty or can never fit the largest cache."""
+    ids, params = prompt.token_ids, prompt.params
+    if not ids:
         raise bad_request("the prompt is empty: at least one token is needed", "prompt")
     bs = target.block_size
-    need_now = request_blocks(len(prompt_ids), 1, params.n, bs)
+    need_now = request_blocks(len(ids), 1, params.n, bs)
     if target.workers and need_now > target.max_total_blocks:
-        raise bad_request(f"the prompt needs {need_now} KV blocks ({len(prompt_ids)} tokens, n={params.n}, block "
+        raise bad_request(f"the prompt needs {need_now} KV blocks ({len(ids)} tokens, n={params.n}, block "
                           f"size {bs}) but the largest worker's cache has {target.max_total_blocks}", "prompt",
                           "prompt_too_large")
-    out_tokens = min(params.max_tokens or 1, state.settings.route_max_output_tokens)
-    routing_blocks = min(request_blocks(len(prompt_ids), out_tokens, params.n, bs), target.max_total_blocks)
-    request = GenerationRequest(request_id=f"{id_prefix}-{uuid.uuid4().hex}", prompt_token_ids=prompt_ids,
-                                sampling_params=params.to_dict(), model=target.model, priority=priority,
-                                prompt=prompt)
-    ids = {w.worker_id for w in target.workers}
-    async with state.admission:
-        placement = await fleet.place(state.redis, state.settings, request, lambda w: w.worker_id in ids,
-                                      policy=state.settings.routing, routing_blocks=routing_blocks)
+    out_tokens = min(params.max_tokens or 1, settings.route_max_output_tokens)
+    routing_blocks = min(request_blocks(len(ids), out_tokens, params.n, bs), target.max_total_blocks)
+    request = GenerationRequest(request_id=request_id, prompt_token_ids=ids, sampling_params=params.to_dict(),
+                                model=target.model, priority=priority, prompt=prompt.text)
+    return Planned(request, target, routing_blocks)
+
+
+async def place(state: GatewayState, planned: Planned) -> Submitted:
+    """Route, reserve and enqueue a built request (429 when the fleet is full). The caller holds
+    state.admission: one placement at a time per gateway (or per FleetCaller)."""
+    s = state.settings
+    placement = await fleet.place(state.redis, s, planned.request, planned.serves, policy=s.routing,
+                                  routing_blocks=planned.routing_blocks)
     state.metrics.routed(placement.policy, placement.worker_id)
-    sub = Submitted(request.request_id, target, request, placement)
+    sub = Submitted(planned.request.request_id, planned.target, planned.request, placement)
     annotate_request(sub)
     return sub
+
+
+async def submit(state: GatewayState, target: Target, prepared: Prepared, *, id_prefix: str) -> Batch:
+    """Every prompt of `prepared` into the fleet, each as its own request. All are built and checked before
+    the first is placed; when one cannot be placed (429), those already placed are cancelled."""
+    rid = new_request_id(id_prefix)
+    planned = [build_request(state.settings, target, p, priority=prepared.priority, request_id=part)
+               for p, part in zip(prepared.prompts, part_ids(rid, len(prepared.prompts)), strict=True)]
+    subs: list[Submitted] = []
+    try:
+        for p in planned:
+            async with state.admission:
+                subs.append(await place(state, p))
+    except BaseException:
+        for sub in subs:
+            state.spawn(streams.acancel(state.redis, sub.request_id))
+        raise
+    return Batch(rid, subs)
 
 
 def chunk_error(chunk: OutputChunk) -> APIError:
@@ -181,6 +227,11 @@ async def watch_disconnect(http_request: Any, task: asyncio.Task, interval_s: fl
         await asyncio.sleep(interval_s)
 
 
-def routing_header(sub: Submitted) -> dict[str, str]:
-    return {"X-Request-Id": sub.request_id, "X-Kvfleet-Worker": sub.placement.worker_id or "any",
-            "X-Kvfleet-Prompt-Blocks": str(blocks_for(len(sub.request.prompt_token_ids), sub.target.block_size))}
+def routing_header(batch: Batch) -> dict[str, str]:
+    """Where it went: the response id, and per prompt (comma-separated in a batch) the worker ("any": the
+    shared queue) and the prompt's KV blocks."""
+    subs = batch.subs
+    return {"X-Request-Id": batch.request_id,
+            "X-Kvfleet-Worker": ",".join(s.placement.worker_id or "any" for s in subs),
+            "X-Kvfleet-Prompt-Blocks": ",".join(str(blocks_for(len(s.request.prompt_token_ids), s.target.block_size))
+                                                for s in subs)}

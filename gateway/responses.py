@@ -3,8 +3,9 @@ in `data: [DONE]`), for /v1/completions and /v1/chat/completions."""
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,7 +93,7 @@ async def collect(chunks: AsyncIterator[OutputChunk], n: int) -> tuple[list[_Cho
 
 async def completion_body(sub: Submitted, chunks: AsyncIterator[OutputChunk], *, echo: bool,
                           logprobs: int | None) -> CompletionResponse:
-    choices, usage = await collect(chunks, sub.request.params().n)
+    choices, usage = await collect(chunks, sub.num_choices)
     prefix = (sub.request.prompt or "") if echo else ""
     tok = sub.target.tokenizer
     return CompletionResponse(id=sub.request_id, model=sub.target.model, usage=usage_info(usage), choices=[
@@ -102,9 +103,76 @@ async def completion_body(sub: Submitted, chunks: AsyncIterator[OutputChunk], *,
         for i, c in enumerate(choices)])
 
 
+def merge_completions(request_id: str, bodies: list[CompletionResponse]) -> CompletionResponse:
+    """A batch's bodies (one per prompt, in prompt order) as one: choices renumbered in order (prompt i's
+    choice j is i * n + j), usage summed."""
+    if len(bodies) == 1:
+        return bodies[0]
+    choices = [c.model_copy(update={"index": i}) for i, c in enumerate(c for b in bodies for c in b.choices)]
+    usages = [b.usage for b in bodies if b.usage is not None]
+    usage = usage_info(sum_usage([Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                                        total_tokens=u.total_tokens,
+                                        cached_tokens=(u.prompt_tokens_details or {}).get("cached_tokens", 0))
+                                  for u in usages])) if usages else None
+    return CompletionResponse(id=request_id, created=bodies[0].created, model=bodies[0].model, choices=choices,
+                              usage=usage)
+
+
+def sum_usage(usages: list[Usage]) -> Usage:
+    return Usage(prompt_tokens=sum(u.prompt_tokens for u in usages),
+                 completion_tokens=sum(u.completion_tokens for u in usages),
+                 total_tokens=sum(u.total_tokens for u in usages), cached_tokens=sum(u.cached_tokens for u in usages))
+
+
+async def merge_chunks(streams: list[AsyncGenerator[OutputChunk, None]], n: int) -> AsyncIterator[OutputChunk]:
+    """A batch's chunk streams (one per prompt, each with n choices) as one, in arrival order: prompt i's
+    choice j becomes index i * n + j; only the last final chunk is final, and carries the summed usage. It
+    ends early when one stream does (its client went away); closing it closes them all (so cancels)."""
+    if len(streams) == 1:
+        try:
+            async for c in streams[0]:
+                yield c
+        finally:
+            await streams[0].aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, chunks: AsyncGenerator[OutputChunk, None]) -> None:
+        try:
+            async for c in chunks:
+                queue.put_nowait((i, c, None))
+        except Exception as e:  # noqa: BLE001 (handed to the reader, which raises it)
+            queue.put_nowait((i, None, e))
+        else:
+            queue.put_nowait((i, None, None))
+
+    tasks = [asyncio.get_running_loop().create_task(pump(i, s)) for i, s in enumerate(streams)]
+    usages: list[Usage] = []
+    finished: set[int] = set()
+    try:
+        while len(finished) < len(streams):
+            i, c, err = await queue.get()
+            if err is not None:
+                raise err
+            if c is None:  # that stream ended: past its final chunk, or early (its client went away)
+                if i in finished:
+                    continue
+                return
+            if c.final:
+                finished.add(i)
+                usages += [c.usage] if c.usage is not None else []
+            last = c.final and len(finished) == len(streams)
+            yield c.model_copy(update={"index": i * n + c.index, "final": last,
+                                       "usage": sum_usage(usages) if last and usages else None})
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def chat_body(sub: Submitted, chunks: AsyncIterator[OutputChunk], *, top_logprobs: int | None
                     ) -> ChatCompletionResponse:
-    choices, usage = await collect(chunks, sub.request.params().n)
+    choices, usage = await collect(chunks, sub.num_choices)
     tok = sub.target.tokenizer
     return ChatCompletionResponse(id=sub.request_id, model=sub.target.model, usage=usage_info(usage), choices=[
         ChatChoice(index=i, message=ChatMessageOut(content="".join(c.text)), finish_reason=c.finish_reason,
@@ -137,14 +205,15 @@ async def _events(chunks: AsyncIterator[OutputChunk], render: Any, usage_event: 
     yield "data: [DONE]\n\n"
 
 
-async def completion_events(sub: Submitted, chunks: AsyncIterator[OutputChunk], *, echo: bool,
+async def completion_events(sub: Any, chunks: AsyncIterator[OutputChunk], *, echo: bool,
                             logprobs: int | None, include_usage: bool) -> AsyncIterator[str]:
+    """`sub`: a Submitted, or a Batch whose prompts' chunks `chunks` merges (merge_chunks)."""
     tok, model, rid = sub.target.tokenizer, sub.target.model, sub.request_id
-    offsets = [len(sub.request.prompt or "") if echo else 0] * sub.request.params().n
+    offsets = [len(sub.prompt_of(i) or "") if echo else 0 for i in range(sub.num_choices)]
     if echo:
-        for i in range(sub.request.params().n):
+        for i in range(sub.num_choices):
             yield sse(CompletionResponse(id=rid, model=model, choices=[CompletionChoice(
-                index=i, text=sub.request.prompt or "")]))
+                index=i, text=sub.prompt_of(i) or "")]))
 
     def render(c: OutputChunk) -> str:
         lp = None
@@ -164,7 +233,7 @@ async def completion_events(sub: Submitted, chunks: AsyncIterator[OutputChunk], 
 async def chat_events(sub: Submitted, chunks: AsyncIterator[OutputChunk], *, top_logprobs: int | None,
                       include_usage: bool) -> AsyncIterator[str]:
     tok, model, rid = sub.target.tokenizer, sub.target.model, sub.request_id
-    for i in range(sub.request.params().n):
+    for i in range(sub.num_choices):
         yield sse(ChatCompletionChunk(id=rid, model=model, choices=[
             ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))]))
 

@@ -44,15 +44,14 @@ class Summary:
 
 
 def run(args: argparse.Namespace) -> int:
-    from services.backend_settings import BackendSettings
-    from shared.settings import hf_offline
+    from shared.settings import Settings, hf_offline
 
     hf_offline()
     if args.concurrency < 1:
         raise SystemExit("--concurrency must be at least 1")
     if not args.input.is_file():
         raise SystemExit(f"input file {args.input} does not exist")
-    settings = BackendSettings.from_env(redis_url=args.redis_url)
+    settings = Settings.from_env(redis_url=args.redis_url)
     s = asyncio.run(run_batch(settings, args.input, args.output, concurrency=args.concurrency,
                               retries=args.retries, progress=not args.no_progress))
     print(f"batch: ran {s.ran} request(s), {s.failed} failed; skipped {s.skipped} already in {args.output}; "

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from gateway.errors import APIError
+from gateway.errors import APIError, validation_error
 
 
 class CallError(Exception):
@@ -70,10 +70,5 @@ def from_api_error(e: APIError) -> CallError:
 
 def from_validation_error(e: ValidationError) -> InvalidRequest:
     """The first error, named like the gateway's 400s: "temperature: Input should be ... , got 5.0"."""
-    errors = e.errors()
-    err = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    param = ".".join(str(p) for p in err.get("loc", ())) or None
-    detail = err.get("msg", "invalid value")
-    if "input" in err and err.get("type") != "missing" and not isinstance(err["input"], dict | list):
-        detail += f", got {err['input']!r}"
-    return InvalidRequest(f"{param}: {detail}" if param else detail, 400, param, "invalid_value")
+    param, message = validation_error(e)
+    return InvalidRequest(message, 400, param, "invalid_value")

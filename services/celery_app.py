@@ -21,18 +21,18 @@ import os
 from typing import Any
 
 import redis
-from celery import Celery, Task
+from celery import Celery, Task, signals
 
-from services.backend_settings import BackendSettings
 from services.call_errors import FleetUnavailable, InvalidRequest
 from services.fleet_calls import FleetCaller
 from services.loop_thread import LoopThread
-from shared.settings import hf_offline
+from shared import telemetry
+from shared.settings import Settings, hf_offline
 
-SETTINGS = BackendSettings.from_env()
+SETTINGS = Settings.from_env()
 
 
-def configure(app: Celery, settings: BackendSettings) -> None:
+def configure(app: Celery, settings: Settings) -> None:
     """Broker and result backend on Redis (the fleet's, by default) and the delivery guarantees above."""
     vt = settings.celery_visibility_timeout_s
     app.conf.update(
@@ -52,6 +52,28 @@ def configure(app: Celery, settings: BackendSettings) -> None:
 
 app = Celery("kvfleet")
 configure(app, SETTINGS)
+
+
+# Tracing (when an OTLP endpoint is set): each process that runs tasks sets it up once; each placement is then
+# a root span (services.fleet_calls) that the fleet worker continues. Prefork children set it up after the
+# fork (the exporter's thread does not survive one); the other pools run tasks in the main process.
+@signals.worker_process_init.connect
+def _trace_pool_process(**_: Any) -> None:
+    telemetry.setup_tracing("kvfleet-celery")
+
+
+@signals.worker_init.connect
+def _trace_worker(sender: Any = None, **_: Any) -> None:
+    from celery.concurrency import get_implementation
+
+    if not get_implementation(getattr(sender, "pool_cls", "prefork")).__module__.endswith(".prefork"):
+        telemetry.setup_tracing("kvfleet-celery")
+
+
+@signals.worker_process_shutdown.connect
+@signals.worker_shutdown.connect
+def _flush_traces(**_: Any) -> None:
+    telemetry.shutdown()
 
 
 class _Runtime:
@@ -87,7 +109,8 @@ TASK_OPTIONS: dict[str, Any] = dict(
 
 @app.task(name="kvfleet.generate", **TASK_OPTIONS)
 def generate(self: Task, prompt: Any, model: str | None = None, **params: Any) -> dict[str, Any]:
-    """A text completion (POST /v1/completions parameters: max_tokens, temperature, top_p, stop, seed, ...)."""
+    """A text completion (POST /v1/completions parameters: max_tokens, temperature, top_p, stop, seed, ...).
+    `prompt` may be a list of prompts: each is its own fleet request (`{task id}-{i}`), answered as one body."""
     return _runtime.run("completion", {"prompt": prompt, "model": model, **params}, self.request.id)
 
 

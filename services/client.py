@@ -21,20 +21,20 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from services.backend_settings import BackendSettings
+from gateway.prompts import prompt_count
 from services.call_errors import InvalidRequest
 from services.fleet_calls import Call, FleetCaller
 from services.loop_thread import LoopThread
 from shared import keys, streams
 from shared.messages import OutputChunk
-from shared.settings import hf_offline
+from shared.settings import Settings, hf_offline
 
 
 class FleetClient:
-    def __init__(self, redis_url: str | None = None, *, settings: BackendSettings | None = None,
+    def __init__(self, redis_url: str | None = None, *, settings: Settings | None = None,
                  submit_timeout_s: float = 60.0):
         hf_offline()
-        self.settings = settings or BackendSettings.from_env(redis_url=redis_url)
+        self.settings = settings or Settings.from_env(redis_url=redis_url)
         self.submit_timeout_s = submit_timeout_s
         self._loop = LoopThread("kvfleet-client")
         self._caller = FleetCaller(self.settings)
@@ -46,6 +46,9 @@ class FleetClient:
         if (prompt is None) == (messages is None):
             raise InvalidRequest("pass either prompt (a completion) or messages (a chat completion)", 400,
                                  "prompt", "invalid_value")
+        if prompt_count(prompt) > 1:
+            raise InvalidRequest(f"prompt: a handle follows one request; submit each of the {len(prompt)} prompts on "
+                                 "its own", 400, "prompt", "invalid_value")
         kind, body = ("chat", {"messages": messages}) if messages is not None else ("completion", {"prompt": prompt})
         call = self._loop.run(self._caller.submit(kind, body | params, request_id), self.submit_timeout_s)
         return Handle(self, call)

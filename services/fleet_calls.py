@@ -1,9 +1,10 @@
 """Requests into the fleet without HTTP, for Celery tasks, the Python client and batch files.
 
 It reuses the gateway's pieces, so a request behaves the same whichever door it comes in by: its OpenAI
-pydantic models (validation, field limits), tokenizers and context-window checks (gateway.generation),
-routing by free KV blocks with reservations and the 429 bound (gateway.fleet.place, which enqueues through
-shared.streams), and its response bodies (gateway.responses). Around that, a job record
+pydantic models (validation, field limits), prompt preparation (gateway.prompts: tokenizing, context-window
+checks, sampling params, batches of prompts), building and placing (gateway.generation.build_request and
+place: routing by free KV blocks with reservations and the 429 bound), and its response bodies
+(gateway.responses). Around that, a job record
 (services.job_record) makes each request id enter the fleet at most once: a caller that comes back with the
 same id (a redelivered Celery task, a rerun batch file) attaches to the request or gets its stored result.
 """
@@ -11,26 +12,25 @@ same id (a redelivered Celery task, a rerun batch file) attaches to the request 
 from __future__ import annotations
 
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
 
 from gateway import fleet
-from gateway.app import completion_prompt
-from gateway.errors import APIError, bad_request
-from gateway.generation import GatewayState, Submitted, Target, make_params, resolve_max_tokens, target_for
-from gateway.openai_api import ChatCompletionRequest, CompletionRequest
-from gateway.responses import chat_body, completion_body
-from gateway.router import request_blocks
-from gateway.tokenizer import Tokenizers, chat_ids
+from gateway.errors import APIError
+from gateway.generation import GatewayState, Planned, Submitted, Target, build_request, place, target_for
+from gateway.instrumentation import OPERATIONS
+from gateway.openai_api import ChatCompletionRequest, CompletionRequest, CompletionResponse
+from gateway.prompts import part_ids, prepare, prompt_count
+from gateway.responses import chat_body, completion_body, merge_completions
+from gateway.tokenizer import Tokenizers
 from services import job_record
-from services.backend_settings import BackendSettings
 from services.call_errors import GenerationFailed, InvalidRequest, from_api_error, from_validation_error
 from services.job_record import Claim
-from shared import streams
-from shared.messages import GenerationRequest, WorkerStatus
-from shared.sampling_params import SamplingParams
+from shared import streams, telemetry
+from shared.messages import GenerationRequest
+from shared.settings import Settings
 
 # kind -> (the gateway's request model, request id prefix)
 KINDS: dict[str, tuple[type, str]] = {"completion": (CompletionRequest, "cmpl"),
@@ -54,18 +54,7 @@ class Call:
     request_id: str
     info: CallInfo
     result: dict[str, Any] | None = None  # the finished body, once known
-
-
-@dataclass
-class _Prepared:
-    request: GenerationRequest
-    target: Target
-    routing_blocks: int
-    info: CallInfo
-
-    def serves(self, w: WorkerStatus) -> bool:
-        """The workers it may go to: those that serve its model (as the gateway found them)."""
-        return any(w.worker_id == t.worker_id for t in self.target.workers)
+    parts: list[Call] = field(default_factory=list)  # a completion of several prompts: one call each
 
 
 def check_params(model_cls: type, body: dict[str, Any]) -> None:
@@ -83,7 +72,7 @@ def check_params(model_cls: type, body: dict[str, Any]) -> None:
 class FleetCaller:
     """Owns an asyncio Redis client and the tokenizers (each loaded once): use it from one event loop."""
 
-    def __init__(self, settings: BackendSettings, redis: Any = None):
+    def __init__(self, settings: Settings, redis: Any = None):
         self.settings = settings
         self.redis = redis if redis is not None else streams.connect_async(settings.redis_url,
                                                                            health_check_interval=30)
@@ -97,7 +86,11 @@ class FleetCaller:
 
     async def submit(self, kind: str, body: dict[str, Any], request_id: str | None = None) -> Call:
         """Validate, then enqueue the request under `request_id` unless that id is already in the fleet (then
-        attach to it). InvalidRequest / FleetUnavailable (429, 503) when it cannot go in."""
+        attach to it). A completion with a batch of prompts enqueues one request per prompt, under
+        `{request_id}-{i}`. InvalidRequest / FleetUnavailable (429, 503) when it cannot go in.
+
+        The placement is one trace (a root span, as the gateway's server span is for HTTP): the worker
+        continues it from the enqueue span."""
         model_cls, prefix = KINDS[kind]
         body = dict(body)
         check_params(model_cls, body)
@@ -108,17 +101,31 @@ class FleetCaller:
         except ValidationError as e:
             raise from_validation_error(e) from None
         rid = request_id or f"{prefix}-{uuid.uuid4().hex}"
-        try:
-            rec = await job_record.get(self.redis, rid)
-            if rec is not None and rec.state != "placing":
-                return _attached(rid, rec)
-            return await self._place_once(rid, await self._prepare(kind, parsed, rid))
-        except APIError as e:
-            raise from_api_error(e) from None
+        parts = part_ids(rid, prompt_count(parsed.prompt) if kind == "completion" else 1)
+        attrs = {telemetry.GEN_AI_SYSTEM: telemetry.SYSTEM, telemetry.GEN_AI_OPERATION_NAME: OPERATIONS[prefix],
+                 telemetry.GEN_AI_REQUEST_MODEL: parsed.model, telemetry.KVFLEET_REQUEST_ID: rid}
+        with telemetry.span("kvfleet.submit", attributes=attrs):
+            try:
+                records = [await job_record.get(self.redis, part) for part in parts]
+                calls: list[Call | None] = [_attached(part, rec) if rec is not None and rec.state != "placing"
+                                            else None for part, rec in zip(parts, records, strict=True)]
+                if any(c is None for c in calls):
+                    planned, info = await self._prepare(kind, parsed, parts)
+                    for i, p in enumerate(planned):
+                        if calls[i] is None:
+                            calls[i] = await self._place_once(p, info(p))
+            except APIError as e:
+                raise from_api_error(e) from None
+        done = [c for c in calls if c is not None]
+        return done[0] if len(done) == 1 else Call(rid, done[0].info, parts=done)
 
     async def result(self, call: Call) -> dict[str, Any]:
         """The whole response body (OpenAI's shape, JSON-serialisable), stored in the job record."""
         if call.result is not None:
+            return call.result
+        if call.parts:  # each prompt's body (from its own job record), then one body for the batch
+            bodies = [CompletionResponse.model_validate(await self.result(p)) for p in call.parts]
+            call.result = merge_completions(call.request_id, bodies).model_dump(mode="json")
             return call.result
         info, s = call.info, self.settings
         chunks = streams.aiter_output(self.redis, call.request_id, timeout_s=s.request_timeout_s,
@@ -149,64 +156,38 @@ class FleetCaller:
         return served.pop() if len(served) == 1 else self.settings.model
 
     # ---- placing -------------------------------------------------------------------------------
-    async def _prepare(self, kind: str, body: Any, rid: str) -> _Prepared:
-        """What the gateway's endpoints do before enqueuing: find the workers, tokenize, check the window."""
+    async def _prepare(self, kind: str, body: Any, parts: list[str]) -> tuple[list[Planned], Any]:
+        """What the gateway's endpoints do before placing (gateway.prompts.prepare, then build_request), under
+        the given request ids; and a function giving each planned request its CallInfo."""
         target = await target_for(self.gateway, body.model)
-        tok = target.tokenizer
-        if kind == "completion":
-            ids, text = completion_prompt(tok, body.prompt)
-            max_tokens = resolve_max_tokens(target, len(ids), body.max_tokens, "prompt")
-            logprobs, echo = body.logprobs, body.echo
-        else:
-            try:
-                ids = chat_ids(tok, [m.as_template_input() for m in body.messages])
-            except ValueError as e:
-                raise bad_request(str(e), "messages") from None
-            text, echo = None, False
-            max_tokens = resolve_max_tokens(target, len(ids), body.max_completion_tokens or body.max_tokens,
-                                            "messages")
-            logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = make_params(lambda: body.sampling_params(max_tokens, logprobs))
-        request, blocks = self._build_request(target, ids, params, priority=body.priority, prompt=text, rid=rid)
+        prepared = prepare(target, body)
+        planned = [build_request(self.settings, target, p, priority=prepared.priority, request_id=part)
+                   for p, part in zip(prepared.prompts, parts, strict=True)]
         tokenizer = (target.workers[0].model_path if target.workers else "") or self.settings.model
-        info = CallInfo(kind=kind, model=target.model, tokenizer=tokenizer, request=request.model_dump(mode="json"),
-                        echo=echo, logprobs=logprobs)
-        return _Prepared(request, target, blocks, info)
 
-    def _build_request(self, target: Target, ids: list[int], params: SamplingParams, *, priority: int,
-                       prompt: str | None, rid: str) -> tuple[GenerationRequest, int]:
-        """gateway.generation.submit's checks and block count, with the caller's request id."""
-        if not ids:
-            raise bad_request("the prompt is empty: at least one token is needed", "prompt")
-        bs = target.block_size
-        need_now = request_blocks(len(ids), 1, params.n, bs)
-        if target.workers and need_now > target.max_total_blocks:
-            raise bad_request(f"the prompt needs {need_now} KV blocks ({len(ids)} tokens, n={params.n}, block size "
-                              f"{bs}) but the largest worker's cache has {target.max_total_blocks}", "prompt",
-                              "prompt_too_large")
-        out_tokens = min(params.max_tokens or 1, self.settings.route_max_output_tokens)
-        blocks = min(request_blocks(len(ids), out_tokens, params.n, bs), target.max_total_blocks)
-        request = GenerationRequest(request_id=rid, prompt_token_ids=ids, sampling_params=params.to_dict(),
-                                    model=target.model, priority=priority, prompt=prompt)
-        return request, blocks
+        def info(p: Planned) -> CallInfo:
+            return CallInfo(kind=kind, model=target.model, tokenizer=tokenizer,
+                            request=p.request.model_dump(mode="json"), echo=prepared.echo,
+                            logprobs=prepared.logprobs)
 
-    async def _place_once(self, rid: str, prep: _Prepared) -> Call:
+        return planned, info
+
+    async def _place_once(self, planned: Planned, info: CallInfo) -> Call:
         """Claim the id, enqueue, mark it enqueued: inside the admission lock, so the lease only ever spans a few
         Redis round trips. Another attempt's lease: wait for it, then attach (or claim again if it died)."""
-        r, s = self.redis, self.settings
+        r, s, rid = self.redis, self.settings, planned.request.request_id
         while True:
             async with self.gateway.admission:
                 claimed = await job_record.claim(r, rid, ttl_s=s.job_ttl_s, lease_s=s.job_lease_s)
                 if claimed.outcome is not Claim.HELD:
                     if claimed.outcome is Claim.FRESH or not await job_record.in_fleet(r, rid):
                         try:
-                            await fleet.place(r, s, prep.request, prep.serves, policy=s.routing,
-                                              routing_blocks=prep.routing_blocks)
+                            await place(self.gateway, planned)
                         except APIError:  # refused before anything was enqueued (429): a retry may place it
                             await job_record.release(r, rid, claimed.lease)
                             raise
-                    await job_record.promote(r, rid, claimed.lease, asdict(prep.info), ttl_s=s.job_ttl_s)
-                    return Call(rid, prep.info)
+                    await job_record.promote(r, rid, claimed.lease, asdict(info), ttl_s=s.job_ttl_s)
+                    return Call(rid, info)
             rec = claimed.held
             if rec.state == "placing":
                 rec = await job_record.wait_placed(r, rid, lease_s=s.job_lease_s)

@@ -46,10 +46,6 @@ return 1
 """
 
 
-def key(request_id: str) -> str:
-    return f"{keys.PREFIX}:job:{request_id}"
-
-
 @dataclass
 class Record:
     state: str  # placing | enqueued | done
@@ -82,7 +78,7 @@ class Claimed:
 async def claim(r: Any, request_id: str, *, ttl_s: float, lease_s: float = LEASE_S) -> Claimed:
     lease = Record(state="placing", since=time.time(), owner=uuid.uuid4().hex).dumps()
     outcome, old = await r.register_script(_CLAIM)(
-        keys=[key(request_id)], args=[lease, time.time(), lease_s, int(ttl_s * 1000)])
+        keys=[keys.job(request_id)], args=[lease, time.time(), lease_s, int(ttl_s * 1000)])
     outcome = Claim(int(outcome))
     if outcome is Claim.HELD:
         return Claimed(outcome, "", Record.loads(old))
@@ -90,19 +86,19 @@ async def claim(r: Any, request_id: str, *, ttl_s: float, lease_s: float = LEASE
 
 
 async def get(r: Any, request_id: str) -> Record | None:
-    raw = await r.get(key(request_id))
+    raw = await r.get(keys.job(request_id))
     return Record.loads(raw) if raw else None
 
 
 async def promote(r: Any, request_id: str, lease: str, call: dict[str, Any], *, ttl_s: float) -> bool:
     """placing -> enqueued, if the lease is still ours."""
     new = Record(state="enqueued", since=time.time(), owner=Record.loads(lease).owner, call=call).dumps()
-    return bool(await r.register_script(_REPLACE)(keys=[key(request_id)], args=[lease, new, int(ttl_s * 1000)]))
+    return bool(await r.register_script(_REPLACE)(keys=[keys.job(request_id)], args=[lease, new, int(ttl_s * 1000)]))
 
 
 async def release(r: Any, request_id: str, lease: str) -> None:
     """Drop our lease: nothing was enqueued (the fleet was full, the request was refused)."""
-    await r.register_script(_REPLACE)(keys=[key(request_id)], args=[lease, "", 0])
+    await r.register_script(_REPLACE)(keys=[keys.job(request_id)], args=[lease, "", 0])
 
 
 async def finish(r: Any, request_id: str, call: dict[str, Any], result: dict[str, Any], *, ttl_s: float,
@@ -110,7 +106,7 @@ async def finish(r: Any, request_id: str, call: dict[str, Any], result: dict[str
     """Store the finished body; the output stream is no longer needed past `output_ttl_s`."""
     rec = Record(state="done", since=time.time(), call=call, result=result)
     pipe = r.pipeline(transaction=True)
-    pipe.set(key(request_id), rec.dumps(), px=int(ttl_s * 1000))
+    pipe.set(keys.job(request_id), rec.dumps(), px=int(ttl_s * 1000))
     pipe.pexpire(keys.out_stream(request_id), int(output_ttl_s * 1000))
     await pipe.execute()
 

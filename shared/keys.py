@@ -14,6 +14,8 @@ Keys:
   kvfleet:cancelled:{request} marker with a TTL, so a cancel that beats the request to a worker still counts
   kvfleet:prefix:{hash}      worker a prompt prefix (chained hash of full blocks) was last routed to
   kvfleet:rr                 round-robin turn counter shared by gateway replicas
+  kvfleet:job:{request}      job record of a request id placed by services (Celery, client, batch files):
+                             makes each id enter the fleet at most once (services.job_record)
 """
 
 from __future__ import annotations
@@ -49,6 +51,10 @@ def reserved(worker_id: str) -> str:
 
 def cancelled(request_id: str) -> str:
     return f"{PREFIX}:cancelled:{request_id}"
+
+
+def job(request_id: str) -> str:
+    return f"{PREFIX}:job:{request_id}"
 
 
 def prefix_block(block_hash: str) -> str:

@@ -14,6 +14,7 @@ from typing import Any
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_MODEL = "smollm2"
 ENV_PREFIX = "KVFLEET_"
+URL_FIELDS = ("celery_broker_url", "celery_result_backend")  # besides redis_url: may hold passwords
 
 
 def _default_worker_id() -> str:
@@ -46,10 +47,31 @@ class Settings:
     request_timeout_s: float = 600.0  # no chunk for this long: the gateway cancels and answers 504
     queue_when_no_workers: bool = False  # scale-to-zero: queue in the shared stream instead of 503
     metrics_host: str = "127.0.0.1"  # where a worker serves /livez, /readyz, /metrics (0.0.0.0 in pods)
+    # ---- backend services (Celery app, Python client, batch files) ----
+    celery_broker_url: str = ""  # "" = redis_url (the fleet's Redis)
+    celery_result_backend: str = ""  # "" = the broker URL
+    # A task a Celery worker took but never acked (the worker died) is redelivered after this long. Keep it
+    # above the longest generation: a task still running past it is delivered again (harmless: it attaches).
+    celery_visibility_timeout_s: float = 3600.0
+    celery_max_retries: int = 10  # retries of a task the fleet cannot take now (429 / 503), with backoff
+    celery_retry_backoff_max_s: int = 60
+    job_ttl_s: float = 86400.0  # how long a request id's job record (and its finished result) is kept
+    # An attempt that held a request id's placing lease this long died while placing: the next one takes over.
+    job_lease_s: float = 10.0
+
+    @property
+    def broker_url(self) -> str:
+        return self.celery_broker_url or self.redis_url
+
+    @property
+    def result_backend(self) -> str:
+        return self.celery_result_backend or self.broker_url
 
     def __repr__(self) -> str:
-        """Safe to log: the Redis password redacted, API keys only counted."""
+        """Safe to log: Redis passwords (fleet, broker, result backend) redacted, API keys only counted."""
         shown = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("redis_url", "api_keys")}
+        for name in URL_FIELDS:
+            shown[name] = redacted_url(shown[name])
         body = ", ".join(f"{k}={v!r}" for k, v in shown.items())
         return (f"Settings(redis_url={redacted_url(self.redis_url)!r}, api_keys=<{len(self.api_keys)}>, "
                 f"{body})")

@@ -168,42 +168,49 @@ def _parse_xread(reply: Any) -> tuple[str | None, list[OutputChunk]]:
     return last_id, chunks
 
 
+class _OutputCursor:
+    """Where a reader of one output stream stands: the last entry read, the chunks already given (each is
+    given once), and when it gives up. `iter_output` and `aiter_output` differ only in how they call Redis."""
+
+    def __init__(self, request_id: str, timeout_s: float):
+        self.request_id, self.timeout_s = request_id, timeout_s
+        self.stream, self.last_id, self.dedup = keys.out_stream(request_id), "0-0", ChunkDeduper()
+        self.deadline = time.monotonic() + timeout_s
+
+    def streams(self) -> dict[str, str]:
+        """XREAD's argument; OutputTimeout once nothing came for timeout_s."""
+        if time.monotonic() > self.deadline:
+            raise OutputTimeout(f"no output for request {self.request_id} in {self.timeout_s:g}s")
+        return {self.stream: self.last_id}
+
+    def new_chunks(self, reply: Any) -> list[OutputChunk]:
+        new_id, chunks = _parse_xread(reply)
+        if new_id is None:
+            return []
+        self.last_id, self.deadline = new_id, time.monotonic() + self.timeout_s
+        return [c for c in chunks if self.dedup.accept(c)]
+
+
 def iter_output(r: redis.Redis, request_id: str, *, timeout_s: float = 600.0, block_ms: int = 1000,
                 expire_after_s: float = 120.0) -> Iterator[OutputChunk]:
     """Yield the request's chunks in order, each once, until the final one; OutputTimeout when none comes
     for `timeout_s`. After the final chunk the stream expires in `expire_after_s`."""
-    stream, last_id, dedup = keys.out_stream(request_id), "0-0", ChunkDeduper()
-    deadline = time.monotonic() + timeout_s
+    cursor = _OutputCursor(request_id, timeout_s)
     while True:
-        if time.monotonic() > deadline:
-            raise OutputTimeout(f"no output for request {request_id} in {timeout_s:g}s")
-        new_id, chunks = _parse_xread(r.xread({stream: last_id}, block=block_ms, count=256))
-        if new_id is None:
-            continue
-        last_id, deadline = new_id, time.monotonic() + timeout_s
-        for chunk in chunks:
-            if dedup.accept(chunk):
-                yield chunk
-                if chunk.final:
-                    r.pexpire(stream, int(expire_after_s * 1000))
-                    return
+        for chunk in cursor.new_chunks(r.xread(cursor.streams(), block=block_ms, count=256)):
+            yield chunk
+            if chunk.final:
+                r.pexpire(cursor.stream, int(expire_after_s * 1000))
+                return
 
 
 async def aiter_output(r: aioredis.Redis, request_id: str, *, timeout_s: float = 600.0, block_ms: int = 1000,
                        expire_after_s: float = 120.0) -> AsyncIterator[OutputChunk]:
     """The asyncio twin of `iter_output`."""
-    stream, last_id, dedup = keys.out_stream(request_id), "0-0", ChunkDeduper()
-    deadline = time.monotonic() + timeout_s
+    cursor = _OutputCursor(request_id, timeout_s)
     while True:
-        if time.monotonic() > deadline:
-            raise OutputTimeout(f"no output for request {request_id} in {timeout_s:g}s")
-        new_id, chunks = _parse_xread(await r.xread({stream: last_id}, block=block_ms, count=256))
-        if new_id is None:
-            continue
-        last_id, deadline = new_id, time.monotonic() + timeout_s
-        for chunk in chunks:
-            if dedup.accept(chunk):
-                yield chunk
-                if chunk.final:
-                    await r.pexpire(stream, int(expire_after_s * 1000))
-                    return
+        for chunk in cursor.new_chunks(await r.xread(cursor.streams(), block=block_ms, count=256)):
+            yield chunk
+            if chunk.final:
+                await r.pexpire(cursor.stream, int(expire_after_s * 1000))
+                return

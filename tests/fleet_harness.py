@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from services.launcher import stop_all
 from shared.redis_server import RedisServer, free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -67,17 +68,7 @@ class Fleet:
         os.kill(self.workers[worker_id].pid, sig)
 
     def stop(self) -> None:
-        procs = list(self.gateways.values()) + list(self.workers.values())
-        for p in procs:
-            if p.poll() is None:
-                os.kill(p.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 15
-        for p in procs:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.kill(p.pid, signal.SIGKILL)
-                p.wait()
+        stop_all(list(self.gateways.values()) + list(self.workers.values()), grace_s=15)
         self.redis.stop()
 
     def __enter__(self) -> Fleet:

@@ -28,7 +28,7 @@ CONTRACT_FLAGS: dict[str, dict[str, object]] = {
                "--kv-cache-memory": None, "--block-size": int, "--max-num-seqs": int,
                "--max-num-batched-tokens": int, "--scheduling-policy": {"fcfs", "priority", "sjf"}},
 }
-CELERY_FLAGS = {"--loglevel", "--concurrency"}
+CELERY_FLAGS = {"--loglevel", "--concurrency", "--pool"}
 
 # Values that $(VAR) (Kubernetes) and ${VAR:-default} (compose, already interpolated) stand for.
 PLACEHOLDERS = {"KVFLEET_MODEL": "smollm2", "POD_NAME": "kvfleet-worker-7d9f8-abcde"}
@@ -70,9 +70,17 @@ def check_command(argv: list[str]) -> str:
     argv = [expand(a) for a in argv]
     if argv[0] == "celery":
         assert argv[1:4] == ["-A", "services.celery_app", "worker"], argv
-        assert set(flag_values(argv[4:])) <= CELERY_FLAGS, argv
+        flags = flag_values(argv[4:])
+        assert set(flags) <= CELERY_FLAGS, argv
+        if "--pool" in flags:
+            from celery.concurrency import ALIASES
+
+            assert flags["--pool"] in ALIASES, f"--pool {flags['--pool']}: not one of {sorted(ALIASES)}"
+        if "--concurrency" in flags:
+            assert int(flags["--concurrency"]) >= 1, argv
         if (REPO / "services" / "celery_app.py").exists():
             import celery
+
             import services.celery_app as app_module
             assert any(isinstance(v, celery.Celery) for v in vars(app_module).values()), \
                 "services.celery_app defines no Celery app for `celery -A services.celery_app`"

@@ -13,10 +13,10 @@ import sys
 import pytest
 from fleet_harness import REPO, Fleet
 
-from services.backend_settings import BackendSettings
 from services.batch import request_id_for, run_batch
 from services.cli import main as kvfleet
 from shared import keys, streams
+from shared.settings import Settings
 
 pytestmark = pytest.mark.integration
 
@@ -75,7 +75,7 @@ def test_200_lines_complete_and_a_rerun_after_a_kill_does_only_the_rest(fleet, t
     assert n // 2 <= done_before < n
 
     # leases the killed run held while placing are stale after 1 s here (10 s by default)
-    settings = BackendSettings(redis_url=fleet.redis.url, output_ttl_after_read_s=900, job_lease_s=1)
+    settings = Settings(redis_url=fleet.redis.url, output_ttl_after_read_s=900, job_lease_s=1)
     summary = asyncio.run(run_batch(settings, inp, out, concurrency=16, progress=False))
     assert (summary.skipped, summary.ran, summary.failed) == (done_before, n - done_before, 0)
 

@@ -15,10 +15,10 @@ from celery_harness import CeleryWorker
 from fleet_harness import Fleet
 
 from services import job_record
-from services.backend_settings import BackendSettings
 from services.call_errors import InvalidRequest
 from services.celery_app import app, chat, configure, generate
 from shared import keys, streams
+from shared.settings import Settings
 
 pytestmark = pytest.mark.integration
 
@@ -32,7 +32,7 @@ def fleet(tiny_llama_dir, tmp_path_factory):
             r = streams.connect(f.redis.url)
             f.wait_for(lambda: r.get(keys.status("w0")), 180, "fleet worker w0")
             main.wait_ready()
-            configure(app, BackendSettings(redis_url=f.redis.url))
+            configure(app, Settings(redis_url=f.redis.url))
             f.main_celery = main
             yield f
         finally:
@@ -60,6 +60,18 @@ def test_generate_delay_get_returns_the_text(fleet, r):
     assert out["usage"]["completion_tokens"] == 8
     # the task id is the fleet request id: its output stream holds exactly this text
     assert "".join(c.text for c in output_chunks(r, res.id)) == choice["text"]
+
+
+def test_generate_with_a_batch_of_prompts(fleet, r):
+    """A list of prompts: one fleet request per prompt (`{task id}-{i}`), one body (choices prompt-major)."""
+    res = generate.delay(["Hello", "Goodbye"], max_tokens=3, n=2, ignore_eos=True)
+    out = res.get(timeout=120)
+    assert out["id"] == res.id and [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    assert out["usage"]["completion_tokens"] == 12
+    for i in range(2):
+        chunks = output_chunks(r, f"{res.id}-{i}")
+        assert {c.index for c in chunks if c.token_ids} == {0, 1}
+        assert sum(len(c.token_ids) for c in chunks) == 6
 
 
 def test_chat_task(fleet):
@@ -151,7 +163,7 @@ def test_killed_celery_worker_redelivers_and_generates_once(fleet, r):
     assert sum(c.final for c in chunks) == 1
     assert sum(len(c.token_ids) for c in chunks) == 200
     assert "".join(c.text for c in chunks) == out["choices"][0]["text"]
-    record = job_record.Record.loads(r.get(job_record.key(res.id)))
+    record = job_record.Record.loads(r.get(keys.job(res.id)))
     assert record.state == "done" and record.result == out
 
 

@@ -118,7 +118,7 @@ def test_an_attempt_that_died_after_enqueuing_is_not_enqueued_again(fleet, clien
     from shared.messages import GenerationRequest
 
     rid = "client-orphan-1"
-    r.set(job_record.key(rid), job_record.Record(state="placing", since=0.0, owner="dead").dumps())
+    r.set(keys.job(rid), job_record.Record(state="placing", since=0.0, owner="dead").dumps())
     # what the dead attempt enqueued: 7 prompt tokens ("Orphan" is 2)
     streams.enqueue(r, GenerationRequest(request_id=rid, prompt_token_ids=[42] * 7,
                                          sampling_params={"max_tokens": 4, "ignore_eos": True}), "w0")
@@ -132,7 +132,7 @@ def test_an_attempt_that_died_before_enqueuing_is_enqueued_by_the_next(client, r
     from services import job_record
 
     rid = "client-orphan-2"
-    r.set(job_record.key(rid), job_record.Record(state="placing", since=0.0, owner="dead").dumps())
+    r.set(keys.job(rid), job_record.Record(state="placing", since=0.0, owner="dead").dumps())
     out = client.submit("Orphan", max_tokens=3, ignore_eos=True, request_id=rid).result(timeout=120)
     assert out["usage"]["completion_tokens"] == 3
-    assert job_record.Record.loads(r.get(job_record.key(rid))).state == "done"
+    assert job_record.Record.loads(r.get(keys.job(rid))).state == "done"

@@ -111,6 +111,35 @@ def test_n_choices(client, model):
     assert finished == {0: "length", 1: "length"}
 
 
+def test_batched_prompts_are_one_request_each(client, model):
+    """A list of prompts (texts or token-id lists): one fleet request each, answered as one response whose
+    choice i * n + j is prompt i's choice j, with the usage summed; streaming too."""
+    prompts = ["The quick brown fox", "Once upon a time there was"]
+    singles = [client.completions.create(model=model, prompt=p, max_tokens=5, temperature=0,
+                                         extra_body={"ignore_eos": True}) for p in prompts]
+    raw = client.completions.with_raw_response.create(model=model, prompt=prompts, max_tokens=5, n=2, temperature=0,
+                                                      echo=True, extra_body={"ignore_eos": True})
+    out = raw.parse()
+    assert len(raw.headers["x-kvfleet-worker"].split(",")) == len(raw.headers["x-kvfleet-prompt-blocks"].split(",")) == 2
+    assert out.id == raw.headers["x-request-id"]
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert [c.text for c in out.choices] == [p + s.choices[0].text for p, s in zip(prompts, singles, strict=True)
+                                             for _ in range(2)]
+    assert out.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+    assert out.usage.completion_tokens == 20 and out.usage.total_tokens == out.usage.prompt_tokens + 20
+    ids = client.completions.create(model=model, prompt=[[5, 6, 7], [8, 9, 10, 11]], max_tokens=3,
+                                    extra_body={"ignore_eos": True})
+    assert [c.index for c in ids.choices] == [0, 1] and (ids.usage.prompt_tokens, ids.usage.completion_tokens) == (7, 6)
+    events = list(client.completions.create(model=model, prompt=prompts, max_tokens=5, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    texts: dict[int, str] = {}
+    for e in events:
+        for c in e.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert texts == {i: s.choices[0].text for i, s in enumerate(singles)}
+    assert [e.usage.completion_tokens for e in events if e.usage] == [10] and events[-1].choices == []
+
+
 def test_stop_strings(client, model):
     prompt = "Numbers: one two three"
     base = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0, logprobs=0,

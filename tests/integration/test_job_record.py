@@ -49,7 +49,7 @@ def test_one_claim_wins_and_the_others_attach(redis_url):
         await job_record.finish(r, "j1", {"kind": "completion"}, {"id": "j1"}, ttl_s=60, output_ttl_s=1)
         again = await job_record.claim(r, "j1", ttl_s=60)
         assert again.outcome is Claim.HELD and again.held.result == {"id": "j1"}
-        assert 0 < await r.pttl(job_record.key("j1")) <= 60_000
+        assert 0 < await r.pttl(keys.job("j1")) <= 60_000
 
     run(redis_url, body)
 

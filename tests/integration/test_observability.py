@@ -294,3 +294,52 @@ def test_without_an_endpoint_nothing_is_exported_and_all_works(fleet, receiver):
     fleet.workers.pop("w-quiet")
     time.sleep(0.3)
     assert receiver.requests == exported
+
+
+def test_a_placement_outside_http_is_one_trace_with_its_root(tiny_llama_dir):
+    """services.fleet_calls (Celery tasks, the client, batch files): the placement is a root span with the GenAI
+    attributes, parent of the route and enqueue spans, and the enqueued request carries its trace. No fleet
+    worker: with scale-to-zero queueing the request waits in the shared stream."""
+    import asyncio
+
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from services.fleet_calls import FleetCaller
+    from shared import keys, streams, telemetry
+    from shared.redis_server import RedisServer
+    from shared.settings import Settings
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    telemetry.install(provider)
+
+    async def place(url: str) -> None:
+        caller = FleetCaller(Settings(redis_url=url, model=str(tiny_llama_dir), queue_when_no_workers=True))
+        try:
+            await caller.submit("completion", {"prompt": "Hello there", "max_tokens": 3}, "task-1")
+        finally:
+            await caller.aclose()
+
+    try:
+        with RedisServer() as srv:
+            asyncio.run(place(srv.url))
+            r = streams.connect(srv.url)
+            (_, fields), = r.xrange(keys.REQ_ANY)
+            request = streams.parse_request(fields)
+            r.close()
+    finally:
+        telemetry.shutdown()
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    root, route, enqueue = spans["kvfleet.submit"], spans["kvfleet.route"], spans["kvfleet.enqueue"]
+    assert root.parent is None and route.parent.span_id == enqueue.parent.span_id == root.context.span_id
+    assert {route.context.trace_id, enqueue.context.trace_id} == {root.context.trace_id}
+    attrs = root.attributes
+    assert attrs["gen_ai.operation.name"] == "text_completion" and attrs["gen_ai.request.model"] == str(tiny_llama_dir)
+    assert attrs["kvfleet.request.id"] == "task-1" and attrs["gen_ai.usage.input_tokens"] > 0
+    assert attrs["kvfleet.worker.id"] == "any" and enqueue.attributes["messaging.destination.name"] == keys.REQ_ANY
+    assert request.request_id == "task-1"
+    assert request.trace_context["traceparent"].split("-")[1:3] == [f"{root.context.trace_id:032x}",
+                                                                     f"{enqueue.context.span_id:016x}"]

@@ -8,7 +8,6 @@ from pydantic import ValidationError
 
 from gateway.errors import APIError
 from gateway.openai_api import ChatCompletionRequest, CompletionRequest
-from services.backend_settings import BackendSettings
 from services.call_errors import (
     FleetUnavailable,
     GenerationFailed,
@@ -17,6 +16,7 @@ from services.call_errors import (
     from_validation_error,
 )
 from services.fleet_calls import check_params
+from shared.settings import Settings
 
 pytestmark = pytest.mark.unit
 
@@ -59,14 +59,14 @@ def test_check_params_refuses_unknown_names_and_streaming():
 
 
 def test_backend_settings_read_through_shared_settings():
-    s = BackendSettings.from_env(env={"KVFLEET_REDIS_URL": "redis://:pw@h:1/0",
+    s = Settings.from_env(env={"KVFLEET_REDIS_URL": "redis://:pw@h:1/0",
                                       "KVFLEET_CELERY_VISIBILITY_TIMEOUT_S": "2.5",
                                       "KVFLEET_CELERY_MAX_RETRIES": "3"})
     assert s.broker_url == s.result_backend == "redis://:pw@h:1/0"
     assert (s.celery_visibility_timeout_s, s.celery_max_retries) == (2.5, 3)
-    s = BackendSettings.from_env(env={"KVFLEET_CELERY_BROKER_URL": "redis://h:1/1"}, redis_url="redis://h:1/0")
+    s = Settings.from_env(env={"KVFLEET_CELERY_BROKER_URL": "redis://h:1/1"}, redis_url="redis://h:1/0")
     assert (s.redis_url, s.broker_url, s.result_backend) == ("redis://h:1/0", "redis://h:1/1", "redis://h:1/1")
-    assert "pw" not in repr(BackendSettings(celery_broker_url="redis://:pw@h/0"))
+    assert "pw" not in repr(Settings(celery_broker_url="redis://:pw@h/0"))
 
 
 def test_celery_app_acks_late_and_retries_a_full_fleet_not_a_bad_request():
@@ -75,7 +75,7 @@ def test_celery_app_acks_late_and_retries_a_full_fleet_not_a_bad_request():
     from services.celery_app import chat, configure, generate
 
     app = Celery("t")
-    configure(app, BackendSettings(redis_url="redis://h:1/0", celery_visibility_timeout_s=2))
+    configure(app, Settings(redis_url="redis://h:1/0", celery_visibility_timeout_s=2))
     conf = app.conf
     assert conf.task_acks_late and conf.task_reject_on_worker_lost and conf.worker_prefetch_multiplier == 1
     assert conf.broker_transport_options["visibility_timeout"] == 2
@@ -85,3 +85,26 @@ def test_celery_app_acks_late_and_retries_a_full_fleet_not_a_bad_request():
         assert FleetUnavailable in task.autoretry_for and InvalidRequest not in task.autoretry_for
         assert task.retry_backoff and task.throws == (InvalidRequest,)
     assert (generate.name, chat.name) == ("kvfleet.generate", "kvfleet.chat")
+
+
+@pytest.mark.parametrize(("pool", "traced"), [("threads", True), ("solo", True), ("prefork", False),
+                                              ("processes", False)])
+def test_the_celery_worker_sets_up_tracing_where_its_tasks_run(monkeypatch, pool, traced):
+    """worker_init sets tracing up in the main process unless prefork children run the tasks, which do it on
+    worker_process_init (an exporter's thread does not survive a fork)."""
+    from types import SimpleNamespace
+
+    from services import celery_app
+    from shared import telemetry
+
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.delenv("OTEL_SDK_DISABLED", raising=False)
+    monkeypatch.delenv("OTEL_TRACES_EXPORTER", raising=False)
+    try:
+        celery_app._trace_worker(sender=SimpleNamespace(pool_cls=pool))
+        assert telemetry.enabled() is traced
+        celery_app._trace_pool_process()
+        assert telemetry.enabled()
+    finally:
+        celery_app._flush_traces()
+    assert not telemetry.enabled()

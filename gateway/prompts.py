@@ -1,0 +1,117 @@
+"""An OpenAI request body -> what enters the fleet: each prompt's token ids (a completion's text or token ids,
+one prompt or a batch of them; a chat's messages through the model's chat template), checked against the
+context window, and its sampling params.
+
+The gateway's endpoints and services.fleet_calls (Celery tasks, the Python client, batch files) both prepare
+requests here, so a request is read the same whichever door it comes in by. Nothing here imports FastAPI.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.errors import bad_request, param_of
+from gateway.openai_api import ChatCompletionRequest, CompletionRequest
+from gateway.tokenizer import chat_ids, prompt_ids
+from shared.sampling_params import SamplingParams
+
+MAX_BATCH_PROMPTS = 256  # prompts in one /v1/completions request (each becomes its own fleet request)
+
+
+@dataclass
+class Prompt:
+    token_ids: list[int]
+    text: str | None  # the text, when the caller sent text (echo)
+    params: SamplingParams  # max_tokens resolved against this prompt's length
+
+
+@dataclass
+class Prepared:
+    prompts: list[Prompt]  # a completion: one per prompt of its batch; a chat: one
+    logprobs: int | None  # completion: logprobs; chat: top_logprobs; None: off
+    echo: bool
+    priority: int
+
+
+def is_batch(prompt: Any) -> bool:
+    """A list of prompts (texts or token-id lists), rather than one prompt (a text or a token-id list)?"""
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str | list)
+
+
+def prompt_count(prompt: Any) -> int:
+    return len(prompt) if is_batch(prompt) else 1
+
+
+def part_ids(request_id: str, count: int) -> list[str]:
+    """The fleet request ids of a batch's prompts: the response's own id when there is one prompt, else
+    `{request_id}-{i}` (so a retry under the same id finds each prompt's job again)."""
+    return [request_id] if count == 1 else [f"{request_id}-{i}" for i in range(count)]
+
+
+def completion_prompts(tokenizer: Any, prompt: Any) -> list[tuple[list[int], str | None]]:
+    """A completion's prompt (text, token ids, or a batch of either) -> [(token ids, text or None)]."""
+    batch = prompt if is_batch(prompt) else [prompt]
+    if len(batch) > MAX_BATCH_PROMPTS:
+        raise bad_request(f"prompt: at most {MAX_BATCH_PROMPTS} prompts per request, got {len(batch)}", "prompt")
+    vocab = len(tokenizer)
+    out: list[tuple[list[int], str | None]] = []
+    for p in batch:
+        if isinstance(p, str):
+            out.append((prompt_ids(tokenizer, p), p))
+            continue
+        bad = [t for t in p if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}", "prompt")
+        out.append((list(p), None))
+    return out
+
+
+def resolve_max_tokens(target: Any, prompt_len: int, max_tokens: int | None, param: str) -> int | None:
+    """max_tokens as the workers will run it; 400 (with both numbers) when prompt + output exceed the window.
+    With no worker alive (scale to zero) the window is unknown: the worker that takes it checks.
+    `target`: a gateway.generation.Target."""
+    if not target.workers:
+        return max_tokens
+    limit = target.max_model_len
+    if max_tokens is None:
+        if prompt_len >= limit:
+            raise bad_request(f"This model's maximum context length is {limit} tokens. However, your prompt is "
+                              f"{prompt_len} tokens, leaving no room for output.", param, "context_length_exceeded")
+        return limit - prompt_len
+    if prompt_len + max_tokens > limit:
+        raise bad_request(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion "
+            f"(max_tokens)). Please reduce the length of the prompt or max_tokens.", param,
+            "context_length_exceeded")
+    return max_tokens
+
+
+def make_params(build: Any) -> SamplingParams:
+    try:
+        return build()
+    except ValueError as e:
+        raise bad_request(str(e), param_of(str(e)), "invalid_value") from None
+
+
+def prepare(target: Any, body: CompletionRequest | ChatCompletionRequest) -> Prepared:
+    """Tokenize, check the window, build the sampling params: what every door does before placing. 400s name
+    the field. `target`: the gateway.generation.Target the request goes to (its tokenizer and window)."""
+    tok = target.tokenizer
+    if isinstance(body, ChatCompletionRequest):
+        try:
+            ids = chat_ids(tok, [m.as_template_input() for m in body.messages])
+        except ValueError as e:
+            raise bad_request(str(e), "messages") from None
+        inputs: list[tuple[list[int], str | None]] = [(ids, None)]
+        wanted, param, echo = body.max_completion_tokens or body.max_tokens, "messages", False
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    else:
+        inputs = completion_prompts(tok, body.prompt)
+        wanted, param, echo, logprobs = body.max_tokens, "prompt", body.echo, body.logprobs
+    prompts = []
+    for ids, text in inputs:
+        max_tokens = resolve_max_tokens(target, len(ids), wanted, param)
+        prompts.append(Prompt(ids, text, make_params(lambda m=max_tokens: body.sampling_params(m, logprobs))))
+    return Prepared(prompts, logprobs, echo, body.priority)
