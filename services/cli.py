@@ -30,12 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module_name, help_text) in COMMANDS.items():
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as e:
-            if e.name != module_name:
-                raise
-            continue  # command not built yet
+        module = importlib.import_module(module_name)
         p = sub.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip(),
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         module.add_arguments(p)
