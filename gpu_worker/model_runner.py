@@ -96,8 +96,11 @@ class ModelRunner:
         self.kv_caches = [(torch.empty(cache_shape, dtype=dtype, device=device),
                            torch.empty(cache_shape, dtype=dtype, device=device)) for _ in range(arch.num_layers)]
         self._zeroed = torch.zeros(self.num_blocks, dtype=torch.bool)  # [num_blocks]
+        reads_only_written = getattr(self.model.ops.paged_attention, "reads_only_written_slots", None)
+        self._zero_fresh_blocks = not (reads_only_written and reads_only_written(dtype))
         # CPU: one worker per torch thread, each running its group of sequences with single-threaded ops
-        self.num_parts = torch.get_num_threads() if device.type == "cpu" else 1
+        # (not with Triton on CPU: the Triton interpreter is not thread-safe)
+        self.num_parts = torch.get_num_threads() if device.type == "cpu" and not use_triton else 1
         self._pool = (ThreadPoolExecutor(self.num_parts, thread_name_prefix="kvfleet-forward",
                                          initializer=torch.set_num_threads, initargs=(1,))
                       if self.num_parts > 1 else None)
@@ -165,14 +168,20 @@ class ModelRunner:
         self.copy_blocks(sched.blocks_to_copy)
         if not sched.seqs:
             return torch.empty(0, self.vocab_size, device=self.device)
-        width = max(len(s.block_table) for s in sched.seqs)
-        self._zero_new_blocks(torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in sched.seqs],
-                                           dtype=torch.int32))  # [S, width]
-        parts = split_batch(sched.seqs, self.num_parts, self.block_size) if self._pool is not None else [sched.seqs]
+        if self._zero_fresh_blocks:
+            width = max(len(s.block_table) for s in sched.seqs)
+            self._zero_new_blocks(torch.tensor([s.block_table + [0] * (width - len(s.block_table))
+                                                for s in sched.seqs], dtype=torch.int32))  # [S, width]
+        seqs = sched.seqs
+        parts = split_batch(seqs, self.num_parts, self.block_size) if self._pool is not None else [seqs]
         if len(parts) == 1:
-            return self._forward(sched.seqs)
-        futures = [self._pool.submit(self._forward, part) for part in parts]
-        return torch.cat([f.result() for f in futures])  # [N, V]: the parts are contiguous, in batch order
+            return self._forward(seqs)
+        futures = [self._pool.submit(self._forward, [seqs[i] for i in part]) for part in parts]
+        # each part's logits are for its sampling sequences in its order: put them back in batch order
+        sample_row = {i: n for n, i in enumerate(i for i, s in enumerate(seqs) if s.sample)}
+        rows = torch.tensor([sample_row[i] for part in parts for i in part if seqs[i].sample], dtype=torch.long)
+        logits = torch.cat([f.result() for f in futures])  # [N, V] in part order
+        return torch.empty_like(logits).index_copy_(0, rows.to(logits.device), logits)  # [N, V] in batch order
 
     def _forward(self, seqs: list[ScheduledSeq]) -> torch.Tensor:
         """One forward over `seqs` -> logits of its sampling sequences [N, V] (inference mode is per thread)."""

@@ -9,8 +9,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gpu_worker import cpu_kernels
-
 _MASKED = float("-inf")
 
 

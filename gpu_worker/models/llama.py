@@ -36,6 +36,10 @@ def select_ops(device: torch.device, use_triton: bool | None) -> types.SimpleNam
     """The ops namespace, chosen once: Triton kernels (kernels/) on CUDA or when asked, the torch reference
     ops otherwise (and for any kernel not written yet)."""
     chosen = {name: getattr(torch_ops, name) for name in OP_NAMES}
+    if device.type == "cpu":
+        from gpu_worker.cpu_ops import cpu_ops
+
+        chosen.update(cpu_ops())  # native CPU kernels (gpu_worker/csrc) where they build
     if use_triton or (use_triton is None and device.type == "cuda"):
         import kernels
 

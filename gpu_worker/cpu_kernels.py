@@ -1,0 +1,130 @@
+"""kvfleet's native CPU kernels (csrc/cpu_kernels.cpp): compiled once per machine, called through ctypes.
+
+torch's CPU path pays twice where these do not: decode attention gathers every sequence's blocks into a
+contiguous copy (the whole KV cache moves through memory three times a step), and each elementwise op of a
+layer (RMSNorm, rotary, SiLU-and-mul, KV store) is several torch ops, each a pass over memory and an OpenMP
+barrier. The C++ (no torch headers) is compiled on first use with the system's g++ (-O3 -march=native, a few
+seconds) into ~/.cache/kvfleet/cpu_kernels/<source hash>/ and loaded with ctypes; its OpenMP loops run on
+torch's own OpenMP runtime (same soname, already loaded), so torch.set_num_threads governs them too.
+Without a compiler `load()` returns None and the model keeps the torch ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+# -ffp-contract=off: a * b + c stays two roundings, as in torch's elementwise ops (explicit FMAs stay FMAs)
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17"]
+SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}  # dtypes with kernels
+
+_P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_SIGNATURES = {
+    "decode_attention": [_P, _P, _P, _P, _I64, _P, _P, _I32, _I32, _I32, _I32, _I32, _F, _I32, _P, _I32],
+    "rms_norm": [_P, _P, _P, _P, _P, _I64, _I64, _F],
+    "silu_and_mul": [_P, _P, _I64, _I64],
+    "rotary": [_P, _P, _I64, _P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32],
+    "store_kv": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64],
+    "prefill_attention": [_P, _P, _P, _P, _I32, _I32, _I32, _I32, _I32, _I32, _F, _P],
+}
+_RESTYPES = {"prefill_attention": ctypes.c_int}  # 1: done, 0: no kernel for this shape (use torch)
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def _library_path(source: str) -> Path:
+    key = hashlib.sha256((source + " ".join(FLAGS)).encode()).hexdigest()[:16]
+    return Path.home() / ".cache" / "kvfleet" / "cpu_kernels" / key / "libkvfleet_cpu.so"
+
+
+def _build(source: str, out: Path) -> None:
+    compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (g++) on PATH")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        src, lib = Path(tmp) / "cpu_kernels.cpp", Path(tmp) / "lib.so"
+        src.write_text(source)
+        proc = subprocess.run([compiler, *FLAGS, str(src), "-o", str(lib)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{compiler} failed:\n{proc.stderr[-2000:]}")
+        os.replace(lib, out)  # atomic: a concurrent build just puts the same library in place
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled kernels (built once per machine and source), or None where they cannot be built."""
+    global _lib, _tried
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        try:
+            source = SOURCE.read_text()
+            path = _library_path(source)
+            if not path.is_file():
+                log.info("compiling kvfleet's CPU kernels into %s (once)", path)
+                _build(source, path)
+            lib = ctypes.CDLL(str(path))
+        except (OSError, RuntimeError) as e:
+            log.warning("kvfleet's CPU kernels are unavailable (%s); using the slower torch ops", e)
+            return None
+        for name, argtypes in _SIGNATURES.items():
+            for suffix in SUFFIX.values():
+                fn = getattr(lib, f"kvf_{name}_{suffix}")
+                fn.argtypes, fn.restype = argtypes, _RESTYPES.get(name)
+        _lib = lib
+        return lib
+
+
+_functions: dict[tuple[str, torch.dtype], ctypes._CFuncPtr] = {}
+
+
+def kernel(name: str, dtype: torch.dtype):
+    """The compiled function `name` for tensors of `dtype` (load() must have succeeded)."""
+    fn = _functions.get((name, dtype))
+    if fn is None:
+        assert _lib is not None, "cpu_kernels.load() first"
+        fn = _functions[name, dtype] = getattr(_lib, f"kvf_{name}_{SUFFIX[dtype]}")
+    return fn
+
+
+def as_index(t: torch.Tensor, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """t as a contiguous tensor of `dtype` (itself when it already is one)."""
+    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
+
+
+def decode_attention(
+    query: torch.Tensor,  # [T, Hq, D] contiguous
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] contiguous
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [S, max_blocks] int32
+    context_lens: torch.Tensor,  # [S] int32
+    rows: torch.Tensor,  # [S]: the query row (and output row) of each sequence's single token
+    scale: float,
+    out: torch.Tensor,  # [T, Hq, D]: rows `rows` are written
+    max_context_len: int,
+    simd: bool = True,  # False: the portable loops even where the AVX-512 kernel applies (tests)
+) -> None:
+    """Single-token attention of S sequences over their paged keys/values, straight from the cache."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    assert query.is_contiguous() and out.is_contiguous() and key_cache.is_contiguous() and value_cache.is_contiguous()
+    assert num_heads % num_kv_heads == 0 and out.dtype == query.dtype == key_cache.dtype
+    tables, lens, rows = as_index(block_tables, torch.int32), as_index(context_lens, torch.int32), as_index(rows)
+    kernel("decode_attention", query.dtype)(
+        query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
+        lens.data_ptr(), rows.data_ptr(), rows.shape[0], num_heads, num_kv_heads, head_dim, block_size,
+        float(scale), max(1, max_context_len), out.data_ptr(), int(simd))

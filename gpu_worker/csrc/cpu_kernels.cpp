@@ -1,0 +1,767 @@
+// kvfleet's native CPU kernels (built by gpu_worker/cpu_kernels.py with the system's g++, loaded with ctypes).
+//
+// Decode attention reads keys and values where they lie in the paged cache (no gathered copy). The
+// elementwise ops (RMSNorm with residual, SiLU-and-mul, rotary embedding, KV store) each make one pass where
+// torch makes several; they follow Hugging Face's rounding in bfloat16 (each torch op's result is rounded to
+// the model dtype). OpenMP (torch's own runtime) only for big inputs: a parallel region ends in a barrier,
+// and on cores shared with other processes one barrier can cost milliseconds.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+#include <omp.h>
+
+namespace {
+
+inline float to_f(float x) { return x; }
+inline float to_f(uint16_t b) { uint32_t u = uint32_t(b) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+inline void from_f(float x, float* o) { *o = x; }
+inline void from_f(float x, uint16_t* o) {  // round to nearest even, as torch does
+  uint32_t u; std::memcpy(&u, &x, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) { *o = uint16_t((u >> 16) | 0x40); return; }  // NaN stays NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  *o = uint16_t(u >> 16);
+}
+
+// exp(x) for x <= 0 (Cephes' expf polynomial, about 1 ulp); written so that the loop around it vectorizes
+inline float exp_neg(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  float fx = x * 1.44269504088896341f;
+  fx = float(int(fx - 0.5f));  // round to nearest (x <= 0; int() truncates toward 0)
+  float r = x - fx * 0.693359375f + fx * 2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  int32_t bits = (int32_t(fx) + 127) << 23;
+  float scale; std::memcpy(&scale, &bits, 4);
+  return y * scale;
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+// r[j] = sum of v[j]'s 16 lanes, j = 0..15
+inline __m512 hsum16(__m512* v) {
+  __m512 t[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i)
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    x[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 2; ++i)
+    y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// exp(x), x <= 0, 16 lanes (the same Cephes polynomial as exp_neg)
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(fx, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(_mm512_mul_ps(y, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(y, fx);
+}
+
+// One sequence, block size 16, head dim 16 * C, G query heads per kv head: AVX-512 throughout. Blocks outer,
+// heads inner: each block's keys and values (all heads) are read once, contiguously, while block b + 2 is
+// prefetched; running max, sum and output of every head stay in L1 (acc).
+template <int C, int G, typename T>
+void decode_seq_avx512(const T* __restrict q, const T* __restrict kc, const T* __restrict vc,
+                       const int32_t* table, int len, int64_t row, int hq, int hkv, float scale,
+                       float* __restrict qf, float* __restrict acc, float* __restrict ml, T* __restrict out) {
+  constexpr int D = 16 * C, BS = 16, PF = 2;
+  const int64_t tok_stride = int64_t(hkv) * D, blk_stride = int64_t(BS) * hkv * D;
+  const int64_t blk_lines = blk_stride * int64_t(sizeof(T)) / 64;
+  const int num_blocks = (len + BS - 1) / BS;
+  float* m = ml;
+  float* l = ml + hq;
+  for (int hh = 0; hh < hq; ++hh) {
+    for (int c = 0; c < C; ++c) {
+      _mm512_storeu_ps(qf + hh * D + 16 * c, _mm512_mul_ps(load16(q + (row * hq + hh) * D + 16 * c), _mm512_set1_ps(scale)));
+      _mm512_storeu_ps(acc + hh * D + 16 * c, _mm512_setzero_ps());
+    }
+    m[hh] = -3.0e38f;
+    l[hh] = 0.0f;
+  }
+  for (int b = 0; b < PF && b < num_blocks; ++b)
+    for (int64_t i = 0; i < blk_lines; ++i) {
+      _mm_prefetch((const char*)(kc + int64_t(table[b]) * blk_stride) + 64 * i, _MM_HINT_T0);
+      _mm_prefetch((const char*)(vc + int64_t(table[b]) * blk_stride) + 64 * i, _MM_HINT_T0);
+    }
+  for (int b = 0; b < num_blocks; ++b) {
+    const int n = b == num_blocks - 1 ? len - b * BS : BS;
+    const __mmask16 valid = n == 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1);
+    if (b + PF < num_blocks) {
+      const char* nk = (const char*)(kc + int64_t(table[b + PF]) * blk_stride);
+      const char* nv = (const char*)(vc + int64_t(table[b + PF]) * blk_stride);
+      for (int64_t i = 0; i < blk_lines; ++i) {
+        _mm_prefetch(nk + 64 * i, _MM_HINT_T1);
+        _mm_prefetch(nv + 64 * i, _MM_HINT_T1);
+      }
+    }
+    const T* kb = kc + int64_t(table[b]) * blk_stride;
+    const T* vb = vc + int64_t(table[b]) * blk_stride;
+    for (int h = 0; h < hkv; ++h) {
+      float p[G][BS];
+      for (int g = 0; g < G; ++g) {
+        const int hh = h * G + g;
+        __m512 dots[BS];
+        __m512 s;
+#if defined(__AVX512BF16__)
+        if constexpr (std::is_same_v<T, uint16_t> && C % 2 == 0) {
+          // bf16 x bf16 pairs summed in fp32 (vdpbf16ps): half the work of converting and FMAs; scaled after
+          __m512i qb[C / 2];
+          for (int c = 0; c < C / 2; ++c) qb[c] = _mm512_loadu_si512(q + (row * hq + hh) * D + 32 * c);
+          for (int j = 0; j < BS; ++j) {
+            const T* k = kb + j * tok_stride + h * D;
+            __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)qb[0], (__m512bh)_mm512_loadu_si512(k));
+            for (int c = 1; c < C / 2; ++c)
+              a = _mm512_dpbf16_ps(a, (__m512bh)qb[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
+            dots[j] = a;
+          }
+          s = _mm512_mul_ps(hsum16(dots), _mm512_set1_ps(scale));
+        } else
+#endif
+        {
+          __m512 qv[C];
+          for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(qf + hh * D + 16 * c);
+          for (int j = 0; j < BS; ++j) {
+            const T* k = kb + j * tok_stride + h * D;
+            __m512 a = _mm512_mul_ps(qv[0], load16(k));
+            for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[c], load16(k + 16 * c), a);
+            dots[j] = a;
+          }
+          s = hsum16(dots);
+        }
+        s = _mm512_mask_mov_ps(_mm512_set1_ps(-3.0e38f), valid, s);
+        const float bmax = std::max(m[hh], _mm512_reduce_max_ps(s));
+        __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(bmax))));
+        const float corr = std::exp(m[hh] - bmax);
+        l[hh] = l[hh] * corr + _mm512_reduce_add_ps(e);
+        m[hh] = bmax;
+        if (corr != 1.0f)
+          for (int c = 0; c < C; ++c)
+            _mm512_storeu_ps(acc + hh * D + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(acc + hh * D + 16 * c), _mm512_set1_ps(corr)));
+        _mm512_storeu_ps(p[g], e);
+      }
+      __m512 a[G][C];
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < C; ++c) a[g][c] = _mm512_loadu_ps(acc + (h * G + g) * D + 16 * c);
+      for (int j = 0; j < n; ++j) {
+        const T* v = vb + j * tok_stride + h * D;
+        __m512 vv[C];
+        for (int c = 0; c < C; ++c) vv[c] = load16(v + 16 * c);
+        for (int g = 0; g < G; ++g) {
+          const __m512 pj = _mm512_set1_ps(p[g][j]);
+          for (int c = 0; c < C; ++c) a[g][c] = _mm512_fmadd_ps(pj, vv[c], a[g][c]);
+        }
+      }
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + (h * G + g) * D + 16 * c, a[g][c]);
+    }
+  }
+  for (int hh = 0; hh < hq; ++hh) {
+    const float inv = 1.0f / l[hh];
+    T* o = out + (row * hq + hh) * D;
+    for (int i = 0; i < D; ++i) from_f(acc[hh * D + i] * inv, o + i);
+  }
+}
+
+template <int C, typename T>
+bool decode_seq_fast(int g_size, const T* q, const T* kc, const T* vc, const int32_t* table, int len, int64_t row,
+                     int hq, int hkv, float scale, float* qf, float* acc, float* ml, T* out) {
+  switch (g_size) {
+    case 1: decode_seq_avx512<C, 1>(q, kc, vc, table, len, row, hq, hkv, scale, qf, acc, ml, out); return true;
+    case 2: decode_seq_avx512<C, 2>(q, kc, vc, table, len, row, hq, hkv, scale, qf, acc, ml, out); return true;
+    case 3: decode_seq_avx512<C, 3>(q, kc, vc, table, len, row, hq, hkv, scale, qf, acc, ml, out); return true;
+    case 4: decode_seq_avx512<C, 4>(q, kc, vc, table, len, row, hq, hkv, scale, qf, acc, ml, out); return true;
+    case 5: decode_seq_avx512<C, 5>(q, kc, vc, table, len, row, hq, hkv, scale, qf, acc, ml, out); return true;
+    case 6: decode_seq_avx512<C, 6>(q, kc, vc, table, len, row, hq, hkv, scale, qf, acc, ml, out); return true;
+    case 7: decode_seq_avx512<C, 7>(q, kc, vc, table, len, row, hq, hkv, scale, qf, acc, ml, out); return true;
+    case 8: decode_seq_avx512<C, 8>(q, kc, vc, table, len, row, hq, hkv, scale, qf, acc, ml, out); return true;
+    default: return false;
+  }
+}
+
+// the AVX-512 kernel when it covers the shape (block size 16, head dim 64 or 128, common group sizes)
+template <typename T>
+bool decode_seq_simd(int bs, int d, int g_size, const T* q, const T* kc, const T* vc, const int32_t* table,
+                     int len, int64_t row, int hq, int hkv, float scale, float* qf, float* acc, float* ml, T* out) {
+  if (bs != 16) return false;
+  if (d == 64) return decode_seq_fast<4>(g_size, q, kc, vc, table, len, row, hq, hkv, scale, qf, acc, ml, out);
+  if (d == 128) return decode_seq_fast<8>(g_size, q, kc, vc, table, len, row, hq, hkv, scale, qf, acc, ml, out);
+  return false;
+}
+#else
+template <typename T>
+bool decode_seq_simd(int, int, int, const T*, const T*, const T*, const int32_t*, int, int64_t, int, int, float,
+                     float*, float*, float*, T*) {
+  return false;
+}
+#endif
+
+// One sequence at a time: all its heads, one pass over its blocks (each block's keys and values are read
+// once, contiguously, while the next block is prefetched), softmax online. D_: head dim when known at compile
+// time (0: d at run time).
+template <int D_, typename T>
+void decode_one(const T* __restrict q, const T* __restrict kc, const T* __restrict vc, const int32_t* table,
+                int len, int64_t row, int hq, int hkv, int d_rt, int bs, float scale, float* __restrict qf,
+                float* __restrict acc, float* __restrict sc, T* __restrict out) {
+  const int d = D_ ? D_ : d_rt, g_size = hq / hkv;
+  const int64_t tok_stride = int64_t(hkv) * d, blk_stride = int64_t(bs) * hkv * d;
+  float m[256], l[256];  // per query head: running max and sum (hq <= 256)
+  for (int hh = 0; hh < hq; ++hh) {
+    for (int i = 0; i < d; ++i) qf[hh * d + i] = to_f(q[(row * hq + hh) * d + i]) * scale;
+    for (int i = 0; i < d; ++i) acc[hh * d + i] = 0.0f;
+    m[hh] = -3.0e38f;
+    l[hh] = 0.0f;
+  }
+  const int num_blocks = (len + bs - 1) / bs;
+  for (int b = 0; b < num_blocks; ++b) {
+    const int n = b == num_blocks - 1 ? len - b * bs : bs;
+    const T* kb = kc + int64_t(table[b]) * blk_stride;
+    const T* vb = vc + int64_t(table[b]) * blk_stride;
+    if (b + 1 < num_blocks) {  // the next block: 2 * bs * hkv * d elements, one prefetch per cache line
+      const char* nk = reinterpret_cast<const char*>(kc + int64_t(table[b + 1]) * blk_stride);
+      const char* nv = reinterpret_cast<const char*>(vc + int64_t(table[b + 1]) * blk_stride);
+      const int64_t bytes = blk_stride * int64_t(sizeof(T));
+      for (int64_t off = 0; off < bytes; off += 64) {
+        __builtin_prefetch(nk + off);
+        __builtin_prefetch(nv + off);
+      }
+    }
+    for (int h = 0; h < hkv; ++h) {
+      for (int g = 0; g < g_size; ++g) {  // scores of this block
+        const int hh = h * g_size + g;
+        const float* qg = qf + hh * d;
+        float* s = sc + hh * bs;
+        float bmax = m[hh];
+        for (int j = 0; j < n; ++j) {
+          const T* k = kb + j * tok_stride + h * d;
+          float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+          for (int i = 0; i < d; ++i) dot += qg[i] * to_f(k[i]);
+          s[j] = dot;
+          bmax = dot > bmax ? dot : bmax;
+        }
+        const float correction = exp_neg(m[hh] - bmax);
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int j = 0; j < n; ++j) { s[j] = exp_neg(s[j] - bmax); sum += s[j]; }
+        l[hh] = l[hh] * correction + sum;
+        m[hh] = bmax;
+        float* a = acc + hh * d;
+        if (correction != 1.0f)
+          for (int i = 0; i < d; ++i) a[i] *= correction;
+      }
+      for (int j = 0; j < n; ++j) {  // acc[g] += p[g][j] * v_j
+        const T* v = vb + j * tok_stride + h * d;
+        for (int g = 0; g < g_size; ++g) {
+          const int hh = h * g_size + g;
+          const float p = sc[hh * bs + j];
+          float* a = acc + hh * d;
+#pragma omp simd
+          for (int i = 0; i < d; ++i) a[i] += p * to_f(v[i]);
+        }
+      }
+    }
+  }
+  for (int hh = 0; hh < hq; ++hh) {
+    const float inv = 1.0f / l[hh];
+    for (int i = 0; i < d; ++i) from_f(acc[hh * d + i] * inv, &out[(row * hq + hh) * d + i]);
+  }
+}
+
+template <typename T>
+void decode_attention(const T* q, const T* kc, const T* vc, const int32_t* bt, int64_t bt_stride,
+                      const int32_t* ctx_lens, const int64_t* rows, int num_seqs, int hq, int hkv, int d,
+                      int bs, float scale, int max_ctx, T* out, int simd) {
+  (void)max_ctx;
+#pragma omp parallel
+  {
+    std::vector<float> qf(size_t(hq) * d), acc(size_t(hq) * d), sc(size_t(hq) * bs), ml(size_t(hq) * 2);
+#pragma omp for schedule(dynamic, 1)
+    for (int s = 0; s < num_seqs; ++s) {
+      const int32_t* table = bt + s * bt_stride;
+      if (simd && decode_seq_simd(bs, d, hq / hkv, q, kc, vc, table, ctx_lens[s], rows[s], hq, hkv, scale, qf.data(), acc.data(), ml.data(), out))
+        continue;
+      if (d == 64)
+        decode_one<64>(q, kc, vc, table, ctx_lens[s], rows[s], hq, hkv, d, bs, scale, qf.data(), acc.data(),
+                       sc.data(), out);
+      else if (d == 128)
+        decode_one<128>(q, kc, vc, table, ctx_lens[s], rows[s], hq, hkv, d, bs, scale, qf.data(), acc.data(),
+                        sc.data(), out);
+      else
+        decode_one<0>(q, kc, vc, table, ctx_lens[s], rows[s], hq, hkv, d, bs, scale, qf.data(), acc.data(),
+                      sc.data(), out);
+    }
+  }
+}
+
+
+// ---- elementwise ops ---------------------------------------------------------------------------------------
+constexpr int64_t kParallelRows = 256;  // fewer rows (decode steps) run on the calling thread only
+
+inline float round_as(float x, const float*) { return x; }
+inline float round_as(float x, const uint16_t*) { uint16_t b; from_f(x, &b); return to_f(b); }
+
+inline float silu_f(float g) {
+  const float e = exp_neg(g < 0.0f ? g : -g);  // exp(-|g|)
+  return g * (g < 0.0f ? e / (1.0f + e) : 1.0f / (1.0f + e));
+}
+
+#if defined(__AVX512F__)
+inline __m256i bf16_bits(__m512 v) {  // round to nearest even, NaN stays NaN (as from_f)
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(uint16_t* p, __m512 v) { _mm256_storeu_si256((__m256i*)p, bf16_bits(v)); }
+inline __m512 round16(__m512 v, const float*) { return v; }
+inline __m512 round16(__m512 v, const uint16_t*) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_bits(v)), 16));
+}
+inline __m512 silu16(__m512 g) {
+  const __m512 e = exp16(_mm512_min_ps(g, _mm512_sub_ps(_mm512_setzero_ps(), g)));  // exp(-|g|)
+  const __m512 one = _mm512_set1_ps(1.0f), den = _mm512_add_ps(one, e);
+  const __m512 sig = _mm512_mask_div_ps(_mm512_div_ps(one, den), _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ),
+                                        e, den);
+  return _mm512_mul_ps(g, sig);
+}
+constexpr int64_t kVec = 16;
+#else
+constexpr int64_t kVec = 0;
+#endif
+
+// HF's LlamaRMSNorm: float statistics, the normalized value rounded to the model dtype, then times weight.
+// With residual: h = x + residual (model dtype) is normalized and also written to new_residual.
+template <typename T>
+void rms_norm(const T* __restrict x, const T* __restrict residual, const T* __restrict w, T* __restrict out,
+              T* __restrict new_residual, int64_t rows, int64_t h, float eps) {
+  const int64_t hv = kVec ? h / 16 * 16 : 0;
+#pragma omp parallel for if (rows >= kParallelRows) schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * h;
+    T* o = out + r * h;
+    const T* src = xr;
+    float ss = 0.0f;
+    if (residual != nullptr) {
+      const T* res = residual + r * h;
+      T* nr = new_residual + r * h;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      for (; i < hv; i += 16) store16(nr + i, _mm512_add_ps(load16(xr + i), load16(res + i)));
+#endif
+      for (; i < h; ++i) from_f(to_f(xr[i]) + to_f(res[i]), nr + i);
+      src = nr;
+    }
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    for (; i < hv; i += 16) {
+      const __m512 v = load16(src + i);
+      acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    ss = _mm512_reduce_add_ps(acc);
+#endif
+    for (; i < h; ++i) ss += to_f(src[i]) * to_f(src[i]);
+    const float inv = 1.0f / std::sqrt(ss / float(h) + eps);
+    i = 0;
+#if defined(__AVX512F__)
+    for (; i < hv; i += 16)
+      store16(o + i, _mm512_mul_ps(load16(w + i), round16(_mm512_mul_ps(load16(src + i), _mm512_set1_ps(inv)), o)));
+#endif
+    for (; i < h; ++i) from_f(to_f(w[i]) * round_as(to_f(src[i]) * inv, o), o + i);
+  }
+}
+
+// silu(gate) * up for x = [gate | up] rows; silu rounded to the model dtype before the product (as HF's
+// act_fn(gate_proj(x)) * up_proj(x)).
+template <typename T>
+void silu_and_mul(const T* __restrict x, T* __restrict out, int64_t rows, int64_t inter) {
+  const int64_t iv = kVec ? inter / 16 * 16 : 0;
+#pragma omp parallel for if (rows >= kParallelRows) schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* g = x + r * 2 * inter;
+    const T* u = g + inter;
+    T* o = out + r * inter;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i < iv; i += 16) store16(o + i, _mm512_mul_ps(round16(silu16(load16(g + i)), o), load16(u + i)));
+#endif
+    for (; i < inter; ++i) from_f(round_as(silu_f(to_f(g[i])), o) * to_f(u[i]), o + i);
+  }
+}
+
+// Rotary embedding of query [T, hq * d] and key [T, hkv * d] rows (row strides given) into contiguous
+// outputs. cos_sin: [max_pos, d], cos | sin halves. neox: rotate halves; otherwise interleaved pairs.
+template <typename T>
+void rotary(const int64_t* __restrict pos, const T* __restrict q, int64_t q_stride, const T* __restrict k,
+            int64_t k_stride, const T* __restrict cos_sin, T* __restrict q_out, T* __restrict k_out, int64_t n,
+            int hq, int hkv, int d, int neox) {
+  const int half = d / 2;
+  const int hv = (kVec && neox) ? half / 16 * 16 : 0;
+#pragma omp parallel for if (n >= kParallelRows) schedule(static)
+  for (int64_t t = 0; t < n; ++t) {
+    const T* cs = cos_sin + pos[t] * d;
+    for (int which = 0; which < 2; ++which) {
+      const int heads = which == 0 ? hq : hkv;
+      const T* src = which == 0 ? q + t * q_stride : k + t * k_stride;
+      T* dst = which == 0 ? q_out + t * int64_t(hq) * d : k_out + t * int64_t(hkv) * d;
+      for (int h = 0; h < heads; ++h) {
+        const T* x = src + h * d;
+        T* o = dst + h * d;
+        int i = 0;
+#if defined(__AVX512F__)
+        for (; i < hv; i += 16) {  // neox: halves
+          const __m512 c = load16(cs + i), s = load16(cs + half + i);
+          const __m512 x1 = load16(x + i), x2 = load16(x + half + i);
+          store16(o + i, _mm512_sub_ps(round16(_mm512_mul_ps(x1, c), o), round16(_mm512_mul_ps(x2, s), o)));
+          store16(o + half + i, _mm512_add_ps(round16(_mm512_mul_ps(x2, c), o), round16(_mm512_mul_ps(x1, s), o)));
+        }
+#endif
+        for (; i < half; ++i) {
+          const float c = to_f(cs[i]), s = to_f(cs[half + i]);
+          const int i1 = neox ? i : 2 * i, i2 = neox ? i + half : 2 * i + 1;
+          const float x1 = to_f(x[i1]), x2 = to_f(x[i2]);
+          from_f(round_as(x1 * c, o) - round_as(x2 * s, o), o + i1);
+          from_f(round_as(x2 * c, o) + round_as(x1 * s, o), o + i2);
+        }
+      }
+    }
+  }
+}
+
+
+// ---- prefill attention (AVX-512) ---------------------------------------------------------------------------
+// One chunk of one sequence: q_len queries at positions ctx - q_len .. ctx - 1, causal over the paged keys.
+// Work item = (kv head, tile of 16 queries) with its G query heads; keys go by in tiles of 16: the tile's
+// keys are transposed once (kt[d][j]) so that a query row's 16 scores are 16-wide FMAs, then softmax online
+// and P V. Tiles past a query tile's last position are skipped; the diagonal tile is masked.
+#if defined(__AVX512F__)
+template <int C, typename T>
+void prefill_tile(const T* __restrict q, const T* __restrict kc, const T* __restrict vc, const int32_t* table,
+                  int ctx, int q_len, int i0, int h, int hq, int hkv, int g_size, int bs, float scale,
+                  float* __restrict buf, T* __restrict out) {
+  constexpr int D = 16 * C, TILE = 16, R = C <= 4 ? 4 : 2;
+  const int rows = std::min(TILE, q_len - i0), first_pos = ctx - q_len + i0, last_pos = first_pos + rows - 1;
+  const int nrow = g_size * TILE;  // row r = g * TILE + i
+  float* qf = buf;                 // [nrow][D]
+  float* acc = qf + nrow * D;      // [nrow][D]
+  float* m = acc + nrow * D;       // [nrow]
+  float* l = m + nrow;             // [nrow]
+  float* kt = l + nrow;            // [D][TILE]
+  float* vt = kt + D * TILE;       // [TILE][D]
+  float* pr = vt + TILE * D;       // [R][TILE]
+  const int64_t tok_stride = int64_t(hkv) * D;
+  for (int g = 0; g < g_size; ++g)
+    for (int i = 0; i < TILE; ++i) {
+      const int r = g * TILE + i;
+      const T* qp = q + (int64_t(i0 + std::min(i, rows - 1)) * hq + h * g_size + g) * D;
+      for (int c = 0; c < C; ++c) {
+        _mm512_storeu_ps(qf + r * D + 16 * c, _mm512_mul_ps(load16(qp + 16 * c), _mm512_set1_ps(scale)));
+        _mm512_storeu_ps(acc + r * D + 16 * c, _mm512_setzero_ps());
+      }
+      m[r] = -3.0e38f;
+      l[r] = 0.0f;
+    }
+  for (int t0 = 0; t0 <= last_pos; t0 += TILE) {
+    const int nk = std::min(TILE, last_pos + 1 - t0);  // keys t0 .. t0 + nk - 1
+    for (int j = 0; j < TILE; ++j) {
+      if (j < nk) {
+        const int t = t0 + j;
+        const int64_t slot = int64_t(table[t / bs]) * bs + t % bs;
+        const T* kr = kc + slot * tok_stride + int64_t(h) * D;
+        const T* vr = vc + slot * tok_stride + int64_t(h) * D;
+        for (int c = 0; c < C; ++c) _mm512_storeu_ps(vt + j * D + 16 * c, load16(vr + 16 * c));
+        for (int d = 0; d < D; ++d) kt[d * TILE + j] = to_f(kr[d]);
+      } else {
+        for (int c = 0; c < C; ++c) _mm512_storeu_ps(vt + j * D + 16 * c, _mm512_setzero_ps());
+        for (int d = 0; d < D; ++d) kt[d * TILE + j] = 0.0f;
+      }
+    }
+    // R query rows at a time: independent FMA chains, and each key / value vector loaded once for R rows
+    for (int g = 0; g < g_size; ++g)
+      for (int i = 0; i < TILE; i += R) {
+        if (t0 > first_pos + i + R - 1) continue;  // these rows see none of this tile
+        const int r0 = g * TILE + i;
+        __m512 s0[R], s1[R];
+        for (int k = 0; k < R; ++k) s0[k] = s1[k] = _mm512_setzero_ps();
+        for (int d = 0; d < D; d += 2) {
+          const __m512 k0 = _mm512_loadu_ps(kt + d * TILE), k1 = _mm512_loadu_ps(kt + (d + 1) * TILE);
+          for (int k = 0; k < R; ++k) {
+            s0[k] = _mm512_fmadd_ps(_mm512_set1_ps(qf[(r0 + k) * D + d]), k0, s0[k]);
+            s1[k] = _mm512_fmadd_ps(_mm512_set1_ps(qf[(r0 + k) * D + d + 1]), k1, s1[k]);
+          }
+        }
+        float corr[R];
+        int upto = 0;  // keys any of the R rows sees
+        for (int k = 0; k < R; ++k) {
+          const int r = r0 + k;
+          const int visible = std::max(0, std::min(nk, first_pos + i + k - t0 + 1));
+          upto = std::max(upto, visible);
+          const __mmask16 valid = visible >= 16 ? __mmask16(0xffff) : __mmask16((1u << visible) - 1);
+          const __m512 sc = _mm512_mask_mov_ps(_mm512_set1_ps(-3.0e38f), valid, _mm512_add_ps(s0[k], s1[k]));
+          const float mx = std::max(m[r], _mm512_reduce_max_ps(sc));
+          const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(sc, _mm512_set1_ps(mx))));
+          corr[k] = std::exp(m[r] - mx);
+          l[r] = l[r] * corr[k] + _mm512_reduce_add_ps(p);
+          m[r] = mx;
+          _mm512_storeu_ps(pr + k * TILE, p);
+        }
+        __m512 a[R][C];
+        for (int k = 0; k < R; ++k) {
+          const __m512 cv = _mm512_set1_ps(corr[k]);
+          for (int c = 0; c < C; ++c) a[k][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (r0 + k) * D + 16 * c), cv);
+        }
+        for (int j = 0; j < upto; ++j) {
+          __m512 v[C];
+          for (int c = 0; c < C; ++c) v[c] = _mm512_loadu_ps(vt + j * D + 16 * c);
+          for (int k = 0; k < R; ++k) {
+            const __m512 pj = _mm512_set1_ps(pr[k * TILE + j]);
+            for (int c = 0; c < C; ++c) a[k][c] = _mm512_fmadd_ps(pj, v[c], a[k][c]);
+          }
+        }
+        for (int k = 0; k < R; ++k)
+          for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + (r0 + k) * D + 16 * c, a[k][c]);
+      }
+  }
+  for (int g = 0; g < g_size; ++g)
+    for (int i = 0; i < rows; ++i) {
+      const int r = g * TILE + i;
+      const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
+      T* o = out + (int64_t(i0 + i) * hq + h * g_size + g) * D;
+      for (int c = 0; c < C; ++c) store16(o + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + 16 * c), inv));
+    }
+}
+
+#if defined(__AVX512BF16__)
+// bfloat16 prefill with AVX512-BF16 dot products (vdpbf16ps: pairs of bf16 products summed into fp32): the
+// same tiling as prefill_tile, half the instructions. Scores accumulate in fp32 and are scaled in fp32; the
+// probabilities are rounded to bfloat16 before P V, as Hugging Face's bf16 attention does.
+template <int C>
+void prefill_tile_bf16(const uint16_t* __restrict q, const uint16_t* __restrict kc, const uint16_t* __restrict vc,
+                       const int32_t* table, int ctx, int q_len, int i0, int h, int hq, int hkv, int g_size, int bs,
+                       float scale, float* __restrict buf, uint16_t* __restrict out) {
+  constexpr int D = 16 * C, TILE = 16, R = C <= 4 ? 4 : 2, DP = D / 2;
+  const int rows = std::min(TILE, q_len - i0), first_pos = ctx - q_len + i0, last_pos = first_pos + rows - 1;
+  const int nrow = g_size * TILE;
+  uint32_t* qp = reinterpret_cast<uint32_t*>(buf);  // [nrow][DP] bf16 pairs of the queries
+  float* acc = buf + nrow * DP;                     // [nrow][D]
+  float* m = acc + nrow * D;                        // [nrow]
+  float* l = m + nrow;                              // [nrow]
+  uint32_t* kp = reinterpret_cast<uint32_t*>(l + nrow);  // [DP][TILE]: key j's pair (2 dp, 2 dp + 1)
+  uint32_t* vp = kp + DP * TILE;                    // [TILE / 2][D]: column c's pair (key 2 jp, key 2 jp + 1)
+  uint16_t* pb = reinterpret_cast<uint16_t*>(vp + TILE / 2 * D);  // [R][TILE] probabilities, bf16
+  const int64_t tok_stride = int64_t(hkv) * D;
+  __m512i interleave;  // words: a0 b0 a1 b1 ... a15 b15 from [a0..a15 | b0..b15]
+  {
+    alignas(64) uint16_t idx[32];
+    for (int i = 0; i < 16; ++i) { idx[2 * i] = uint16_t(i); idx[2 * i + 1] = uint16_t(16 + i); }
+    interleave = _mm512_load_si512(idx);
+  }
+  for (int g = 0; g < g_size; ++g)
+    for (int i = 0; i < TILE; ++i) {
+      const int r = g * TILE + i;
+      std::memcpy(qp + r * DP, q + (int64_t(i0 + std::min(i, rows - 1)) * hq + h * g_size + g) * D, D * 2);
+      for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + r * D + 16 * c, _mm512_setzero_ps());
+      m[r] = -3.0e38f;
+      l[r] = 0.0f;
+    }
+  const __m256i zero256 = _mm256_setzero_si256();
+  for (int t0 = 0; t0 <= last_pos; t0 += TILE) {
+    const int nk = std::min(TILE, last_pos + 1 - t0);
+    const uint16_t* krow[TILE];
+    const uint16_t* vrow[TILE];
+    for (int j = 0; j < TILE; ++j) {
+      if (j < nk) {
+        const int t = t0 + j;
+        const int64_t slot = int64_t(table[t / bs]) * bs + t % bs;
+        krow[j] = kc + slot * tok_stride + int64_t(h) * D;
+        vrow[j] = vc + slot * tok_stride + int64_t(h) * D;
+      } else {
+        krow[j] = vrow[j] = nullptr;
+      }
+    }
+    for (int j = 0; j < TILE; ++j) {
+      const uint32_t* k32 = reinterpret_cast<const uint32_t*>(krow[j]);
+      for (int dp = 0; dp < DP; ++dp) kp[dp * TILE + j] = krow[j] ? k32[dp] : 0u;
+    }
+    for (int jp = 0; jp < TILE / 2; ++jp)
+      for (int c = 0; c < C; ++c) {
+        const __m256i a = vrow[2 * jp] ? _mm256_loadu_si256((const __m256i*)(vrow[2 * jp] + 16 * c)) : zero256;
+        const __m256i b = vrow[2 * jp + 1] ? _mm256_loadu_si256((const __m256i*)(vrow[2 * jp + 1] + 16 * c)) : zero256;
+        const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+        _mm512_storeu_si512(vp + jp * D + 16 * c, _mm512_permutexvar_epi16(interleave, ab));
+      }
+    for (int g = 0; g < g_size; ++g)
+      for (int i = 0; i < TILE; i += R) {
+        if (t0 > first_pos + i + R - 1) continue;
+        const int r0 = g * TILE + i;
+        __m512 s0[R], s1[R];
+        for (int k = 0; k < R; ++k) s0[k] = s1[k] = _mm512_setzero_ps();
+        for (int dp = 0; dp < DP; dp += 2) {
+          const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kp + dp * TILE);
+          const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kp + (dp + 1) * TILE);
+          for (int k = 0; k < R; ++k) {
+            s0[k] = _mm512_dpbf16_ps(s0[k], (__m512bh)_mm512_set1_epi32(int(qp[(r0 + k) * DP + dp])), k0);
+            s1[k] = _mm512_dpbf16_ps(s1[k], (__m512bh)_mm512_set1_epi32(int(qp[(r0 + k) * DP + dp + 1])), k1);
+          }
+        }
+        float corr[R];
+        int upto = 0;
+        for (int k = 0; k < R; ++k) {
+          const int r = r0 + k;
+          const int visible = std::max(0, std::min(nk, first_pos + i + k - t0 + 1));
+          upto = std::max(upto, visible);
+          const __mmask16 valid = visible >= 16 ? __mmask16(0xffff) : __mmask16((1u << visible) - 1);
+          const __m512 sc = _mm512_mask_mov_ps(_mm512_set1_ps(-3.0e38f), valid,
+                                               _mm512_mul_ps(_mm512_add_ps(s0[k], s1[k]), _mm512_set1_ps(scale)));
+          const float mx = std::max(m[r], _mm512_reduce_max_ps(sc));
+          const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(sc, _mm512_set1_ps(mx))));
+          corr[k] = std::exp(m[r] - mx);
+          l[r] = l[r] * corr[k] + _mm512_reduce_add_ps(p);
+          m[r] = mx;
+          _mm256_storeu_si256((__m256i*)(pb + k * TILE), bf16_bits(p));
+        }
+        __m512 a[R][C];
+        for (int k = 0; k < R; ++k) {
+          const __m512 cv = _mm512_set1_ps(corr[k]);
+          for (int c = 0; c < C; ++c) a[k][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (r0 + k) * D + 16 * c), cv);
+        }
+        const uint32_t* pb32 = reinterpret_cast<const uint32_t*>(pb);
+        for (int jp = 0; jp < (upto + 1) / 2; ++jp) {
+          __m512bh v[C];
+          for (int c = 0; c < C; ++c) v[c] = (__m512bh)_mm512_loadu_si512(vp + jp * D + 16 * c);
+          for (int k = 0; k < R; ++k) {
+            const __m512bh pj = (__m512bh)_mm512_set1_epi32(int(pb32[k * TILE / 2 + jp]));
+            for (int c = 0; c < C; ++c) a[k][c] = _mm512_dpbf16_ps(a[k][c], pj, v[c]);
+          }
+        }
+        for (int k = 0; k < R; ++k)
+          for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + (r0 + k) * D + 16 * c, a[k][c]);
+      }
+  }
+  for (int g = 0; g < g_size; ++g)
+    for (int i = 0; i < rows; ++i) {
+      const int r = g * TILE + i;
+      const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
+      uint16_t* o = out + (int64_t(i0 + i) * hq + h * g_size + g) * D;
+      for (int c = 0; c < C; ++c) store16(o + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + 16 * c), inv));
+    }
+}
+#endif
+
+template <int C, typename T>
+void prefill_attention_c(const T* q, const T* kc, const T* vc, const int32_t* table, int ctx, int q_len, int hq,
+                         int hkv, int bs, float scale, T* out) {
+  constexpr int D = 16 * C, TILE = 16;
+  const int g_size = hq / hkv, tiles = (q_len + TILE - 1) / TILE, items = hkv * tiles;
+  const size_t floats = size_t(2) * g_size * TILE * D + 2 * g_size * TILE + 2 * D * TILE + 4 * TILE;
+#pragma omp parallel if (items >= 4)
+  {
+    std::vector<float> buf(floats);
+#pragma omp for schedule(dynamic, 1)
+    for (int w = 0; w < items; ++w) {  // longest tiles (the last queries) first
+      const int i0 = (tiles - 1 - w / hkv) * TILE, h = w % hkv;
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, uint16_t>) {
+        prefill_tile_bf16<C>(q, kc, vc, table, ctx, q_len, i0, h, hq, hkv, g_size, bs, scale, buf.data(), out);
+        continue;
+      }
+#endif
+      prefill_tile<C>(q, kc, vc, table, ctx, q_len, i0, h, hq, hkv, g_size, bs, scale, buf.data(), out);
+    }
+  }
+}
+
+template <typename T>
+bool prefill_attention(const T* q, const T* kc, const T* vc, const int32_t* table, int ctx, int q_len, int hq,
+                       int hkv, int d, int bs, float scale, T* out) {
+  switch (d) {
+    case 16: prefill_attention_c<1>(q, kc, vc, table, ctx, q_len, hq, hkv, bs, scale, out); return true;
+    case 32: prefill_attention_c<2>(q, kc, vc, table, ctx, q_len, hq, hkv, bs, scale, out); return true;
+    case 64: prefill_attention_c<4>(q, kc, vc, table, ctx, q_len, hq, hkv, bs, scale, out); return true;
+    case 128: prefill_attention_c<8>(q, kc, vc, table, ctx, q_len, hq, hkv, bs, scale, out); return true;
+    default: return false;
+  }
+}
+#else
+template <typename T>
+bool prefill_attention(const T*, const T*, const T*, const int32_t*, int, int, int, int, int, int, float, T*) {
+  return false;
+}
+#endif
+
+// KV store: token t's key and value rows (width elements, row strides given) into slot slots[t]; -1 skips.
+template <typename T>
+void store_kv(const T* __restrict k, int64_t k_stride, const T* __restrict v, int64_t v_stride, T* __restrict kc,
+              T* __restrict vc, const int64_t* __restrict slots, int64_t n, int64_t width) {
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t s = slots[t];
+    if (s < 0) continue;
+    std::memcpy(kc + s * width, k + t * k_stride, size_t(width) * sizeof(T));
+    std::memcpy(vc + s * width, v + t * v_stride, size_t(width) * sizeof(T));
+  }
+}
+
+}  // namespace
+
+extern "C" {
+void kvf_decode_attention_f32(const float* q, const float* kc, const float* vc, const int32_t* bt,
+                              int64_t bt_stride, const int32_t* ctx, const int64_t* rows, int s, int hq, int hkv,
+                              int d, int bs, float scale, int max_ctx, float* out, int simd) {
+  decode_attention(q, kc, vc, bt, bt_stride, ctx, rows, s, hq, hkv, d, bs, scale, max_ctx, out, simd);
+}
+void kvf_decode_attention_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int32_t* bt,
+                               int64_t bt_stride, const int32_t* ctx, const int64_t* rows, int s, int hq, int hkv,
+                               int d, int bs, float scale, int max_ctx, uint16_t* out, int simd) {
+  decode_attention(q, kc, vc, bt, bt_stride, ctx, rows, s, hq, hkv, d, bs, scale, max_ctx, out, simd);
+}
+#define KVF_TYPED(SUFFIX, T)                                                                                       \
+  void kvf_rms_norm_##SUFFIX(const T* x, const T* residual, const T* w, T* out, T* new_residual, int64_t rows,    \
+                             int64_t h, float eps) {                                                              \
+    rms_norm(x, residual, w, out, new_residual, rows, h, eps);                                                   \
+  }                                                                                                              \
+  void kvf_silu_and_mul_##SUFFIX(const T* x, T* out, int64_t rows, int64_t inter) {                               \
+    silu_and_mul(x, out, rows, inter);                                                                           \
+  }                                                                                                              \
+  void kvf_rotary_##SUFFIX(const int64_t* pos, const T* q, int64_t q_stride, const T* k, int64_t k_stride,       \
+                           const T* cos_sin, T* q_out, T* k_out, int64_t n, int hq, int hkv, int d, int neox) {  \
+    rotary(pos, q, q_stride, k, k_stride, cos_sin, q_out, k_out, n, hq, hkv, d, neox);                         \
+  }                                                                                                              \
+  int kvf_prefill_attention_##SUFFIX(const T* q, const T* kc, const T* vc, const int32_t* table, int ctx,       \
+                                     int q_len, int hq, int hkv, int d, int bs, float scale, T* out) {            \
+    return prefill_attention(q, kc, vc, table, ctx, q_len, hq, hkv, d, bs, scale, out) ? 1 : 0;                 \
+  }                                                                                                              \
+  void kvf_store_kv_##SUFFIX(const T* k, int64_t k_stride, const T* v, int64_t v_stride, T* kc, T* vc,           \
+                             const int64_t* slots, int64_t n, int64_t width) {                                    \
+    store_kv(k, k_stride, v, v_stride, kc, vc, slots, n, width);                                                 \
+  }
+KVF_TYPED(f32, float)
+KVF_TYPED(bf16, uint16_t)
+}

@@ -1,0 +1,128 @@
+"""kvfleet's native CPU kernels (gpu_worker/csrc, through gpu_worker.cpu_ops) against the torch ops.
+
+The elementwise kernels round as the torch ops do, so bfloat16 results match them to within one bfloat16
+ulp (where a sum of squares accumulated in another order lands the normalized value on the other side of a
+rounding boundary) and float32 within a few float32 ulps. Decode attention runs both its AVX-512 kernel (where
+the machine has it) and its portable loops.
+"""
+
+import pytest
+import torch
+
+from gpu_worker import cpu_kernels, cpu_ops, ops
+
+pytestmark = pytest.mark.kernels
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    assert cpu_kernels.load() is not None, "g++ could not build gpu_worker/csrc/cpu_kernels.cpp"
+
+
+def close(actual, expected, dtype):
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    if dtype == torch.bfloat16:  # one bf16 ulp: 2**-7 relative
+        torch.testing.assert_close(actual, expected, atol=1e-6, rtol=2**-7)
+    else:
+        torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [3, 300])  # decode-sized (one thread) and prefill-sized (OpenMP)
+def test_rms_norm_silu_rotary_store(dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 72, generator=g).to(dtype)  # 72: vector body + scalar tail
+    res = torch.randn(rows, 72, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(72, generator=g)).to(dtype)
+    close(cpu_ops.rms_norm(x, w, 1e-5), ops.rms_norm(x, w, 1e-5), dtype)
+    (out, new_res), (want, want_res) = cpu_ops.rms_norm(x, w, 1e-5, res), ops.rms_norm(x, w, 1e-5, res)
+    close(out, want, dtype)
+    close(new_res, want_res, dtype)
+
+    gate_up = (3 * torch.randn(rows, 2 * 40, generator=g)).to(dtype)
+    close(cpu_ops.silu_and_mul(gate_up), ops.silu_and_mul(gate_up), dtype)
+
+    head_dim, hq, hkv = 32, 3, 1
+    qkv = torch.randn(rows, (hq + 2 * hkv) * head_dim, generator=g).to(dtype)
+    q, k, v = qkv.split([hq * head_dim, hkv * head_dim, hkv * head_dim], dim=-1)  # strided row views
+    cos_sin = torch.randn(64, head_dim, generator=g).to(dtype)
+    positions = torch.randint(0, 64, (rows,), generator=g)
+    for neox in (True, False):
+        got, want = cpu_ops.rotary_embedding(positions, q, k, cos_sin, head_dim, neox), ops.rotary_embedding(
+            positions, q, k, cos_sin, head_dim, neox)
+        close(got[0], want[0].contiguous(), dtype)
+        close(got[1], want[1].contiguous(), dtype)
+
+    caches = [torch.zeros(100, 4, hkv, head_dim, dtype=dtype) for _ in range(4)]
+    slots = torch.randperm(400, generator=g)[:rows]
+    slots[0] = -1
+    key, value = k.view(rows, hkv, head_dim), v.view(rows, hkv, head_dim)
+    ops.store_kv_cache(key, value, caches[0], caches[1], slots)
+    cpu_ops.store_kv_cache(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,head_dim,block_size", [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 64, 16),
+                                                         (10, 2, 64, 16), (6, 2, 32, 4), (9, 3, 64, 8)])
+def test_decode_attention_reads_the_paged_cache(dtype, hq, hkv, head_dim, block_size):
+    g = torch.Generator().manual_seed(hq * head_dim + block_size)
+    num_blocks = 200
+    key_cache = torch.randn(num_blocks, block_size, hkv, head_dim, generator=g).to(dtype)
+    value_cache = torch.randn(num_blocks, block_size, hkv, head_dim, generator=g).to(dtype)
+    lens = torch.tensor([1, 2, block_size - 1, block_size, block_size + 1, 33, 100], dtype=torch.int32)
+    width = -(-int(lens.max()) // block_size)
+    tables = torch.randperm(num_blocks, generator=g)[: len(lens) * width].view(len(lens), width).to(torch.int32)
+    query = torch.randn(len(lens), hq, head_dim, generator=g).to(dtype)
+    want = ops._decode_attention(query, key_cache, value_cache, tables, lens, head_dim**-0.5)
+    for simd in (True, False):
+        out = torch.zeros_like(query)
+        cpu_kernels.decode_attention(query, key_cache, value_cache, tables, lens, torch.arange(len(lens)),
+                                     head_dim**-0.5, out, int(lens.max()), simd=simd)
+        tol = 2e-2 if dtype == torch.bfloat16 else 2e-6  # bf16: the torch path rounds its scores to bf16
+        torch.testing.assert_close(out.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_attention_mixed_batch_matches_the_torch_op(dtype):
+    g = torch.Generator().manual_seed(1)
+    hq, hkv, head_dim, block_size, num_blocks = 6, 2, 64, 8, 64
+    key_cache = torch.randn(num_blocks, block_size, hkv, head_dim, generator=g).to(dtype)
+    value_cache = torch.randn(num_blocks, block_size, hkv, head_dim, generator=g).to(dtype)
+    q_lens, ctx = [20, 1, 7, 1, 33], [20, 50, 40, 3, 33]  # prefill, decode, chunk after a prefix, decode, prefill
+    width = max(-(-c // block_size) for c in ctx)
+    tables = torch.randperm(num_blocks, generator=g)[: len(ctx) * width].view(len(ctx), width).to(torch.int32)
+    starts = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    query = torch.randn(int(starts[-1]), hq, head_dim, generator=g).to(dtype)
+    args = (query, key_cache, value_cache, tables, starts, torch.tensor(ctx, dtype=torch.int32), head_dim**-0.5)
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-6
+    torch.testing.assert_close(cpu_ops.paged_attention(*args).float(), ops.paged_attention(*args).float(),
+                               atol=tol, rtol=tol)
+
+
+def test_unsupported_inputs_fall_back_to_the_torch_ops():
+    x = torch.randn(4, 16, dtype=torch.float64)
+    w = torch.ones(16, dtype=torch.float64)
+    torch.testing.assert_close(cpu_ops.rms_norm(x, w, 1e-6), ops.rms_norm(x, w, 1e-6))
+    gate_up = torch.randn(4, 32, dtype=torch.float16)
+    assert torch.equal(cpu_ops.silu_and_mul(gate_up), ops.silu_and_mul(gate_up))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,head_dim,block_size", [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 32, 4),
+                                                         (6, 2, 48, 8)])  # 48: no native variant
+@pytest.mark.parametrize("q_len,ctx", [(37, 37), (20, 53), (16, 16), (2, 90)])
+def test_prefill_chunks_match_the_torch_op(dtype, hq, hkv, head_dim, block_size, q_len, ctx):
+    g = torch.Generator().manual_seed(q_len * ctx + head_dim)
+    num_blocks = 40
+    key_cache = torch.randn(num_blocks, block_size, hkv, head_dim, generator=g).to(dtype)
+    value_cache = torch.randn(num_blocks, block_size, hkv, head_dim, generator=g).to(dtype)
+    table = torch.randperm(num_blocks, generator=g)[: -(-ctx // block_size)].to(torch.int32)[None]  # [1, nb]
+    query = torch.randn(q_len, hq, head_dim, generator=g).to(dtype)
+    args = (query, key_cache, value_cache, table, torch.tensor([0, q_len], dtype=torch.int32),
+            torch.tensor([ctx], dtype=torch.int32), head_dim**-0.5)
+    tol = 2e-2 if dtype == torch.bfloat16 else 5e-6
+    torch.testing.assert_close(cpu_ops.paged_attention(*args).float(), ops.paged_attention(*args).float(),
+                               atol=tol, rtol=tol)
