@@ -1,6 +1,7 @@
 """The cost of tracing, measured in one run: two identical fleets (a worker on the tiny model + a gateway),
 one exporting every span over OTLP/HTTP to a receiver, one with no endpoint; the same workload alternates
-between them and the throughput of each is printed (`-s` to see it):
+between them and the throughput of each is printed (`-s` to see it). The figure is printed, not asserted
+(shared cores are noisy); the test asserts that every request was traced, with its 7 spans:
 
     .venv/bin/python -m pytest tests/integration/test_tracing_overhead.py -m slow -s
 """
@@ -71,4 +72,3 @@ def test_tracing_overhead(tiny_llama_dir, tmp_path):
     print(f"  throughput cost of tracing: {overhead * 100:+.1f}%  ({spans_per_request:.1f} spans per request)")
     assert len(traces) == requests
     assert spans_per_request == 7  # gateway server, route, enqueue; worker request, queue wait, prefill, decode
-    assert med["traced"][1] > 0.5 * med["plain"][1]  # a loose bound: 2 shared cores are noisy
