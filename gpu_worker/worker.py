@@ -243,6 +243,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", help='weights and KV cache dtype: float32, bfloat16 or float16')
     p.add_argument("--device", default="cpu", help='cpu or cuda')
     p.add_argument("--seed", type=int, default=0, help='seed for requests that give none')
+    p.add_argument("--log-memory-usage", type=float, default=0.0, metavar="SECONDS",
+                   help="log the KV cache's blocks used / free / cached, fragmentation and preemptions every "
+                        "SECONDS (0: off)")
     p.add_argument("--metrics-port", type=int, help="serve /livez, /readyz, /metrics on this port")
     p.add_argument("--metrics-host", help="address for --metrics-port (default 127.0.0.1; 0.0.0.0 in pods; env "
                                           "KVFLEET_METRICS_HOST)")
@@ -276,7 +279,8 @@ def run(args: argparse.Namespace) -> int:
             num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
-            scheduling_policy=args.scheduling_policy, seed=args.seed)
+            scheduling_policy=args.scheduling_policy, seed=args.seed,
+            log_memory_usage_s=args.log_memory_usage)
         worker = Worker(engine, settings, model_name=args.served_model_name or engine.model_name,
                         model_path=str(resolve_model(settings.model)), drain_timeout_s=args.drain_timeout,
                         max_backlog=args.max_num_seqs)

@@ -43,6 +43,161 @@ inline float exp_neg(float x) {
   return y * scale;
 }
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// AVX2 + FMA (CPUs without AVX-512, e.g. AMD Zen 2/3): 8 lanes. The same algorithms as the AVX-512 code.
+#define KVF_AVX2 1
+#include <immintrin.h>
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+inline __m128i bf16_bits8(__m256 v) {  // round to nearest even, NaN stays NaN (as from_f)
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan);
+  r = _mm256_srli_epi32(r, 16);
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(uint16_t* p, __m256 v) { _mm_storeu_si128((__m128i*)p, bf16_bits8(v)); }
+inline __m256 round8(__m256 v, const float*) { return v; }
+inline __m256 round8(__m256 v, const uint16_t*) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bf16_bits8(v)), 16));
+}
+
+// exp(x), x <= 0, 8 lanes (the Cephes polynomial of exp_neg)
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fmadd_ps(fx, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(_mm256_mul_ps(y, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+inline __m256 silu8(__m256 g) {  // g * sigmoid(g), through exp(-|g|) so that nothing overflows
+  const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f);
+  const __m256 e = exp8(_mm256_min_ps(g, _mm256_sub_ps(zero, g)));
+  const __m256 num = _mm256_blendv_ps(one, e, _mm256_cmp_ps(g, zero, _CMP_LT_OQ));
+  return _mm256_mul_ps(g, _mm256_div_ps(num, _mm256_add_ps(one, e)));
+}
+
+inline float hsum8(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+inline float hmax8(__m256 v) {
+  const __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+// r[j] = sum of v[j]'s 8 lanes, j = 0..7
+inline __m256 hsum8x8(const __m256* v) {
+  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+inline __m256 first_n_mask8(int n) {  // lanes < n all ones
+  const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), idx));
+}
+
+// One sequence, block size 16, head dim 8 * C: blocks outer, heads inner, as decode_seq_avx512. Scores of 8
+// keys at a time (8 accumulators, one query load per 8 FMAs); the output accumulators live in acc (L1).
+template <int C, typename T>
+void decode_seq_avx2(const T* __restrict q, const T* __restrict kc, const T* __restrict vc, const int32_t* table,
+                     int len, int64_t row, int hq, int hkv, float scale, float* __restrict qf,
+                     float* __restrict acc, float* __restrict ml, T* __restrict out) {
+  constexpr int D = 8 * C, BS = 16;
+  const int g_size = hq / hkv;
+  const int64_t tok_stride = int64_t(hkv) * D, blk_stride = int64_t(BS) * hkv * D;
+  const int64_t blk_bytes = blk_stride * int64_t(sizeof(T));
+  const int num_blocks = (len + BS - 1) / BS;
+  float* m = ml;
+  float* l = ml + hq;
+  for (int hh = 0; hh < hq; ++hh) {
+    for (int c = 0; c < C; ++c) {
+      _mm256_storeu_ps(qf + hh * D + 8 * c, _mm256_mul_ps(load8(q + (row * hq + hh) * D + 8 * c), _mm256_set1_ps(scale)));
+      _mm256_storeu_ps(acc + hh * D + 8 * c, _mm256_setzero_ps());
+    }
+    m[hh] = -3.0e38f;
+    l[hh] = 0.0f;
+  }
+  alignas(32) float p[BS];
+  for (int b = 0; b < num_blocks; ++b) {
+    const int n = b == num_blocks - 1 ? len - b * BS : BS;
+    if (b + 2 < num_blocks) {
+      const char* nk = (const char*)(kc + int64_t(table[b + 2]) * blk_stride);
+      const char* nv = (const char*)(vc + int64_t(table[b + 2]) * blk_stride);
+      for (int64_t off = 0; off < blk_bytes; off += 64) {
+        _mm_prefetch(nk + off, _MM_HINT_T1);
+        _mm_prefetch(nv + off, _MM_HINT_T1);
+      }
+    }
+    const T* kb = kc + int64_t(table[b]) * blk_stride;
+    const T* vb = vc + int64_t(table[b]) * blk_stride;
+    const __m256 valid_lo = first_n_mask8(n), valid_hi = first_n_mask8(n - 8);
+    const __m256 neg = _mm256_set1_ps(-3.0e38f);
+    for (int h = 0; h < hkv; ++h) {
+      for (int g = 0; g < g_size; ++g) {
+        const int hh = h * g_size + g;
+        const float* qg = qf + hh * D;
+        __m256 s[2];
+        for (int half = 0; half < 2; ++half) {
+          __m256 dots[8];
+          for (int j = 0; j < 8; ++j) dots[j] = _mm256_setzero_ps();
+          for (int c = 0; c < C; ++c) {
+            const __m256 qc = _mm256_loadu_ps(qg + 8 * c);
+            for (int j = 0; j < 8; ++j)
+              dots[j] = _mm256_fmadd_ps(qc, load8(kb + (8 * half + j) * tok_stride + h * D + 8 * c), dots[j]);
+          }
+          s[half] = hsum8x8(dots);
+        }
+        s[0] = _mm256_blendv_ps(neg, s[0], valid_lo);
+        s[1] = _mm256_blendv_ps(neg, s[1], valid_hi);
+        const float bmax = std::max(m[hh], hmax8(_mm256_max_ps(s[0], s[1])));
+        const __m256 mx = _mm256_set1_ps(bmax);
+        const __m256 e0 = _mm256_and_ps(valid_lo, exp8(_mm256_sub_ps(s[0], mx)));
+        const __m256 e1 = _mm256_and_ps(valid_hi, exp8(_mm256_sub_ps(s[1], mx)));
+        const float corr = std::exp(m[hh] - bmax);
+        l[hh] = l[hh] * corr + hsum8(_mm256_add_ps(e0, e1));
+        m[hh] = bmax;
+        _mm256_store_ps(p, e0);
+        _mm256_store_ps(p + 8, e1);
+        float* a = acc + hh * D;
+        __m256 av[C];
+        const __m256 cv = _mm256_set1_ps(corr);
+        for (int c = 0; c < C; ++c) av[c] = _mm256_mul_ps(_mm256_loadu_ps(a + 8 * c), cv);
+        for (int j = 0; j < n; ++j) {
+          const __m256 pj = _mm256_set1_ps(p[j]);
+          const T* v = vb + j * tok_stride + h * D;
+          for (int c = 0; c < C; ++c) av[c] = _mm256_fmadd_ps(pj, load8(v + 8 * c), av[c]);
+        }
+        for (int c = 0; c < C; ++c) _mm256_storeu_ps(a + 8 * c, av[c]);
+      }
+    }
+  }
+  for (int hh = 0; hh < hq; ++hh) {
+    const float inv = 1.0f / l[hh];
+    T* o = out + (row * hq + hh) * D;
+    for (int i = 0; i < D; ++i) from_f(acc[hh * D + i] * inv, o + i);
+  }
+}
+#endif
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
@@ -213,6 +368,16 @@ bool decode_seq_simd(int bs, int d, int g_size, const T* q, const T* kc, const T
   if (d == 128) return decode_seq_fast<8>(g_size, q, kc, vc, table, len, row, hq, hkv, scale, qf, acc, ml, out);
   return false;
 }
+#elif defined(KVF_AVX2)
+// the AVX2 kernel when it covers the shape (block size 16, head dim 64 or 128, any group size)
+template <typename T>
+bool decode_seq_simd(int bs, int d, int, const T* q, const T* kc, const T* vc, const int32_t* table,
+                     int len, int64_t row, int hq, int hkv, float scale, float* qf, float* acc, float* ml, T* out) {
+  if (bs != 16) return false;
+  if (d == 64) { decode_seq_avx2<8>(q, kc, vc, table, len, row, hq, hkv, scale, qf, acc, ml, out); return true; }
+  if (d == 128) { decode_seq_avx2<16>(q, kc, vc, table, len, row, hq, hkv, scale, qf, acc, ml, out); return true; }
+  return false;
+}
 #else
 template <typename T>
 bool decode_seq_simd(int, int, int, const T*, const T*, const T*, const int32_t*, int, int64_t, int, int, float,
@@ -375,6 +540,8 @@ void rms_norm(const T* __restrict x, const T* __restrict residual, const T* __re
       int64_t i = 0;
 #if defined(__AVX512F__)
       for (; i < hv; i += 16) store16(nr + i, _mm512_add_ps(load16(xr + i), load16(res + i)));
+#elif defined(KVF_AVX2)
+      for (; i + 8 <= h; i += 8) store8(nr + i, _mm256_add_ps(load8(xr + i), load8(res + i)));
 #endif
       for (; i < h; ++i) from_f(to_f(xr[i]) + to_f(res[i]), nr + i);
       src = nr;
@@ -387,6 +554,13 @@ void rms_norm(const T* __restrict x, const T* __restrict residual, const T* __re
       acc = _mm512_fmadd_ps(v, v, acc);
     }
     ss = _mm512_reduce_add_ps(acc);
+#elif defined(KVF_AVX2)
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= h; i += 8) {
+      const __m256 v = load8(src + i);
+      acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    ss = hsum8(acc);
 #endif
     for (; i < h; ++i) ss += to_f(src[i]) * to_f(src[i]);
     const float inv = 1.0f / std::sqrt(ss / float(h) + eps);
@@ -394,6 +568,9 @@ void rms_norm(const T* __restrict x, const T* __restrict residual, const T* __re
 #if defined(__AVX512F__)
     for (; i < hv; i += 16)
       store16(o + i, _mm512_mul_ps(load16(w + i), round16(_mm512_mul_ps(load16(src + i), _mm512_set1_ps(inv)), o)));
+#elif defined(KVF_AVX2)
+    for (; i + 8 <= h; i += 8)
+      store8(o + i, _mm256_mul_ps(load8(w + i), round8(_mm256_mul_ps(load8(src + i), _mm256_set1_ps(inv)), o)));
 #endif
     for (; i < h; ++i) from_f(to_f(w[i]) * round_as(to_f(src[i]) * inv, o), o + i);
   }
@@ -412,6 +589,8 @@ void silu_and_mul(const T* __restrict x, T* __restrict out, int64_t rows, int64_
     int64_t i = 0;
 #if defined(__AVX512F__)
     for (; i < iv; i += 16) store16(o + i, _mm512_mul_ps(round16(silu16(load16(g + i)), o), load16(u + i)));
+#elif defined(KVF_AVX2)
+    for (; i + 8 <= inter; i += 8) store8(o + i, _mm256_mul_ps(round8(silu8(load8(g + i)), o), load8(u + i)));
 #endif
     for (; i < inter; ++i) from_f(round_as(silu_f(to_f(g[i])), o) * to_f(u[i]), o + i);
   }

@@ -214,6 +214,8 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:  # CPU: matmul weights in oneDNN's layout (ops.pack_linear_weight)
             layer.pack_weights()
         self.lm_head_packed = torch_ops.pack_linear_weight(self.embed if self.lm_head is None else self.lm_head)
+        first = self.layers[0]
+        torch_ops.calibrate_linear(first.gate_up_weight, first.packed.get("gate_up"))
 
     @staticmethod
     def _target(name: str, shard: dict, norms: dict) -> tuple[str, int, int | None] | None:
