@@ -116,7 +116,7 @@ def decode_attention(
     scale: float,
     out: torch.Tensor,  # [T, Hq, D]: rows `rows` are written
     max_context_len: int,
-    simd: bool = True,  # False: the portable loops even where the AVX-512 kernel applies (tests)
+    simd: bool = True,  # False: the portable loops even where the AVX-512 / AVX2 kernel applies (tests)
 ) -> None:
     """Single-token attention of S sequences over their paged keys/values, straight from the cache."""
     num_heads, head_dim = query.shape[1], query.shape[2]

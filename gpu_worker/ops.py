@@ -202,7 +202,15 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
     if (weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16)
             or not torch.backends.mkldnn.is_available()):
         return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+    except RuntimeError:
+        if weight.dtype != torch.bfloat16:
+            raise
+    # bfloat16 on a CPU without AVX-512 / AVX-NE-CONVERT: neither oneDNN nor aten has a fast bf16 GEMM there.
+    # A float32 copy of the weight gives the same result (bf16 x bf16 products are exact in float32, summed
+    # in float32 as a bf16 GEMM does) at float32 speed, for twice the weights' memory.
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().float())
 
 
 CALIBRATION_ROWS = 512  # a prefill chunk's worth of rows; decode batches of a part stay far below
@@ -244,6 +252,10 @@ def linear(
 ) -> torch.Tensor:
     """x @ weight.T + bias -> [T, N], through the packed weight when there is one (and it is the faster path
     for this many rows: calibrate_linear)."""
+    if packed is not None and packed.dtype != x.dtype:  # a float32 copy of a bfloat16 weight (pack_linear_weight)
+        out = torch.ops.mkldnn._linear_pointwise(x.float(), packed, None if bias is None else bias.float(),
+                                                 "none", [], "")
+        return out.to(x.dtype)
     if packed is not None and (_aten_from_rows is None or x.shape[0] < _aten_from_rows or x.dtype != torch.float32):
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)

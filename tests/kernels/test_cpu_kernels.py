@@ -2,8 +2,8 @@
 
 The elementwise kernels round as the torch ops do, so bfloat16 results match them to within one bfloat16
 ulp (where a sum of squares accumulated in another order lands the normalized value on the other side of a
-rounding boundary) and float32 within a few float32 ulps. Decode attention runs both its AVX-512 kernel (where
-the machine has it) and its portable loops.
+rounding boundary) and float32 within a few float32 ulps. Decode attention runs both its SIMD kernel (AVX-512 or AVX2,
+whichever the machine has) and its portable loops.
 """
 
 import pytest
