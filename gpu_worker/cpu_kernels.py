@@ -4,7 +4,7 @@ torch's CPU path pays twice where these do not: decode attention gathers every s
 contiguous copy (the whole KV cache moves through memory three times a step), and each elementwise op of a
 layer (RMSNorm, rotary, SiLU-and-mul, KV store) is several torch ops, each a pass over memory and an OpenMP
 barrier. The C++ (no torch headers) is compiled on first use with the system's g++ (-O3 -march=native, a few
-seconds) into ~/.cache/kvfleet/cpu_kernels/<source hash>/ and loaded with ctypes; its OpenMP loops run on
+seconds) into ~/.cache/kvfleet/cpu_kernels/<hash of source, flags and CPU>/ and loaded with ctypes; its OpenMP loops run on
 torch's own OpenMP runtime (same soname, already loaded), so torch.set_num_threads governs them too.
 Without a compiler `load()` returns None and the model keeps the torch ops.
 """
@@ -45,8 +45,20 @@ _lib: ctypes.CDLL | None = None
 _tried = False
 
 
+def _cpu_identity() -> str:
+    """The CPU's model and instruction-set flags: -march=native code built on one CPU may not run on another
+    (a home directory shared between machines)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        import platform
+
+        return platform.processor() or platform.machine()
+    return "\n".join(next((ln for ln in lines if ln.startswith(k)), "") for k in ("model name", "flags"))
+
+
 def _library_path(source: str) -> Path:
-    key = hashlib.sha256((source + " ".join(FLAGS)).encode()).hexdigest()[:16]
+    key = hashlib.sha256((source + " ".join(FLAGS) + _cpu_identity()).encode()).hexdigest()[:16]
     return Path.home() / ".cache" / "kvfleet" / "cpu_kernels" / key / "libkvfleet_cpu.so"
 
 
