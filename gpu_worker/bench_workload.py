@@ -1,6 +1,7 @@
 """Benchmark workloads: the fixed request sets `kvfleet bench throughput` runs (no torch).
 
-Two formats, both found next to the repository in ../shared/:
+Two formats, found next to the repository in ../shared/ (the team's reference copies) or, where the
+repository was cloned elsewhere, in the copies bundled with this package (gpu_worker/bench_workloads/):
 - a peer file (peers/peer64.json): one JSON object whose "requests" hold prompt token ids and output
   lengths; its "model" field is replaced by the benchmark with a local model directory;
 - a workload (workloads/*.jsonl): one request a line with prompt_len, output_len, prefix_group and
@@ -17,7 +18,8 @@ from pathlib import Path
 
 SHARED_DIR = Path(__file__).resolve().parents[2] / "shared"  # ../shared next to the repository
 DEFAULT_WORKLOAD = "peer64"
-SEARCH_DIRS = (SHARED_DIR / "peers", SHARED_DIR / "workloads")
+BUNDLED_DIR = Path(__file__).resolve().parent / "bench_workloads"  # copies of peer64.json and workloads/*.jsonl
+SEARCH_DIRS = (SHARED_DIR / "peers", SHARED_DIR / "workloads", BUNDLED_DIR)
 
 
 @dataclass
@@ -50,7 +52,7 @@ class Workload:
 
 def resolve_workload_path(name: str | Path) -> Path:
     """An existing path, or a bare name ("peer64", "sharegpt_like", "alpaca_like.jsonl") looked up in
-    ../shared/peers and ../shared/workloads."""
+    ../shared/peers, ../shared/workloads, then the bundled copies."""
     path = Path(name).expanduser()
     if path.is_file():
         return path

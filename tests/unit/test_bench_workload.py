@@ -5,7 +5,14 @@ import json
 import pytest
 
 from gpu_worker.bench_metrics import KVWasteMeter, ModelShape
-from gpu_worker.bench_workload import SHARED_DIR, load_workload, prompt_ids_for, resolve_workload_path
+from gpu_worker.bench_workload import (
+    BUNDLED_DIR,
+    SEARCH_DIRS,
+    SHARED_DIR,
+    load_workload,
+    prompt_ids_for,
+    resolve_workload_path,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -61,9 +68,17 @@ def test_peer_file_keeps_its_ids_and_output_len(tmp_path):
         load_workload(path, vocab_size=4)
 
 
-def test_names_resolve_in_the_shared_folders():
-    assert resolve_workload_path("peer64") == SHARED_DIR / "peers" / "peer64.json"
-    assert resolve_workload_path("sharegpt_like") == SHARED_DIR / "workloads" / "sharegpt_like.jsonl"
+def test_names_resolve_in_the_shared_folders_then_the_bundled_copies():
+    peer, sharegpt = resolve_workload_path("peer64"), resolve_workload_path("sharegpt_like")
+    assert peer.name == "peer64.json" and peer.parent in SEARCH_DIRS
+    assert sharegpt.name == "sharegpt_like.jsonl" and sharegpt.parent in SEARCH_DIRS
+    if SHARED_DIR.is_dir():  # the team's reference copies win, and the bundled ones equal them
+        assert peer == SHARED_DIR / "peers" / "peer64.json"
+        assert sharegpt == SHARED_DIR / "workloads" / "sharegpt_like.jsonl"
+    for name in ("peer64.json", "sharegpt_like.jsonl", "alpaca_like.jsonl", "shared_prefix.jsonl"):
+        reference = next((d / name for d in SEARCH_DIRS[:2] if (d / name).is_file()), None)
+        if reference is not None:
+            assert (BUNDLED_DIR / name).read_bytes() == reference.read_bytes(), f"bundled {name} is stale"
     wl = load_workload("alpaca_like", vocab_size=SMOLLM2.vocab_size, num_requests=5)
     assert len(wl.requests) == 5 and wl.name == "alpaca_like.jsonl (first 5)"
     with pytest.raises(FileNotFoundError, match="no-such-workload"):
