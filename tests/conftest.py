@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent))
@@ -32,3 +34,27 @@ def tiny_qwen3_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_mistral_dir(tmp_path_factory) -> Path:
     return make_tiny_model("mistral", tmp_path_factory.mktemp("tiny-mistral"))
+
+
+@contextmanager
+def _torch_threads(n: int):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models on shared cores: one thread avoids OpenMP spin-waits (10x faster here)."""
+    with _torch_threads(1):
+        yield
+
+
+@pytest.fixture
+def two_torch_threads():
+    """Two torch threads: the model runner splits each step into two concurrent forwards."""
+    with _torch_threads(2):
+        yield

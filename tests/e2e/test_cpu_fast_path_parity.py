@@ -15,14 +15,6 @@ pytestmark = pytest.mark.e2e
 MAX_TOKENS = 12
 
 
-@pytest.fixture
-def two_torch_threads():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_split_steps_match_hf(two_torch_threads):
     prompts = [r.prompt_token_ids[:96] for r in load_workload("peer64", vocab_size=49152).requests[:6]]
     llm = LLM("smollm2", block_size=16, num_kv_blocks=64, max_num_batched_tokens=128, max_num_seqs=8,

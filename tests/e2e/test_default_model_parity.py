@@ -8,19 +8,11 @@ from transformers import AutoModelForCausalLM
 from gpu_worker import LLM, SamplingParams
 from gpu_worker.model_loader import load_model_files
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_torch_thread")]
 
 QUESTIONS = ["What is the capital of France?", "Name three colors.", "Write a haiku about the sea.",
              "What is 2 + 2?"]
 MAX_TOKENS = 16
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_default_model_greedy_matches_hf():

@@ -12,17 +12,9 @@ from gpu_worker.model_runner import ModelRunner
 from gpu_worker.scheduler import RequestRejected
 from gpu_worker.scheduler_output import ScheduledSeq, SchedulerOutput
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_torch_thread")]
 
 PROMPT = list(range(300, 321))  # 21 tokens
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

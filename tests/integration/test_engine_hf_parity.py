@@ -7,16 +7,8 @@ from transformers import AutoModelForCausalLM
 
 from gpu_worker import LLM, SamplingParams
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_torch_thread")]
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models on shared cores: one thread avoids OpenMP spin-waits (10x faster here)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 MAX_TOKENS = 10
 SHARED = list(range(1000, 1013))  # 13 tokens: 3 full blocks of 4 shared between prompts

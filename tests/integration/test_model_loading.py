@@ -10,17 +10,9 @@ from transformers import AutoModelForCausalLM
 from gpu_worker import LLM, SamplingParams, generate_cmd
 from gpu_worker.detokenizer import IncrementalDetokenizer
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_torch_thread")]
 
 PROMPT = list(range(400, 420))
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def greedy(model_dir):
