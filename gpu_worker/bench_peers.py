@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -65,7 +66,10 @@ def run_hf(requests_json: Path, args: argparse.Namespace, *, progress: bool) -> 
            "--batch-size", str(args.hf_batch_size), "--threads", str(args.threads)]
     if progress:
         cmd.append("--progress")
-    return _run_child(cmd, "HF generate", progress=progress)
+    # as transformers runs out of the box: importing gpu_worker (peer_hf is one of its modules) would turn on
+    # torch's huge-page allocation, which kvfleet's engine uses and a plain HF process does not
+    env = dict(os.environ, THP_MEM_ALLOC_ENABLE="0")
+    return _run_child(cmd, "HF generate", env=env, progress=progress)
 
 
 def run_vllm(requests_json: Path, args: argparse.Namespace, *, progress: bool) -> dict | None:

@@ -30,6 +30,7 @@ def vllm_env(venv: Path, threads: int, kv_cache_gib: int = 4) -> dict[str, str]:
         "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "VLLM_HOST_IP": "127.0.0.1",
         "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
         "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "WARNING"),
+        "THP_MEM_ALLOC_ENABLE": "0",  # as vllm_env.sh leaves it (importing gpu_worker.peer_vllm would set it)
     })
     return env
 
