@@ -113,19 +113,23 @@ inline __m256 first_n_mask8(int n) {  // lanes < n all ones
   return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), idx));
 }
 
-// One sequence, block size 16, head dim 8 * C: blocks outer, heads inner, as decode_seq_avx512. Scores of 8
-// keys at a time (8 accumulators, one query load per 8 FMAs); the output accumulators live in acc (L1).
+// One sequence, block size 16, head dim 8 * C: blocks outer, heads inner, as decode_seq_avx512. Each block
+// runs in three phases over all heads, so that every phase holds independent work for the out-of-order core
+// (per head, the chain scores -> max -> exp -> rescale is one long dependency): 1. scores of 8 keys at a time
+// (8 accumulators, one query load per 8 FMAs) into sc; 2. the online softmax update of every head; 3. the
+// weighted values into acc (L1).
 template <int C, typename T>
 void decode_seq_avx2(const T* __restrict q, const T* __restrict kc, const T* __restrict vc, const int32_t* table,
                      int len, int64_t row, int hq, int hkv, float scale, float* __restrict qf,
-                     float* __restrict acc, float* __restrict ml, T* __restrict out) {
-  constexpr int D = 8 * C, BS = 16;
+                     float* __restrict acc, float* __restrict ml, float* __restrict sc, T* __restrict out) {
+  constexpr int D = 8 * C, BS = 16, PF = 1;
   const int g_size = hq / hkv;
   const int64_t tok_stride = int64_t(hkv) * D, blk_stride = int64_t(BS) * hkv * D;
   const int64_t blk_bytes = blk_stride * int64_t(sizeof(T));
   const int num_blocks = (len + BS - 1) / BS;
   float* m = ml;
   float* l = ml + hq;
+  float* corr = ml + 2 * hq;
   for (int hh = 0; hh < hq; ++hh) {
     for (int c = 0; c < C; ++c) {
       _mm256_storeu_ps(qf + hh * D + 8 * c, _mm256_mul_ps(load8(q + (row * hq + hh) * D + 8 * c), _mm256_set1_ps(scale)));
@@ -134,26 +138,22 @@ void decode_seq_avx2(const T* __restrict q, const T* __restrict kc, const T* __r
     m[hh] = -3.0e38f;
     l[hh] = 0.0f;
   }
-  alignas(32) float p[BS];
+  const __m256 neg = _mm256_set1_ps(-3.0e38f);
   for (int b = 0; b < num_blocks; ++b) {
     const int n = b == num_blocks - 1 ? len - b * BS : BS;
-    if (b + 2 < num_blocks) {
-      const char* nk = (const char*)(kc + int64_t(table[b + 2]) * blk_stride);
-      const char* nv = (const char*)(vc + int64_t(table[b + 2]) * blk_stride);
-      for (int64_t off = 0; off < blk_bytes; off += 64) {
-        _mm_prefetch(nk + off, _MM_HINT_T1);
-        _mm_prefetch(nv + off, _MM_HINT_T1);
-      }
-    }
+    // block b + PF's keys are prefetched a few lines per head during phase 1, its values during phase 3
+    const int pb = std::min(b + PF, num_blocks - 1);
+    const char* nk = (const char*)(kc + int64_t(table[pb]) * blk_stride);
+    const char* nv = (const char*)(vc + int64_t(table[pb]) * blk_stride);
+    const int64_t per_head = (blk_bytes / 64 + hq - 1) / hq * 64;
     const T* kb = kc + int64_t(table[b]) * blk_stride;
     const T* vb = vc + int64_t(table[b]) * blk_stride;
-    const __m256 valid_lo = first_n_mask8(n), valid_hi = first_n_mask8(n - 8);
-    const __m256 neg = _mm256_set1_ps(-3.0e38f);
-    for (int h = 0; h < hkv; ++h) {
+    for (int h = 0; h < hkv; ++h) {  // 1. scores
       for (int g = 0; g < g_size; ++g) {
         const int hh = h * g_size + g;
         const float* qg = qf + hh * D;
-        __m256 s[2];
+        for (int64_t off = hh * per_head; off < std::min(blk_bytes, (hh + 1) * per_head); off += 64)
+          _mm_prefetch(nk + off, _MM_HINT_T0);
         for (int half = 0; half < 2; ++half) {
           __m256 dots[8];
           for (int j = 0; j < 8; ++j) dots[j] = _mm256_setzero_ps();
@@ -162,22 +162,33 @@ void decode_seq_avx2(const T* __restrict q, const T* __restrict kc, const T* __r
             for (int j = 0; j < 8; ++j)
               dots[j] = _mm256_fmadd_ps(qc, load8(kb + (8 * half + j) * tok_stride + h * D + 8 * c), dots[j]);
           }
-          s[half] = hsum8x8(dots);
+          _mm256_storeu_ps(sc + hh * BS + 8 * half, hsum8x8(dots));
         }
-        s[0] = _mm256_blendv_ps(neg, s[0], valid_lo);
-        s[1] = _mm256_blendv_ps(neg, s[1], valid_hi);
-        const float bmax = std::max(m[hh], hmax8(_mm256_max_ps(s[0], s[1])));
-        const __m256 mx = _mm256_set1_ps(bmax);
-        const __m256 e0 = _mm256_and_ps(valid_lo, exp8(_mm256_sub_ps(s[0], mx)));
-        const __m256 e1 = _mm256_and_ps(valid_hi, exp8(_mm256_sub_ps(s[1], mx)));
-        const float corr = std::exp(m[hh] - bmax);
-        l[hh] = l[hh] * corr + hsum8(_mm256_add_ps(e0, e1));
-        m[hh] = bmax;
-        _mm256_store_ps(p, e0);
-        _mm256_store_ps(p + 8, e1);
+      }
+    }
+    const __m256 valid_lo = first_n_mask8(n), valid_hi = first_n_mask8(n - 8);
+    for (int hh = 0; hh < hq; ++hh) {  // 2. softmax: sc becomes the block's weights
+      const __m256 s0 = _mm256_blendv_ps(neg, _mm256_loadu_ps(sc + hh * BS), valid_lo);
+      const __m256 s1 = _mm256_blendv_ps(neg, _mm256_loadu_ps(sc + hh * BS + 8), valid_hi);
+      const float bmax = std::max(m[hh], hmax8(_mm256_max_ps(s0, s1)));
+      const __m256 mx = _mm256_set1_ps(bmax);
+      const __m256 e0 = _mm256_and_ps(valid_lo, exp8(_mm256_sub_ps(s0, mx)));
+      const __m256 e1 = _mm256_and_ps(valid_hi, exp8(_mm256_sub_ps(s1, mx)));
+      corr[hh] = std::exp(m[hh] - bmax);
+      l[hh] = l[hh] * corr[hh] + hsum8(_mm256_add_ps(e0, e1));
+      m[hh] = bmax;
+      _mm256_storeu_ps(sc + hh * BS, e0);
+      _mm256_storeu_ps(sc + hh * BS + 8, e1);
+    }
+    for (int h = 0; h < hkv; ++h) {  // 3. values
+      for (int g = 0; g < g_size; ++g) {
+        const int hh = h * g_size + g;
+        const float* p = sc + hh * BS;
         float* a = acc + hh * D;
+        for (int64_t off = hh * per_head; off < std::min(blk_bytes, (hh + 1) * per_head); off += 64)
+          _mm_prefetch(nv + off, _MM_HINT_T0);
         __m256 av[C];
-        const __m256 cv = _mm256_set1_ps(corr);
+        const __m256 cv = _mm256_set1_ps(corr[hh]);
         for (int c = 0; c < C; ++c) av[c] = _mm256_mul_ps(_mm256_loadu_ps(a + 8 * c), cv);
         for (int j = 0; j < n; ++j) {
           const __m256 pj = _mm256_set1_ps(p[j]);
@@ -356,7 +367,8 @@ bool decode_seq_fast(int g_size, const T* q, const T* kc, const T* vc, const int
 // the AVX-512 kernel when it covers the shape (block size 16, head dim 64 or 128, common group sizes)
 template <typename T>
 bool decode_seq_simd(int bs, int d, int g_size, const T* q, const T* kc, const T* vc, const int32_t* table,
-                     int len, int64_t row, int hq, int hkv, float scale, float* qf, float* acc, float* ml, T* out) {
+                     int len, int64_t row, int hq, int hkv, float scale, float* qf, float* acc, float* ml, float*,
+                     T* out) {
   if (bs != 16) return false;
   if (d == 64) return decode_seq_fast<4>(g_size, q, kc, vc, table, len, row, hq, hkv, scale, qf, acc, ml, out);
   if (d == 128) return decode_seq_fast<8>(g_size, q, kc, vc, table, len, row, hq, hkv, scale, qf, acc, ml, out);
@@ -366,16 +378,17 @@ bool decode_seq_simd(int bs, int d, int g_size, const T* q, const T* kc, const T
 // the AVX2 kernel when it covers the shape (block size 16, head dim 64 or 128, any group size)
 template <typename T>
 bool decode_seq_simd(int bs, int d, int, const T* q, const T* kc, const T* vc, const int32_t* table,
-                     int len, int64_t row, int hq, int hkv, float scale, float* qf, float* acc, float* ml, T* out) {
+                     int len, int64_t row, int hq, int hkv, float scale, float* qf, float* acc, float* ml,
+                     float* sc, T* out) {
   if (bs != 16) return false;
-  if (d == 64) { decode_seq_avx2<8>(q, kc, vc, table, len, row, hq, hkv, scale, qf, acc, ml, out); return true; }
-  if (d == 128) { decode_seq_avx2<16>(q, kc, vc, table, len, row, hq, hkv, scale, qf, acc, ml, out); return true; }
+  if (d == 64) { decode_seq_avx2<8>(q, kc, vc, table, len, row, hq, hkv, scale, qf, acc, ml, sc, out); return true; }
+  if (d == 128) { decode_seq_avx2<16>(q, kc, vc, table, len, row, hq, hkv, scale, qf, acc, ml, sc, out); return true; }
   return false;
 }
 #else
 template <typename T>
 bool decode_seq_simd(int, int, int, const T*, const T*, const T*, const int32_t*, int, int64_t, int, int, float,
-                     float*, float*, float*, T*) {
+                     float*, float*, float*, float*, T*) {
   return false;
 }
 #endif
@@ -459,11 +472,11 @@ void decode_attention(const T* q, const T* kc, const T* vc, const int32_t* bt, i
   (void)max_ctx;
 #pragma omp parallel
   {
-    std::vector<float> qf(size_t(hq) * d), acc(size_t(hq) * d), sc(size_t(hq) * bs), ml(size_t(hq) * 2);
+    std::vector<float> qf(size_t(hq) * d), acc(size_t(hq) * d), sc(size_t(hq) * bs), ml(size_t(hq) * 3);
 #pragma omp for schedule(dynamic, 1)
     for (int s = 0; s < num_seqs; ++s) {
       const int32_t* table = bt + s * bt_stride;
-      if (simd && decode_seq_simd(bs, d, hq / hkv, q, kc, vc, table, ctx_lens[s], rows[s], hq, hkv, scale, qf.data(), acc.data(), ml.data(), out))
+      if (simd && decode_seq_simd(bs, d, hq / hkv, q, kc, vc, table, ctx_lens[s], rows[s], hq, hkv, scale, qf.data(), acc.data(), ml.data(), sc.data(), out))
         continue;
       if (d == 64)
         decode_one<64>(q, kc, vc, table, ctx_lens[s], rows[s], hq, hkv, d, bs, scale, qf.data(), acc.data(),
