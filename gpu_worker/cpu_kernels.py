@@ -40,6 +40,13 @@ _SIGNATURES = {
     "prefill_attention": [_P, _P, _P, _P, _I32, _I32, _I32, _I32, _I32, _I32, _F, _P],
 }
 _RESTYPES = {"prefill_attention": ctypes.c_int}  # 1: done, 0: no kernel for this shape (use torch)
+# float32 only: the panel GEMM (kvf_gemm_available() is 0 where the CPU has no AVX2 + FMA)
+_GEMM_SIGNATURES = {
+    "kvf_gemm_available": ([], ctypes.c_int),
+    "kvf_gemm_packed_size": ([_I64, _I64], _I64),
+    "kvf_gemm_pack_f32": ([_P, _I64, _I64, _P], None),
+    "kvf_gemm_f32": ([_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64], None),
+}
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -97,6 +104,9 @@ def load() -> ctypes.CDLL | None:
             for suffix in SUFFIX.values():
                 fn = getattr(lib, f"kvf_{name}_{suffix}")
                 fn.argtypes, fn.restype = argtypes, _RESTYPES.get(name)
+        for name, (argtypes, restype) in _GEMM_SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, restype
         _lib = lib
         return lib
 
@@ -140,3 +150,32 @@ def decode_attention(
         query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
         lens.data_ptr(), rows.data_ptr(), rows.shape[0], num_heads, num_kv_heads, head_dim, block_size,
         float(scale), max(1, max_context_len), out.data_ptr(), int(simd))
+
+
+def gemm_available() -> bool:
+    """Is the float32 panel GEMM compiled in (the kernels load and the CPU has AVX2 + FMA)?"""
+    return load() is not None and bool(_lib.kvf_gemm_available())
+
+
+def pack_gemm_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] float32 -> the panel layout `gemm` reads: [ceil(N / 24), K, 24], zero-padded columns."""
+    assert weight.dtype == torch.float32 and weight.dim() == 2 and gemm_available()
+    w = weight.detach().contiguous()
+    n, k = w.shape
+    packed = torch.empty(_lib.kvf_gemm_packed_size(n, k), dtype=torch.float32)
+    _lib.kvf_gemm_pack_f32(w.data_ptr(), n, k, packed.data_ptr())
+    return packed
+
+
+def gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] float32 @ the packed weight [N, K]^T (+ bias [N]) -> [M, N] float32, on this thread (or on
+    torch's threads when it has several and the weight is big)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    out = torch.empty(m, n, dtype=torch.float32)
+    if bias is not None:
+        bias = bias.float().contiguous()
+    _lib.kvf_gemm_f32(x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), n,
+                      None if bias is None else bias.data_ptr(), out.data_ptr(), n)
+    return out

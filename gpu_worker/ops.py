@@ -6,8 +6,6 @@ KV cache per layer: key_cache, value_cache: [num_blocks, block_size, num_kv_head
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.nn.functional as F
 
@@ -192,70 +190,3 @@ def rotary_embedding(
         return out.flatten(1)
 
     return rotate(query), rotate(key)
-
-
-def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """weight [N, K] in oneDNN's blocked layout, made once at load (float32 and bfloat16 on CPU); None where
-    F.linear is the way. Which float32 path is faster depends on the CPU: on AMD Zen 4 oneDNN's packed weight
-    is about twice MKL's sgemm (F.linear) at these shapes; on Zen 3 MKL is ~12% faster from a few hundred rows
-    on, oneDNN below. `calibrate_linear` measures it once per process."""
-    if (weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16)
-            or not torch.backends.mkldnn.is_available()):
-        return None
-    try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-    except RuntimeError:
-        if weight.dtype != torch.bfloat16:
-            raise
-    # bfloat16 on a CPU without AVX-512 / AVX-NE-CONVERT: neither oneDNN nor aten has a fast bf16 GEMM there.
-    # A float32 copy of the weight gives the same result (bf16 x bf16 products are exact in float32, summed
-    # in float32 as a bf16 GEMM does) at float32 speed, for twice the weights' memory.
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().float())
-
-
-CALIBRATION_ROWS = 512  # a prefill chunk's worth of rows; decode batches of a part stay far below
-_aten_from_rows: int | None = None  # rows from which F.linear beats the packed weight (float32); None: never
-_calibrated = False
-
-
-def calibrate_linear(weight: torch.Tensor, packed: torch.Tensor | None) -> None:
-    """Time F.linear against the packed weight at CALIBRATION_ROWS rows on one thread (as each of the model
-    runner's forward threads runs), once per process; where F.linear is at least 5% faster, `linear` takes
-    it for inputs of CALIBRATION_ROWS // 2 rows or more. bfloat16 F.linear is oneDNN already: nothing to do."""
-    global _aten_from_rows, _calibrated
-    if _calibrated or packed is None or weight.dtype != torch.float32:
-        return
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        x = torch.randn(CALIBRATION_ROWS, weight.shape[1], dtype=weight.dtype)  # [M, K]
-        paths = {"aten": lambda: F.linear(x, weight),
-                 "packed": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")}
-        best = dict.fromkeys(paths, float("inf"))
-        with torch.inference_mode():
-            for _ in range(4):  # interleaved rounds, the best of each: robust to a noisy neighbour
-                for name, fn in paths.items():
-                    t = time.perf_counter()
-                    fn()
-                    best[name] = min(best[name], time.perf_counter() - t)
-    finally:
-        torch.set_num_threads(threads)
-    _aten_from_rows = CALIBRATION_ROWS // 2 if best["aten"] < 0.95 * best["packed"] else None
-    _calibrated = True
-
-
-def linear(
-    x: torch.Tensor,  # [T, K]
-    weight: torch.Tensor,  # [N, K]
-    bias: torch.Tensor | None = None,  # [N]
-    packed: torch.Tensor | None = None,  # pack_linear_weight(weight)
-) -> torch.Tensor:
-    """x @ weight.T + bias -> [T, N], through the packed weight when there is one (and it is the faster path
-    for this many rows: calibrate_linear)."""
-    if packed is not None and packed.dtype != x.dtype:  # a float32 copy of a bfloat16 weight (pack_linear_weight)
-        out = torch.ops.mkldnn._linear_pointwise(x.float(), packed, None if bias is None else bias.float(),
-                                                 "none", [], "")
-        return out.to(x.dtype)
-    if packed is not None and (_aten_from_rows is None or x.shape[0] < _aten_from_rows or x.dtype != torch.float32):
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    return F.linear(x, weight, bias)

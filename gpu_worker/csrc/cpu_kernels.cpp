@@ -915,6 +915,120 @@ void store_kv(const T* __restrict k, int64_t k_stride, const T* __restrict v, in
   }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// ---- float32 GEMM for few rows (decode steps) -----------------------------------------------------------
+// out[m, n] = x[m, k] @ w[n, k]^T (+ bias): the weight packed once into panels of 24 output columns, each
+// panel [k][24] contiguous, so the whole weight streams through memory in order, once per call. A 4 x 24
+// micro-tile keeps 12 accumulators, 3 weight vectors and 1 broadcast in the 16 ymm registers (7 loads per
+// 12 FMAs); k is blocked so that a panel's 24 x kGemmKC slice stays in L1 while every row tile uses it.
+// Each output is one FMA chain over k in order (deterministic, independent of m and of the thread count).
+constexpr int kGemmNR = 24, kGemmMR = 4, kGemmKC = 128;
+
+inline __m256 gemm_mask(int n) {  // lanes < n all ones
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
+
+void gemm_pack(const float* __restrict w, int64_t n, int64_t k, float* __restrict packed) {
+  const int64_t panels = (n + kGemmNR - 1) / kGemmNR;
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < panels; ++p) {
+    float* dst = packed + p * k * kGemmNR;
+    for (int c = 0; c < kGemmNR; ++c) {
+      const int64_t row = p * kGemmNR + c;
+      for (int64_t kk = 0; kk < k; ++kk) dst[kk * kGemmNR + c] = row < n ? w[row * k + kk] : 0.0f;
+    }
+  }
+}
+
+// rows [0, R) of one tile: acc (+)= x[:, kb:kb+kn] @ panel slice; first: start from bias (or 0), else from out
+template <int R, bool Prefetch>
+inline void gemm_tile(const float* __restrict x, int64_t xs, const float* __restrict b, int64_t kn,
+                      float* __restrict out, int64_t os, int ncols, const float* __restrict bias, bool first) {
+  __m256 acc[R][3];
+  const bool full = ncols == kGemmNR;
+  for (int r = 0; r < R; ++r) {
+    const __m256 m0 = gemm_mask(ncols), m1 = gemm_mask(ncols - 8), m2 = gemm_mask(ncols - 16);
+    const float* src = first ? bias : out + r * os;
+    if (src == nullptr) {
+      acc[r][0] = acc[r][1] = acc[r][2] = _mm256_setzero_ps();
+    } else if (full) {
+      acc[r][0] = _mm256_loadu_ps(src), acc[r][1] = _mm256_loadu_ps(src + 8), acc[r][2] = _mm256_loadu_ps(src + 16);
+    } else {
+      acc[r][0] = _mm256_maskload_ps(src, _mm256_castps_si256(m0));
+      acc[r][1] = _mm256_maskload_ps(src + 8, _mm256_castps_si256(m1));
+      acc[r][2] = _mm256_maskload_ps(src + 16, _mm256_castps_si256(m2));
+    }
+  }
+  for (int64_t kk = 0; kk < kn; ++kk) {
+    __m256 b0 = _mm256_loadu_ps(b + kk * kGemmNR), b1 = _mm256_loadu_ps(b + kk * kGemmNR + 8),
+           b2 = _mm256_loadu_ps(b + kk * kGemmNR + 16);
+    asm("" : "+x"(b0), "+x"(b1), "+x"(b2));  // in registers: g++ would fold each load into all R FMAs
+    if (Prefetch) {  // the next k block (the next panel after the last): panels lie one after another
+      const char* next = (const char*)(b + (kk + kGemmKC) * kGemmNR);
+      _mm_prefetch(next, _MM_HINT_T0);
+      _mm_prefetch(next + 64, _MM_HINT_T0);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 a = _mm256_broadcast_ss(x + r * xs + kk);
+      acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
+      acc[r][2] = _mm256_fmadd_ps(a, b2, acc[r][2]);
+    }
+  }
+  // (the masks are made here and above, not kept: the loop needs all 16 registers)
+  const __m256 m0 = gemm_mask(ncols), m1 = gemm_mask(ncols - 8), m2 = gemm_mask(ncols - 16);
+  for (int r = 0; r < R; ++r) {
+    float* dst = out + r * os;
+    if (full) {
+      _mm256_storeu_ps(dst, acc[r][0]), _mm256_storeu_ps(dst + 8, acc[r][1]), _mm256_storeu_ps(dst + 16, acc[r][2]);
+    } else {
+      _mm256_maskstore_ps(dst, _mm256_castps_si256(m0), acc[r][0]);
+      _mm256_maskstore_ps(dst + 8, _mm256_castps_si256(m1), acc[r][1]);
+      _mm256_maskstore_ps(dst + 16, _mm256_castps_si256(m2), acc[r][2]);
+    }
+  }
+}
+
+void gemm(const float* __restrict x, int64_t xs, int64_t m, int64_t k, const float* __restrict packed, int64_t n,
+          const float* __restrict bias, float* __restrict out, int64_t os) {
+  const int64_t panels = (n + kGemmNR - 1) / kGemmNR;
+  // panels split across threads only where the caller has several (the model runner's part threads have one)
+  // and the weight is big enough (>= 1 MiB) to pay for the parallel region's barrier
+#pragma omp parallel for schedule(static) if (omp_get_max_threads() > 1 && n * k >= (int64_t(1) << 18))
+  for (int64_t p = 0; p < panels; ++p) {
+    const float* bp = packed + p * k * kGemmNR;
+    const int ncols = int(std::min<int64_t>(kGemmNR, n - p * kGemmNR));
+    const float* pb = bias == nullptr ? nullptr : bias + p * kGemmNR;
+    float* po = out + p * kGemmNR;
+    for (int64_t kb = 0; kb < k; kb += kGemmKC) {
+      const int64_t kn = std::min<int64_t>(kGemmKC, k - kb);
+      for (int64_t r0 = 0; r0 < m; r0 += kGemmMR) {
+        const float* xt = x + r0 * xs + kb;
+        float* ot = po + r0 * os;
+        const float* bk = bp + kb * kGemmNR;
+        const bool first = kb == 0;
+        if (r0 == 0) {  // the first row tile of a k block prefetches the next block's weights
+          switch (std::min<int64_t>(kGemmMR, m)) {
+            case 4: gemm_tile<4, true>(xt, xs, bk, kn, ot, os, ncols, pb, first); break;
+            case 3: gemm_tile<3, true>(xt, xs, bk, kn, ot, os, ncols, pb, first); break;
+            case 2: gemm_tile<2, true>(xt, xs, bk, kn, ot, os, ncols, pb, first); break;
+            default: gemm_tile<1, true>(xt, xs, bk, kn, ot, os, ncols, pb, first); break;
+          }
+          continue;
+        }
+        switch (std::min<int64_t>(kGemmMR, m - r0)) {
+          case 4: gemm_tile<4, false>(xt, xs, bk, kn, ot, os, ncols, pb, first); break;
+          case 3: gemm_tile<3, false>(xt, xs, bk, kn, ot, os, ncols, pb, first); break;
+          case 2: gemm_tile<2, false>(xt, xs, bk, kn, ot, os, ncols, pb, first); break;
+          default: gemm_tile<1, false>(xt, xs, bk, kn, ot, os, ncols, pb, first); break;
+        }
+      }
+    }
+  }
+}
+#define KVF_GEMM 1
+#endif
+
 }  // namespace
 
 extern "C" {
@@ -950,4 +1064,35 @@ void kvf_decode_attention_bf16(const uint16_t* q, const uint16_t* kc, const uint
   }
 KVF_TYPED(f32, float)
 KVF_TYPED(bf16, uint16_t)
+// the float32 GEMM (AVX2 + FMA builds): 0 where it is not compiled in
+int kvf_gemm_available() {
+#ifdef KVF_GEMM
+  return 1;
+#else
+  return 0;
+#endif
+}
+int64_t kvf_gemm_packed_size(int64_t n, int64_t k) {
+#ifdef KVF_GEMM
+  return (n + kGemmNR - 1) / kGemmNR * kGemmNR * k;
+#else
+  (void)n, (void)k;
+  return 0;
+#endif
+}
+void kvf_gemm_pack_f32(const float* w, int64_t n, int64_t k, float* packed) {
+#ifdef KVF_GEMM
+  gemm_pack(w, n, k, packed);
+#else
+  (void)w, (void)n, (void)k, (void)packed;
+#endif
+}
+void kvf_gemm_f32(const float* x, int64_t xs, int64_t m, int64_t k, const float* packed, int64_t n,
+                  const float* bias, float* out, int64_t os) {
+#ifdef KVF_GEMM
+  gemm(x, xs, m, k, packed, n, bias, out, os);
+#else
+  (void)x, (void)xs, (void)m, (void)k, (void)packed, (void)n, (void)bias, (void)out, (void)os;
+#endif
+}
 }

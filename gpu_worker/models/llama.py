@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu_worker import cpu_linear
 from gpu_worker import ops as torch_ops
 
 log = logging.getLogger(__name__)
@@ -91,12 +92,12 @@ class DecoderLayer(nn.Module):
         self.gate_up_bias = (nn.Parameter(torch.empty(2 * cfg.intermediate_size), requires_grad=False)
                              if cfg.mlp_bias else None)
         self.down_bias = nn.Parameter(torch.empty(h), requires_grad=False) if cfg.mlp_bias else None
-        self.packed: dict[str, torch.Tensor] = {}  # name -> ops.pack_linear_weight(<name>_weight), after loading
+        self.packed: dict[str, cpu_linear.PackedWeight] = {}  # name -> packed <name>_weight, after loading
 
     def pack_weights(self) -> None:
         self.packed = {}
         for name in ("qkv", "o", "gate_up", "down"):
-            packed = torch_ops.pack_linear_weight(getattr(self, f"{name}_weight"))
+            packed = cpu_linear.pack_linear_weight(getattr(self, f"{name}_weight"))
             if packed is not None:
                 self.packed[name] = packed
 
@@ -111,7 +112,7 @@ class DecoderLayer(nn.Module):
             hidden, residual = ops.rms_norm(hidden, self.input_norm, cfg.eps, residual)
         num_tokens = hidden.shape[0]
         packed = self.packed
-        qkv = torch_ops.linear(hidden, self.qkv_weight, self.qkv_bias, packed.get("qkv"))  # [T, (Hq + 2 Hkv) D]
+        qkv = cpu_linear.linear(hidden, self.qkv_weight, self.qkv_bias, packed.get("qkv"))  # [T, (Hq + 2 Hkv) D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:
             q = ops.rms_norm(q.reshape(-1, cfg.head_dim), self.q_norm, cfg.eps).view(num_tokens, -1)
@@ -123,10 +124,10 @@ class DecoderLayer(nn.Module):
                            key_cache, value_cache, meta.slot_mapping)
         attn = ops.paged_attention(q.view(num_tokens, cfg.num_heads, cfg.head_dim), key_cache, value_cache,
                                    meta.block_tables, meta.query_start_loc, meta.context_lens, cfg.scale)
-        hidden = torch_ops.linear(attn.view(num_tokens, -1), self.o_weight, self.o_bias, packed.get("o"))  # [T, H]
+        hidden = cpu_linear.linear(attn.view(num_tokens, -1), self.o_weight, self.o_bias, packed.get("o"))  # [T, H]
         hidden, residual = ops.rms_norm(hidden, self.post_attn_norm, cfg.eps, residual)
-        gate_up = torch_ops.linear(hidden, self.gate_up_weight, self.gate_up_bias, packed.get("gate_up"))  # [T, 2 I]
-        hidden = torch_ops.linear(ops.silu_and_mul(gate_up), self.down_weight, self.down_bias,
+        gate_up = cpu_linear.linear(hidden, self.gate_up_weight, self.gate_up_bias, packed.get("gate_up"))  # [T, 2 I]
+        hidden = cpu_linear.linear(ops.silu_and_mul(gate_up), self.down_weight, self.down_bias,
                                   packed.get("down"))  # [T, H]
         return hidden, residual
 
@@ -163,7 +164,7 @@ class LlamaForCausalLM(nn.Module):
         self.to(device=device, dtype=dtype)
         cos_sin = rope_cos_sin_cache(config, cfg.head_dim, max_positions)
         self.register_buffer("cos_sin_cache", cos_sin.to(device=device, dtype=dtype), persistent=False)
-        self.lm_head_packed: torch.Tensor | None = None
+        self.lm_head_packed: cpu_linear.PackedWeight | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
@@ -178,7 +179,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> float32 logits [N, V]."""
         weight = self.embed if self.lm_head is None else self.lm_head
-        return torch_ops.linear(hidden, weight, None, self.lm_head_packed).float()
+        return cpu_linear.linear(hidden, weight, None, self.lm_head_packed).float()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -211,11 +212,10 @@ class LlamaForCausalLM(nn.Module):
         missing = expected - loaded
         if missing:
             raise ValueError(f"checkpoint lacks weights for {sorted(missing)[:5]}")
-        for layer in self.layers:  # CPU: matmul weights in oneDNN's layout (ops.pack_linear_weight)
+        cpu_linear.calibrate(self.layers[0].gate_up_weight)  # CPU: which matmul path for how many rows
+        for layer in self.layers:  # CPU: matmul weights in the layout of the calibrated path
             layer.pack_weights()
-        self.lm_head_packed = torch_ops.pack_linear_weight(self.embed if self.lm_head is None else self.lm_head)
-        first = self.layers[0]
-        torch_ops.calibrate_linear(first.gate_up_weight, first.packed.get("gate_up"))
+        self.lm_head_packed = cpu_linear.pack_linear_weight(self.embed if self.lm_head is None else self.lm_head)
 
     @staticmethod
     def _target(name: str, shard: dict, norms: dict) -> tuple[str, int, int | None] | None:

@@ -126,3 +126,41 @@ def test_prefill_chunks_match_the_torch_op(dtype, hq, hkv, head_dim, block_size,
     tol = 2e-2 if dtype == torch.bfloat16 else 5e-6
     torch.testing.assert_close(cpu_ops.paged_attention(*args).float(), ops.paged_attention(*args).float(),
                                atol=tol, rtol=tol)
+
+
+needs_gemm = pytest.mark.skipif(not cpu_kernels.gemm_available(), reason="the panel GEMM needs AVX2 + FMA")
+
+
+@needs_gemm
+@pytest.mark.parametrize("m,k,n", [(1, 1, 1), (3, 5, 7), (4, 130, 24), (5, 577, 25), (33, 64, 960), (7, 1536, 49)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_panel_gemm_against_float64(m, k, n, with_bias):
+    """Row tails (m % 4), column tails (n % 24) and k blocks (k > 128) against a float64 product."""
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    packed = cpu_kernels.pack_gemm_weight(w)
+    assert packed.numel() == -(-n // 24) * 24 * k
+    out = cpu_kernels.gemm(x, packed, n, b if with_bias else None)
+    want = x.double() @ w.double().T + (b.double() if with_bias else 0)
+    assert out.shape == (m, n) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), want, atol=1e-4 * k**0.5, rtol=1e-5)
+
+
+@needs_gemm
+def test_panel_gemm_reads_strided_rows_and_is_deterministic_across_threads():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(1536, 576, generator=g)  # >= 1 MiB: split across threads when the caller has several
+    base = torch.randn(32, 600, generator=g)
+    x = base[:, :576]  # row stride 600
+    packed = cpu_kernels.pack_gemm_weight(w)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_kernels.gemm(x, packed, 1536)
+        torch.set_num_threads(2)
+        two = cpu_kernels.gemm(x, packed, 1536)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    assert torch.equal(one, cpu_kernels.gemm(x.contiguous(), packed, 1536))
+    torch.testing.assert_close(one, x @ w.T, atol=1e-3, rtol=1e-4)

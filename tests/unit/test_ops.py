@@ -94,27 +94,3 @@ def test_rotary_embedding_rotates_pairs(is_neox):
                 c, s = math.cos(p * inv_freq[j].item()), math.sin(p * inv_freq[j].item())
                 torch.testing.assert_close(y[t, :, a], x[t, :, a] * c - x[t, :, b] * s)
                 torch.testing.assert_close(y[t, :, b], x[t, :, b] * c + x[t, :, a] * s)
-
-
-@pytest.mark.parametrize("rows", [3, 300])  # below and above the calibrated switch to F.linear
-def test_linear_paths_agree(rows, monkeypatch):
-    g = torch.Generator().manual_seed(rows)
-    w, b, x = torch.randn(48, 40, generator=g), torch.randn(48, generator=g), torch.randn(rows, 40, generator=g)
-    want = x @ w.T + b
-    packed = ops.pack_linear_weight(w)
-    for aten_from_rows in (None, 256):  # as calibrate_linear may leave it
-        monkeypatch.setattr(ops, "_aten_from_rows", aten_from_rows)
-        torch.testing.assert_close(ops.linear(x, w, b, packed), want, atol=1e-4, rtol=1e-5)
-
-
-def test_bfloat16_linear_through_a_float32_weight_equals_float32_math():
-    """The path of CPUs without a bf16 GEMM: bf16 activations times a float32 copy of the bf16 weight."""
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(64, 32, generator=g).to(torch.bfloat16)
-    b = torch.randn(64, generator=g).to(torch.bfloat16)
-    x = torch.randn(5, 32, generator=g).to(torch.bfloat16)
-    packed32 = torch.ops.mkldnn._reorder_linear_weight(w.float())
-    out = ops.linear(x, w, b, packed32)
-    assert out.dtype == torch.bfloat16
-    want = (x.float() @ w.float().T + b.float()).to(torch.bfloat16)
-    torch.testing.assert_close(out, want, atol=0, rtol=2**-7)

@@ -1,0 +1,61 @@
+"""gpu_worker.cpu_linear: every plan calibrate may choose gives x @ w.T + b; the bfloat16 paths."""
+
+import pytest
+import torch
+
+from gpu_worker import cpu_kernels, cpu_linear
+
+pytestmark = pytest.mark.unit
+
+PLANS = [cpu_linear.LinearPlan("onednn", None), cpu_linear.LinearPlan("onednn", 256)]
+if cpu_kernels.gemm_available():
+    PLANS += [cpu_linear.LinearPlan("panel", None), cpu_linear.LinearPlan("panel", 256)]
+
+
+@pytest.fixture
+def plan(request, monkeypatch):
+    monkeypatch.setattr(cpu_linear, "_plan", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("plan", PLANS, indirect=True, ids=lambda p: f"{p.few_rows}-{p.aten_from_rows}")
+@pytest.mark.parametrize("rows", [3, 300])  # below and above the switch to F.linear
+def test_every_plan_computes_the_same_linear(plan, rows):
+    g = torch.Generator().manual_seed(rows)
+    w, b, x = torch.randn(48, 40, generator=g), torch.randn(48, generator=g), torch.randn(rows, 40, generator=g)
+    packed = cpu_linear.pack_linear_weight(w)
+    assert packed.kind == plan.few_rows and not packed.upcast
+    torch.testing.assert_close(cpu_linear.linear(x, w, b, packed), x @ w.T + b, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(cpu_linear.linear(x, w, None, packed), x @ w.T, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["onednn", "panel"])
+def test_bfloat16_through_a_float32_weight_equals_float32_math(kind):
+    """The path of CPUs without a bf16 GEMM: bf16 activations times a float32 copy of the bf16 weight."""
+    if kind == "panel" and not cpu_kernels.gemm_available():
+        pytest.skip("the panel GEMM needs AVX2 + FMA")
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 32, generator=g).to(torch.bfloat16)
+    b = torch.randn(64, generator=g).to(torch.bfloat16)
+    x = torch.randn(5, 32, generator=g).to(torch.bfloat16)
+    packed = cpu_linear._pack(w, kind)
+    assert packed.upcast and packed.data.dtype == torch.float32
+    out = cpu_linear.linear(x, w, b, packed)
+    assert out.dtype == torch.bfloat16
+    want = (x.float() @ w.float().T + b.float()).to(torch.bfloat16)
+    torch.testing.assert_close(out, want, atol=0, rtol=2**-7)
+
+
+def test_calibrate_picks_a_plan_once(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "_plan", None)
+    w = torch.randn(96, 64)
+    plan = cpu_linear.calibrate(w)
+    assert plan.few_rows in ("onednn", "panel") and plan.aten_from_rows in (None, cpu_linear.CALIBRATION_ROWS // 2)
+    assert cpu_linear.calibrate(torch.randn(8, 8)) is plan
+    assert cpu_linear.pack_linear_weight(w).kind == plan.few_rows
+
+
+def test_nothing_packed_off_cpu_float_weights(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "_plan", None)
+    assert cpu_linear.calibrate(torch.randn(8, 8, dtype=torch.float16)) is None
+    assert cpu_linear.pack_linear_weight(torch.randn(8, 8, dtype=torch.float16)) is None
