@@ -3,7 +3,9 @@
 execute(sched_out) applies copy-on-write block copies, runs every scheduled token in one forward and
 returns float32 logits only for the sequences that sample this step (lm_head runs on those rows only).
 On CPU with N > 1 torch threads, the step's sequences are split into N groups (batch_split) that run as N
-concurrent forwards, one thread each, with single-threaded ops (see batch_split for why).
+concurrent forwards, one thread each, with single-threaded ops (see batch_split for why), except for steps
+of few tokens when the matmuls split their columns across threads (cpu_linear.columns_split_across_threads):
+those run as one forward on all threads.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from itertools import chain
 
 import torch
 
+from gpu_worker import cpu_linear
 from gpu_worker.batch_split import split_batch
 from gpu_worker.config import num_blocks_for_memory, parse_memory_size
 from gpu_worker.model_loader import ModelFiles
@@ -173,7 +176,9 @@ class ModelRunner:
             self._zero_new_blocks(torch.tensor([s.block_table + [0] * (width - len(s.block_table))
                                                 for s in sched.seqs], dtype=torch.int32))  # [S, width]
         seqs = sched.seqs
-        parts = split_batch(seqs, self.num_parts, self.block_size) if self._pool is not None else [seqs]
+        parts = [seqs]
+        if self._pool is not None and not cpu_linear.columns_split_across_threads(sched.num_batched_tokens):
+            parts = split_batch(seqs, self.num_parts, self.block_size)
         if len(parts) == 1:
             return self._forward(seqs)
         futures = [self._pool.submit(self._forward, [seqs[i] for i in part]) for part in parts]

@@ -1,12 +1,13 @@
 """The default model on the CPU fast path the benchmark measures: two torch threads (the runner splits each
-step into two concurrent forwards), 16-token blocks (the AVX-512 decode-attention kernel where the CPU has
-it), oneDNN-packed matmuls. Greedy tokens still equal Hugging Face transformers' generate, float32."""
+step into two concurrent forwards, or, for steps of few tokens when the matmuls split their columns across
+threads, runs one forward on both), 16-token blocks (the AVX-512 / AVX2 decode-attention kernel), packed
+matmuls. Greedy tokens still equal Hugging Face transformers' generate, float32."""
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from gpu_worker import LLM, SamplingParams
+from gpu_worker import LLM, SamplingParams, cpu_linear
 from gpu_worker.bench_workload import load_workload
 from gpu_worker.model_loader import load_model_files
 
@@ -15,7 +16,10 @@ pytestmark = pytest.mark.e2e
 MAX_TOKENS = 12
 
 
-def test_split_steps_match_hf(two_torch_threads):
+@pytest.mark.parametrize("mode", ["as_calibrated", "always_split"])
+def test_split_steps_match_hf(two_torch_threads, mode, monkeypatch):
+    if mode == "always_split":
+        monkeypatch.setattr(cpu_linear, "columns_split_across_threads", lambda num_rows: False)
     prompts = [r.prompt_token_ids[:96] for r in load_workload("peer64", vocab_size=49152).requests[:6]]
     llm = LLM("smollm2", block_size=16, num_kv_blocks=64, max_num_batched_tokens=128, max_num_seqs=8,
               max_model_len=256)

@@ -59,3 +59,14 @@ def test_nothing_packed_off_cpu_float_weights(monkeypatch):
     monkeypatch.setattr(cpu_linear, "_plan", None)
     assert cpu_linear.calibrate(torch.randn(8, 8, dtype=torch.float16)) is None
     assert cpu_linear.pack_linear_weight(torch.randn(8, 8, dtype=torch.float16)) is None
+
+
+def test_one_forward_only_for_few_rows_through_the_panel_gemm(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "_plan", cpu_linear.LinearPlan("panel", 256))
+    assert cpu_linear.columns_split_across_threads(64)
+    assert not cpu_linear.columns_split_across_threads(256)
+    monkeypatch.setattr(cpu_linear, "_plan", cpu_linear.LinearPlan("panel", None))
+    assert cpu_linear.columns_split_across_threads(64)
+    assert not cpu_linear.columns_split_across_threads(cpu_linear.CALIBRATION_ROWS // 2)
+    monkeypatch.setattr(cpu_linear, "_plan", cpu_linear.LinearPlan("onednn", 256))  # oneDNN: split as before
+    assert not cpu_linear.columns_split_across_threads(64)
