@@ -48,28 +48,26 @@ class LinearPlan:
 
     few_rows: str  # "onednn" | "panel": the packed layout, used below aten_from_rows
     aten_from_rows: int | None  # float32 inputs of this many rows or more take F.linear; None: never
+    bf16_gemm: bool  # oneDNN multiplies bfloat16 natively here (else bf16 weights get a float32 form)
 
 
 _plan: LinearPlan | None = None
 
 
-def _onednn(weight: torch.Tensor) -> PackedWeight | None:
+def _has_bf16_gemm(weight: torch.Tensor) -> bool:
+    """Can oneDNN pack a bfloat16 weight here? (It needs AVX-512 BW at least.)"""
     try:
-        return PackedWeight("onednn", torch.ops.mkldnn._reorder_linear_weight(weight.detach()), weight.shape[0],
-                            upcast=False)
+        torch.ops.mkldnn._reorder_linear_weight(weight.detach()[:1].to(torch.bfloat16))
     except RuntimeError:
-        if weight.dtype != torch.bfloat16:
-            raise
-    return None  # bfloat16 without a bf16 GEMM on this CPU (needs AVX-512 BW at least)
+        return False
+    return True
 
 
-def _pack(weight: torch.Tensor, kind: str) -> PackedWeight:
-    """weight (float32, or a bfloat16 weight's float32 copy) in the layout of `kind`."""
-    upcast = weight.dtype != torch.float32
+def _pack(weight: torch.Tensor, kind: str, upcast: bool) -> PackedWeight:
+    """weight in the layout of `kind`; upcast: a float32 form of a bfloat16 weight."""
     w = weight.detach().float() if upcast else weight.detach()
-    if kind == "panel":
-        return PackedWeight("panel", cpu_kernels.pack_gemm_weight(w), w.shape[0], upcast)
-    return PackedWeight("onednn", torch.ops.mkldnn._reorder_linear_weight(w), w.shape[0], upcast)
+    data = cpu_kernels.pack_gemm_weight(w) if kind == "panel" else torch.ops.mkldnn._reorder_linear_weight(w)
+    return PackedWeight(kind, data, w.shape[0], upcast)
 
 
 def _run(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -107,16 +105,15 @@ def calibrate(weight: torch.Tensor) -> LinearPlan | None:
     global _plan
     if _plan is not None or not _packable(weight):
         return _plan
-    bf16_gemm = weight.dtype == torch.bfloat16 and _onednn(weight) is not None
+    bf16_gemm = weight.dtype == torch.bfloat16 and _has_bf16_gemm(weight)
+    upcast = weight.dtype == torch.bfloat16 and not bf16_gemm
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with torch.inference_mode():
-            few = {}
-            if not bf16_gemm:
-                few["onednn"] = _pack(weight, "onednn")
-                if cpu_kernels.gemm_available():
-                    few["panel"] = _pack(weight, "panel")
+            few = {"onednn": _pack(weight, "onednn", upcast)}
+            if cpu_kernels.gemm_available() and (weight.dtype == torch.float32 or upcast):
+                few["panel"] = _pack(weight, "panel", upcast)
             choice = "onednn"
             if len(few) > 1:
                 x = torch.randn(DECODE_ROWS, weight.shape[1]).to(weight.dtype)
@@ -129,7 +126,7 @@ def calibrate(weight: torch.Tensor) -> LinearPlan | None:
                 aten_from = CALIBRATION_ROWS // 2 if best["aten"] < best["packed"] else None
     finally:
         torch.set_num_threads(threads)
-    _plan = LinearPlan(choice, aten_from)
+    _plan = LinearPlan(choice, aten_from, bf16_gemm)
     name = "oneDNN" if choice == "onednn" else "kvfleet's panel GEMM"
     log.info("CPU linear layers: %s", f"{name} below {aten_from} rows, F.linear (MKL) from {aten_from}"
              if aten_from else f"{name} for any number of rows")
@@ -151,11 +148,9 @@ def pack_linear_weight(weight: torch.Tensor) -> PackedWeight | None:
     if not _packable(weight):
         return None
     plan = calibrate(weight)
-    if weight.dtype == torch.bfloat16:
-        native = _onednn(weight)
-        if native is not None:
-            return native
-    return _pack(weight, plan.few_rows)
+    if weight.dtype == torch.bfloat16 and plan.bf16_gemm:
+        return _pack(weight, "onednn", upcast=False)
+    return _pack(weight, plan.few_rows, upcast=weight.dtype == torch.bfloat16)
 
 
 def linear(

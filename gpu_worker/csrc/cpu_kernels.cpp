@@ -12,8 +12,18 @@
 #include <type_traits>
 #include <vector>
 #include <omp.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 namespace {
+
+#if defined(__AVX2__)
+inline __m256 first_n_mask8(int n) {  // lanes < n all ones
+  const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), idx));
+}
+#endif
 
 inline float to_f(float x) { return x; }
 inline float to_f(uint16_t b) { uint32_t u = uint32_t(b) << 16; float f; std::memcpy(&f, &u, 4); return f; }
@@ -107,10 +117,6 @@ inline __m256 hsum8x8(const __m256* v) {
   const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
   const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-inline __m256 first_n_mask8(int n) {  // lanes < n all ones
-  const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), idx));
 }
 
 // One sequence, block size 16, head dim 8 * C: blocks outer, heads inner, as decode_seq_avx512. Each block
@@ -649,6 +655,20 @@ void rotary(const int64_t* __restrict pos, const T* __restrict q, int64_t q_stri
 // keys are transposed once (kt[d][j]) so that a query row's 16 scores are 16-wide FMAs, then softmax online
 // and P V. Tiles past a query tile's last position are skipped; the diagonal tile is masked.
 #if defined(__AVX512F__)
+// The end of a prefill work item: each query row's output acc / l into its head's slot of out.
+template <int C, typename T>
+void prefill_store_rows(const float* __restrict acc, const float* __restrict l, int rows, int i0, int h, int hq,
+                        int g_size, T* __restrict out) {
+  constexpr int D = 16 * C, TILE = 16;
+  for (int g = 0; g < g_size; ++g)
+    for (int i = 0; i < rows; ++i) {
+      const int r = g * TILE + i;
+      const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
+      T* o = out + (int64_t(i0 + i) * hq + h * g_size + g) * D;
+      for (int c = 0; c < C; ++c) store16(o + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + 16 * c), inv));
+    }
+}
+
 template <int C, typename T>
 void prefill_tile(const T* __restrict q, const T* __restrict kc, const T* __restrict vc, const int32_t* table,
                   int ctx, int q_len, int i0, int h, int hq, int hkv, int g_size, int bs, float scale,
@@ -736,13 +756,7 @@ void prefill_tile(const T* __restrict q, const T* __restrict kc, const T* __rest
           for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + (r0 + k) * D + 16 * c, a[k][c]);
       }
   }
-  for (int g = 0; g < g_size; ++g)
-    for (int i = 0; i < rows; ++i) {
-      const int r = g * TILE + i;
-      const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
-      T* o = out + (int64_t(i0 + i) * hq + h * g_size + g) * D;
-      for (int c = 0; c < C; ++c) store16(o + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + 16 * c), inv));
-    }
+  prefill_store_rows<C>(acc, l, rows, i0, h, hq, g_size, out);
 }
 
 #if defined(__AVX512BF16__)
@@ -852,13 +866,7 @@ void prefill_tile_bf16(const uint16_t* __restrict q, const uint16_t* __restrict 
           for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + (r0 + k) * D + 16 * c, a[k][c]);
       }
   }
-  for (int g = 0; g < g_size; ++g)
-    for (int i = 0; i < rows; ++i) {
-      const int r = g * TILE + i;
-      const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
-      uint16_t* o = out + (int64_t(i0 + i) * hq + h * g_size + g) * D;
-      for (int c = 0; c < C; ++c) store16(o + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + 16 * c), inv));
-    }
+  prefill_store_rows<C>(acc, l, rows, i0, h, hq, g_size, out);
 }
 #endif
 
@@ -924,10 +932,6 @@ void store_kv(const T* __restrict k, int64_t k_stride, const T* __restrict v, in
 // Each output is one FMA chain over k in order (deterministic, independent of m and of the thread count).
 constexpr int kGemmNR = 24, kGemmMR = 4, kGemmKC = 128;
 
-inline __m256 gemm_mask(int n) {  // lanes < n all ones
-  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-}
-
 void gemm_pack(const float* __restrict w, int64_t n, int64_t k, float* __restrict packed) {
   const int64_t panels = (n + kGemmNR - 1) / kGemmNR;
 #pragma omp parallel for schedule(static)
@@ -947,7 +951,7 @@ inline void gemm_tile(const float* __restrict x, int64_t xs, const float* __rest
   __m256 acc[R][3];
   const bool full = ncols == kGemmNR;
   for (int r = 0; r < R; ++r) {
-    const __m256 m0 = gemm_mask(ncols), m1 = gemm_mask(ncols - 8), m2 = gemm_mask(ncols - 16);
+    const __m256 m0 = first_n_mask8(ncols), m1 = first_n_mask8(ncols - 8), m2 = first_n_mask8(ncols - 16);
     const float* src = first ? bias : out + r * os;
     if (src == nullptr) {
       acc[r][0] = acc[r][1] = acc[r][2] = _mm256_setzero_ps();
@@ -976,7 +980,7 @@ inline void gemm_tile(const float* __restrict x, int64_t xs, const float* __rest
     }
   }
   // (the masks are made here and above, not kept: the loop needs all 16 registers)
-  const __m256 m0 = gemm_mask(ncols), m1 = gemm_mask(ncols - 8), m2 = gemm_mask(ncols - 16);
+  const __m256 m0 = first_n_mask8(ncols), m1 = first_n_mask8(ncols - 8), m2 = first_n_mask8(ncols - 16);
   for (int r = 0; r < R; ++r) {
     float* dst = out + r * os;
     if (full) {

@@ -7,9 +7,9 @@ from gpu_worker import cpu_kernels, cpu_linear
 
 pytestmark = pytest.mark.unit
 
-PLANS = [cpu_linear.LinearPlan("onednn", None), cpu_linear.LinearPlan("onednn", 256)]
+PLANS = [cpu_linear.LinearPlan("onednn", None, False), cpu_linear.LinearPlan("onednn", 256, False)]
 if cpu_kernels.gemm_available():
-    PLANS += [cpu_linear.LinearPlan("panel", None), cpu_linear.LinearPlan("panel", 256)]
+    PLANS += [cpu_linear.LinearPlan("panel", None, False), cpu_linear.LinearPlan("panel", 256, False)]
 
 
 @pytest.fixture
@@ -38,7 +38,7 @@ def test_bfloat16_through_a_float32_weight_equals_float32_math(kind):
     w = torch.randn(64, 32, generator=g).to(torch.bfloat16)
     b = torch.randn(64, generator=g).to(torch.bfloat16)
     x = torch.randn(5, 32, generator=g).to(torch.bfloat16)
-    packed = cpu_linear._pack(w, kind)
+    packed = cpu_linear._pack(w, kind, upcast=True)
     assert packed.upcast and packed.data.dtype == torch.float32
     out = cpu_linear.linear(x, w, b, packed)
     assert out.dtype == torch.bfloat16
@@ -62,11 +62,11 @@ def test_nothing_packed_off_cpu_float_weights(monkeypatch):
 
 
 def test_one_forward_only_for_few_rows_through_the_panel_gemm(monkeypatch):
-    monkeypatch.setattr(cpu_linear, "_plan", cpu_linear.LinearPlan("panel", 256))
+    monkeypatch.setattr(cpu_linear, "_plan", cpu_linear.LinearPlan("panel", 256, False))
     assert cpu_linear.columns_split_across_threads(64)
     assert not cpu_linear.columns_split_across_threads(256)
-    monkeypatch.setattr(cpu_linear, "_plan", cpu_linear.LinearPlan("panel", None))
+    monkeypatch.setattr(cpu_linear, "_plan", cpu_linear.LinearPlan("panel", None, False))
     assert cpu_linear.columns_split_across_threads(64)
     assert not cpu_linear.columns_split_across_threads(cpu_linear.CALIBRATION_ROWS // 2)
-    monkeypatch.setattr(cpu_linear, "_plan", cpu_linear.LinearPlan("onednn", 256))  # oneDNN: split as before
+    monkeypatch.setattr(cpu_linear, "_plan", cpu_linear.LinearPlan("onednn", 256, False))  # oneDNN: split as before
     assert not cpu_linear.columns_split_across_threads(64)
