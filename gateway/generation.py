@@ -17,9 +17,9 @@ from gateway.errors import APIError, bad_request
 from gateway.instrumentation import RelayObserver, annotate_request
 from gateway.metrics import GatewayMetrics
 from gateway.prompts import Prepared, Prompt, part_ids
-from gateway.router import blocks_for, request_blocks
 from gateway.tokenizer import same_model
 from shared import streams
+from shared.blocks import blocks_for, request_blocks
 from shared.messages import GenerationRequest, OutputChunk, WorkerStatus
 from shared.settings import Settings
 

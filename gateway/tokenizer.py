@@ -17,7 +17,7 @@ def load_tokenizer(model: str) -> Any:
     """`model` is an alias, a Hugging Face directory or a .gguf file (as `kvfleet worker --model` takes)."""
     from transformers import AutoTokenizer
 
-    from gpu_worker.model_loader import resolve_model
+    from shared.models import resolve_model
 
     path = Path(resolve_model(model))
     if path.suffix == ".gguf":
@@ -38,7 +38,7 @@ def same_model(name: str, model: str, model_path: str = "") -> bool:
 @functools.lru_cache(maxsize=256)
 def resolved_path(name: str) -> str | None:
     """The local path an alias or path names (an alias of the default model names its GGUF), or None."""
-    from gpu_worker.model_loader import ModelNotFound, resolve_model
+    from shared.models import ModelNotFound, resolve_model
 
     try:
         return str(resolve_model(name))

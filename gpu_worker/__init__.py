@@ -1,5 +1,5 @@
 """kvfleet's engine. `from gpu_worker import LLM, SamplingParams` (loaded lazily: importing a torch-free
-module such as gpu_worker.block_pool does not import torch)."""
+module such as gpu_worker.core.block_pool does not import torch)."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from typing import Any
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 _EXPORTS = {
-    "LLM": "gpu_worker.llm",
-    "LLMEngine": "gpu_worker.engine",
-    "RequestOutput": "gpu_worker.outputs",
-    "CompletionOutput": "gpu_worker.outputs",
+    "LLM": "gpu_worker.engine.llm",
+    "LLMEngine": "gpu_worker.engine.llm_engine",
+    "RequestOutput": "gpu_worker.engine.outputs",
+    "CompletionOutput": "gpu_worker.engine.outputs",
     "SamplingParams": "shared.sampling_params",
 }
 

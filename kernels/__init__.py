@@ -1,4 +1,4 @@
-"""Triton kernels with the signatures of gpu_worker.ops (the torch path), so the model runner can use
+"""Triton kernels with the signatures of gpu_worker.executor.ops.torch_ops (the torch path), so the model runner can use
 either namespace. Import this package only after deciding on TRITON_INTERPRET (CPU runs need it set to 1
 before the first import of triton)."""
 

@@ -23,7 +23,7 @@ def _silu_and_mul_kernel(out_ptr, x_ptr, inter, stride_xt, stride_ot, BLOCK: tl.
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """Triton version of gpu_worker.ops.silu_and_mul: x [T, 2 * I] (gate | up) -> [T, I]."""
+    """Triton version of gpu_worker.executor.ops.torch_ops.silu_and_mul: x [T, 2 * I] (gate | up) -> [T, I]."""
     op = "silu_and_mul"
     check_launch(op, _silu_and_mul_kernel, x=x)
     check_float(op, x=x)

@@ -27,7 +27,7 @@ def check_launch(op: str, kernel, **tensors: torch.Tensor) -> torch.device:
     if device.type != "cuda" and not interpreted(kernel):
         raise RuntimeError(
             f"{op}: the Triton kernels need CUDA tensors, got {device}. To run them on the CPU, set "
-            "TRITON_INTERPRET=1 before triton or kernels is imported (or use the torch ops in gpu_worker.ops)"
+            "TRITON_INTERPRET=1 before triton or kernels is imported (or use the torch ops in gpu_worker.executor.ops.torch_ops)"
         )
     return device
 

@@ -27,11 +27,11 @@ timeout 240 "$PY" -m pytest tests/kernels -q -p no:cacheprovider --durations=10 
   --ignore=tests/kernels/test_engine_triton.py 2>&1 | tee "$OUT/kernel_tests.log" || status=1
 
 echo "== decode attention bench: Llama-3-8B heads, block size 16 =="
-timeout 240 "$PY" -m kernels.bench --batch 64 128 256 --context 1024 4096 8192 --dtype float16 bfloat16 \
+timeout 240 "$PY" -m services.bench.kernels --batch 64 128 256 --context 1024 4096 8192 --dtype float16 bfloat16 \
   --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || status=1
 
 echo "== context-split sweep (flash-decoding), bfloat16 =="
-timeout 90 "$PY" -m kernels.bench --batch 8 64 --context 1024 8192 --dtype bfloat16 --splits 1 2 4 8 16 \
+timeout 90 "$PY" -m services.bench.kernels --batch 8 64 --context 1024 8192 --dtype bfloat16 --splits 1 2 4 8 16 \
   --skip-torch --json "$OUT/bench_splits.json" 2>&1 | tee "$OUT/bench_splits.log" || status=1
 
 echo "device_check: exit status $status"

@@ -41,7 +41,7 @@ def store_kv_cache(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
 ) -> None:
-    """Triton version of gpu_worker.ops.store_kv_cache: cache[slot // block_size, slot % block_size] = kv."""
+    """Triton version of gpu_worker.executor.ops.torch_ops.store_kv_cache: cache[slot // block_size, slot % block_size] = kv."""
     op = "store_kv_cache"
     check_launch(op, _kv_cache_store_kernel, key=key, value=value, key_cache=key_cache,
                  value_cache=value_cache, slot_mapping=slot_mapping)

@@ -164,7 +164,7 @@ def paged_attention(
     context_lens: torch.Tensor,  # [S] int32, tokens incl. this step's
     scale: float,
 ) -> torch.Tensor:
-    """Triton version of gpu_worker.ops.paged_attention (same arguments, same result). Every sequence's
+    """Triton version of gpu_worker.executor.ops.torch_ops.paged_attention (same arguments, same result). Every sequence's
     keys and values, this step's included, must already be in the cache."""
     op = "paged_attention"
     check_launch(op, _paged_attention_kernel, query=query, key_cache=key_cache, value_cache=value_cache,

@@ -38,7 +38,7 @@ def rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,  # [T, H]
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of gpu_worker.ops.rms_norm: out, or (out, x + residual) when residual is given."""
+    """Triton version of gpu_worker.executor.ops.torch_ops.rms_norm: out, or (out, x + residual) when residual is given."""
     op = "rms_norm"
     tensors = {"x": x, "weight": weight} | ({} if residual is None else {"residual": residual})
     check_launch(op, _rms_norm_kernel, **tensors)

@@ -61,7 +61,7 @@ def rotary_embedding(
     head_dim: int,
     is_neox: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of gpu_worker.ops.rotary_embedding: new rotated (query, key); inputs are untouched."""
+    """Triton version of gpu_worker.executor.ops.torch_ops.rotary_embedding: new rotated (query, key); inputs are untouched."""
     op = "rotary_embedding"
     check_launch(op, _rotary_embedding_kernel, positions=positions, query=query, key=key,
                  cos_sin_cache=cos_sin_cache)

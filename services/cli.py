@@ -12,9 +12,9 @@ import sys
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "generate": ("gpu_worker.generate_cmd", "generate text offline with the engine (no fleet)"),
-    "bench": ("gpu_worker.benchmark", "benchmarks: `kvfleet bench throughput` against the baselines"),
-    "worker": ("gpu_worker.worker", "run one engine worker that serves its Redis stream"),
+    "generate": ("services.generate_cmd", "generate text offline with the engine (no fleet)"),
+    "bench": ("services.bench.command", "benchmarks: `kvfleet bench throughput` against the baselines"),
+    "worker": ("gpu_worker.serve.worker", "run one engine worker that serves its Redis stream"),
     "gateway": ("gateway.server", "run the OpenAI-compatible HTTP gateway"),
     "up": ("services.launcher", "start a whole fleet on this machine: Redis, gateway, N workers"),
     "status": ("services.status_cmd", "show the fleet at a glance"),

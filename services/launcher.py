@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 
-from shared.redis_server import RedisServer
+from services.redis_server import RedisServer
 from shared.settings import Settings, redacted_url
 
 # worker flags passed through as they are: (flag, dest)

@@ -83,7 +83,7 @@ class WorkerStatus(BaseModel):
     num_preemptions: int = 0
     num_finished: int = 0  # requests this worker completed (its output's final chunk written)
     generation_tokens: int = 0  # output tokens generated since start (refreshed every ~0.5 s; `kvfleet top`)
-    ttft_p50_s: float | None = None  # time to first token over its last 256 requests (gpu_worker.metrics)
+    ttft_p50_s: float | None = None  # time to first token over its last 256 requests (gpu_worker.serve.metrics)
     ttft_p95_s: float | None = None
     ttft_p99_s: float | None = None
     cached_blocks: int = 0

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 
 from services.launcher import stop_all
-from shared.redis_server import RedisServer, free_port
+from services.redis_server import RedisServer, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 API_KEY = "test-key-0123"

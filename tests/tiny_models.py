@@ -18,7 +18,7 @@ KINDS = ("llama", "qwen2", "qwen3", "mistral")
 @functools.lru_cache(maxsize=1)
 def default_tokenizer():
     """The default model's tokenizer (from its GGUF, through the loader's de-quantized cache)."""
-    from gpu_worker.model_loader import load_model_files
+    from gpu_worker.executor.model_loader import load_model_files
 
     return load_model_files("smollm2").tokenizer
 

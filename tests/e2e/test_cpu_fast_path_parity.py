@@ -7,9 +7,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from gpu_worker import LLM, SamplingParams, cpu_linear
-from gpu_worker.bench_workload import load_workload
-from gpu_worker.model_loader import load_model_files
+from gpu_worker import LLM, SamplingParams
+from gpu_worker.executor.model_loader import load_model_files
+from gpu_worker.executor.ops.cpu import linear as cpu_linear
+from services.bench.workload import load_workload
 
 pytestmark = pytest.mark.e2e
 

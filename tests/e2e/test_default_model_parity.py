@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from gpu_worker import LLM, SamplingParams
-from gpu_worker.model_loader import load_model_files
+from gpu_worker.executor.model_loader import load_model_files
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_torch_thread")]
 

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from shared.redis_server import free_port
+from services.redis_server import free_port
 
 pytestmark = pytest.mark.e2e
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from gpu_worker import LLM, LLMEngine, SamplingParams
-from gpu_worker.model_loader import UnsupportedArchitecture, load_model_files
-from gpu_worker.model_runner import ModelRunner
-from gpu_worker.scheduler import RequestRejected
-from gpu_worker.scheduler_output import ScheduledSeq, SchedulerOutput
+from gpu_worker.core.sched_output import ScheduledSeq, SchedulerOutput
+from gpu_worker.core.scheduler import RequestRejected
+from gpu_worker.executor.model_loader import UnsupportedArchitecture, load_model_files
+from gpu_worker.executor.model_runner import ModelRunner
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_torch_thread")]
 

@@ -18,7 +18,7 @@ import openai
 import pytest
 from fleet_harness import API_KEY, REPO, Fleet
 
-from shared.redis_server import free_port
+from services.redis_server import free_port
 
 pytestmark = pytest.mark.integration
 

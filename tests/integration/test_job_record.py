@@ -9,9 +9,9 @@ import pytest
 
 from services import job_record
 from services.job_record import Claim
+from services.redis_server import RedisServer
 from shared import keys, streams
 from shared.messages import GenerationRequest, OutputChunk
-from shared.redis_server import RedisServer
 
 pytestmark = pytest.mark.integration
 

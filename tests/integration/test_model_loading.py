@@ -7,8 +7,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from gpu_worker import LLM, SamplingParams, generate_cmd
-from gpu_worker.detokenizer import IncrementalDetokenizer
+from gpu_worker import LLM, SamplingParams
+from gpu_worker.engine.detokenizer import IncrementalDetokenizer
+from services import generate_cmd
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_torch_thread")]
 

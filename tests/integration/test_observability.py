@@ -24,7 +24,7 @@ from fleet_harness import REPO, Fleet
 from otlp_receiver import OtlpReceiver
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared.redis_server import free_port
+from services.redis_server import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -307,8 +307,8 @@ def test_a_placement_outside_http_is_one_trace_with_its_root(tiny_llama_dir):
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from services.fleet_calls import FleetCaller
+    from services.redis_server import RedisServer
     from shared import keys, streams, telemetry
-    from shared.redis_server import RedisServer
     from shared.settings import Settings
 
     exporter = InMemorySpanExporter()

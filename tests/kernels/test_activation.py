@@ -1,11 +1,11 @@
-"""kernels.silu_and_mul against gpu_worker.ops.silu_and_mul."""
+"""kernels.silu_and_mul against gpu_worker.executor.ops.torch_ops.silu_and_mul."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from gpu_worker import ops
+from gpu_worker.executor.ops import torch_ops as ops
 from kernels import silu_and_mul
 
 pytestmark = pytest.mark.kernels

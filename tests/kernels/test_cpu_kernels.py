@@ -1,4 +1,4 @@
-"""kvfleet's native CPU kernels (gpu_worker/csrc, through gpu_worker.cpu_ops) against the torch ops.
+"""kvfleet's native CPU kernels (gpu_worker/executor/ops/cpu/csrc, through gpu_worker.executor.ops.cpu.native_ops) against the torch ops.
 
 The elementwise kernels round as the torch ops do, so bfloat16 results match them to within one bfloat16
 ulp (where a sum of squares accumulated in another order lands the normalized value on the other side of a
@@ -9,7 +9,9 @@ whichever the machine has) and its portable loops.
 import pytest
 import torch
 
-from gpu_worker import cpu_kernels, cpu_ops, ops
+from gpu_worker.executor.ops import torch_ops as ops
+from gpu_worker.executor.ops.cpu import kernels as cpu_kernels
+from gpu_worker.executor.ops.cpu import native_ops as cpu_ops
 
 pytestmark = pytest.mark.kernels
 
@@ -18,7 +20,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 @pytest.fixture(scope="module", autouse=True)
 def built():
-    assert cpu_kernels.load() is not None, "g++ could not build gpu_worker/csrc/cpu_kernels.cpp"
+    assert cpu_kernels.load() is not None, "g++ could not build gpu_worker/executor/ops/cpu/csrc/cpu_kernels.cpp"
 
 
 def close(actual, expected, dtype):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.llm import LLM
-from gpu_worker.models.llama import OP_NAMES
+from gpu_worker.engine.llm import LLM
+from gpu_worker.executor.models.llama import OP_NAMES
 from shared.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.kernels

@@ -1,4 +1,4 @@
-"""kernels.store_kv_cache against gpu_worker.ops.store_kv_cache: shuffled slots, padded (-1) slots,
+"""kernels.store_kv_cache against gpu_worker.executor.ops.torch_ops.store_kv_cache: shuffled slots, padded (-1) slots,
 strided key/value views, a cache dtype different from the inputs'."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker import ops
+from gpu_worker.executor.ops import torch_ops as ops
 from kernels import store_kv_cache
 
 pytestmark = pytest.mark.kernels

@@ -1,4 +1,4 @@
-"""kernels.paged_attention against gpu_worker.ops.paged_attention: decode (with and without context
+"""kernels.paged_attention against gpu_worker.executor.ops.torch_ops.paged_attention: decode (with and without context
 splits), prefill, chunked prefill after cached blocks, mixed batches, GQA, padded and shuffled block
 tables, lengths of one token and lengths that end mid-block."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker import ops
+from gpu_worker.executor.ops import torch_ops as ops
 from kernels import paged_attention
 
 pytestmark = pytest.mark.kernels

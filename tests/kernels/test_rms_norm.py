@@ -1,11 +1,11 @@
-"""kernels.rms_norm against gpu_worker.ops.rms_norm, with and without the fused residual add."""
+"""kernels.rms_norm against gpu_worker.executor.ops.torch_ops.rms_norm, with and without the fused residual add."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from gpu_worker import ops
+from gpu_worker.executor.ops import torch_ops as ops
 from kernels import rms_norm
 
 pytestmark = pytest.mark.kernels

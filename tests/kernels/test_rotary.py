@@ -1,4 +1,4 @@
-"""kernels.rotary_embedding against gpu_worker.ops.rotary_embedding: neox and interleaved layouts, positions
+"""kernels.rotary_embedding against gpu_worker.executor.ops.torch_ops.rotary_embedding: neox and interleaved layouts, positions
 out of order, query/key as views of a fused projection, a float32 cache with half-precision inputs."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker import ops
+from gpu_worker.executor.ops import torch_ops as ops
 from kernels import rotary_embedding
 
 pytestmark = pytest.mark.kernels

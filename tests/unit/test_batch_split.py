@@ -2,8 +2,8 @@
 
 import pytest
 
-from gpu_worker.batch_split import MAX_PART_SHARE, seq_cost, split_batch
-from gpu_worker.scheduler_output import ScheduledSeq
+from gpu_worker.core.sched_output import ScheduledSeq
+from gpu_worker.executor.batch_split import MAX_PART_SHARE, seq_cost, split_batch
 
 pytestmark = pytest.mark.unit
 

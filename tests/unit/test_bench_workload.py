@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from gpu_worker.bench_metrics import KVWasteMeter, ModelShape
-from gpu_worker.bench_workload import (
+from services.bench.metrics import KVWasteMeter, ModelShape
+from services.bench.workload import (
     BUNDLED_DIR,
     SEARCH_DIRS,
     SHARED_DIR,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from gpu_worker.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
+from gpu_worker.core.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
 
 pytestmark = pytest.mark.unit
 

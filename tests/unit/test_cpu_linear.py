@@ -1,9 +1,10 @@
-"""gpu_worker.cpu_linear: every plan calibrate may choose gives x @ w.T + b; the bfloat16 paths."""
+"""gpu_worker.executor.ops.cpu.linear: every plan calibrate may choose gives x @ w.T + b; the bfloat16 paths."""
 
 import pytest
 import torch
 
-from gpu_worker import cpu_kernels, cpu_linear
+from gpu_worker.executor.ops.cpu import kernels as cpu_kernels
+from gpu_worker.executor.ops.cpu import linear as cpu_linear
 
 pytestmark = pytest.mark.unit
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from gpu_worker.kv_cache_manager import KVCacheManager, compute_block_hashes
-from gpu_worker.request import Request
+from gpu_worker.core.kv_cache_manager import KVCacheManager, compute_block_hashes
+from gpu_worker.core.request import Request
 from shared.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.unit

@@ -12,9 +12,9 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.metrics import GatewayMetrics
-from gpu_worker.metrics import WorkerMetrics
-from gpu_worker.outputs import RequestMetrics
-from gpu_worker.scheduler import SchedulerStats
+from gpu_worker.core.scheduler import SchedulerStats
+from gpu_worker.engine.outputs import RequestMetrics
+from gpu_worker.serve.metrics import WorkerMetrics
 
 pytestmark = pytest.mark.unit
 

@@ -1,10 +1,10 @@
-"""gpu_worker.model_loader.resolve_model and the model's rope table (no weights needed)."""
+"""shared.models.resolve_model and the model's rope table (no weights needed)."""
 
 import pytest
 import torch
 
-from gpu_worker.model_loader import ModelNotFound, resolve_model
-from gpu_worker.models.llama import rope_cos_sin_cache
+from gpu_worker.executor.models.llama import rope_cos_sin_cache
+from shared.models import ModelNotFound, resolve_model
 
 pytestmark = pytest.mark.unit
 

@@ -1,11 +1,11 @@
-"""gpu_worker.ops against naive dense computations."""
+"""gpu_worker.executor.ops.torch_ops against naive dense computations."""
 
 import math
 
 import pytest
 import torch
 
-from gpu_worker import ops
+from gpu_worker.executor.ops import torch_ops as ops
 
 pytestmark = pytest.mark.unit
 

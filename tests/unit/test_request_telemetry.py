@@ -12,10 +12,10 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from gpu_worker.metrics import WorkerMetrics
-from gpu_worker.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from gpu_worker.request_telemetry import RequestTelemetry
-from gpu_worker.request_tracker import Job
+from gpu_worker.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from gpu_worker.serve.metrics import WorkerMetrics
+from gpu_worker.serve.request_telemetry import RequestTelemetry
+from gpu_worker.serve.request_tracker import Job
 from shared import telemetry
 from shared.messages import GenerationRequest, OutputChunk
 

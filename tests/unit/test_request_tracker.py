@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_worker.outputs import CompletionOutput, RequestOutput
-from gpu_worker.request_tracker import Job, RequestTracker
+from gpu_worker.engine.outputs import CompletionOutput, RequestOutput
+from gpu_worker.serve.request_tracker import Job, RequestTracker
 from shared.messages import GenerationRequest, OutputChunk
 from shared.sampling_params import SamplingParams
 from shared.settings import Settings, redacted_url

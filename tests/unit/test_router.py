@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.router import blocks_for, headroom, request_blocks, route
+from gateway.router import headroom, route
+from shared.blocks import blocks_for, request_blocks
 from shared.messages import WorkerStatus
 
 pytestmark = pytest.mark.unit

@@ -1,11 +1,11 @@
-"""gpu_worker.sampler on hand-made logits, each feature against a direct computation."""
+"""gpu_worker.engine.sampler on hand-made logits, each feature against a direct computation."""
 
 import math
 
 import pytest
 import torch
 
-from gpu_worker.sampler import Sampler, SamplingRow, apply_penalties, filter_logits
+from gpu_worker.engine.sampler import Sampler, SamplingRow, apply_penalties, filter_logits
 from shared.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.unit

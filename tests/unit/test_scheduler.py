@@ -4,9 +4,9 @@ import logging
 
 import pytest
 
-from gpu_worker.config import CacheConfig, SchedulerConfig
-from gpu_worker.request import Request, RequestStatus
-from gpu_worker.scheduler import RequestRejected, Scheduler
+from gpu_worker.core.config import CacheConfig, SchedulerConfig
+from gpu_worker.core.request import Request, RequestStatus
+from gpu_worker.core.scheduler import RequestRejected, Scheduler
 from shared.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.unit

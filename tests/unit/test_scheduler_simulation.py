@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpu_worker.config import CacheConfig, SchedulerConfig
-from gpu_worker.request import Request, RequestStatus
-from gpu_worker.scheduler import Scheduler
+from gpu_worker.core.config import CacheConfig, SchedulerConfig
+from gpu_worker.core.request import Request, RequestStatus
+from gpu_worker.core.scheduler import Scheduler
 from shared.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.unit

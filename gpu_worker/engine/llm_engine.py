@@ -1,0 +1,259 @@
+"""LLMEngine: add_request / abort_request / step(). A step is scheduler -> model runner -> sampler ->
+scheduler.update_from_output -> detokenize -> stop strings -> one RequestOutput per request that moved.
+
+A request with n > 1 runs as n sequences with ids f"{request_id}-{i}" (one scheduler group: they share the
+prompt's blocks) and comes back as one RequestOutput with n CompletionOutputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from gpu_worker.core.config import CacheConfig, SchedulerConfig
+from gpu_worker.core.request import Request
+from gpu_worker.core.scheduler import RequestRejected, Scheduler, SchedulerStats
+from gpu_worker.engine.detokenizer import IncrementalDetokenizer
+from gpu_worker.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from gpu_worker.engine.sampler import Sampler, SamplingRow
+from gpu_worker.executor.model_loader import load_model_files
+from gpu_worker.executor.model_runner import ModelRunner
+from shared.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+__all__ = ["LLMEngine", "RequestRejected"]
+
+
+@dataclass
+class _Sequence:
+    """One of a request's n samples, with what the engine adds to the scheduler's Request."""
+
+    index: int
+    request: Request
+    detok: IncrementalDetokenizer
+    generator: torch.Generator | None
+    banned_ids: list[int]  # masked while fewer than min_tokens outputs exist
+    num_seen: int  # output tokens already processed (detokenized, logprobs recorded)
+    logprobs: list[dict[int, float]] | None
+    cumulative_logprob: float | None
+
+
+@dataclass
+class _Group:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[_Sequence] = field(default_factory=list)
+    metrics: RequestMetrics | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.request.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, runner: ModelRunner, tokenizer, *, model_name: str, scheduler_config: SchedulerConfig,
+                 cache_config: CacheConfig, eos_token_ids: list[int], seed: int = 0):
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = scheduler_config.max_model_len
+        self.block_size = cache_config.block_size
+        self.eos_token_id = eos_token_ids[0] if eos_token_ids else None
+        self._extra_eos_ids = eos_token_ids[1:]  # more end-of-text ids (Llama 3): treated as stop ids
+        self.scheduler = Scheduler(scheduler_config, cache_config)
+        self.sampler = Sampler(seed, device=runner.device)
+        self._groups: dict[str, _Group] = {}
+        self._seq_owner: dict[str, tuple[_Group, _Sequence]] = {}  # scheduler request id -> its group
+
+    @classmethod
+    def from_model(cls, model: str, *, dtype: str = "float32", device: str = "cpu", block_size: int = 16,
+                   num_kv_blocks: int | None = None, kv_cache_memory: str | int | None = None,
+                   max_num_seqs: int = 128, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
+                   enable_prefix_caching: bool = True, scheduling_policy: str = "fcfs", seed: int = 0,
+                   log_memory_usage_s: float = 0.0, use_triton: bool | None = None) -> LLMEngine:
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        files = load_model_files(model)
+        window = files.config.max_position_embeddings
+        if getattr(files.config, "sliding_window", None) and getattr(files.config, "use_sliding_window", True):
+            window = min(window, files.config.sliding_window)  # no sliding-window attention: stay inside it
+        if max_model_len is None:
+            max_model_len = window
+        elif max_model_len > window:
+            raise ValueError(f"max_model_len {max_model_len} > the model's context window {window}")
+        sched_cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                    max_model_len=max_model_len, policy=scheduling_policy,
+                                    log_memory_usage_s=log_memory_usage_s)
+        runner = ModelRunner(files, dtype=DTYPES[dtype], device=torch.device(device), max_model_len=max_model_len,
+                             block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
+                             max_num_seqs=max_num_seqs, use_triton=use_triton)
+        cache_cfg = CacheConfig(block_size=block_size, num_blocks=runner.num_blocks,
+                                enable_prefix_caching=enable_prefix_caching)
+        eos = [files.tokenizer.eos_token_id] if files.tokenizer.eos_token_id is not None else []
+        cfg_eos = getattr(files.config, "eos_token_id", None)
+        for e in (cfg_eos if isinstance(cfg_eos, list) else [cfg_eos]):
+            if e is not None and e not in eos:
+                eos.append(e)
+        return cls(runner, files.tokenizer, model_name=str(model), scheduler_config=sched_cfg,
+                   cache_config=cache_cfg, eos_token_ids=eos, seed=seed)
+
+    # ---- requests ----------------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                    priority: int = 0, prompt: str | None = None,
+                    resume_output_token_ids: list[list[int]] | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request (raises RequestRejected when it can never run here). resume_output_token_ids:
+        per sample, the tokens already sent before a worker died; they are recomputed, not sampled again."""
+        if request_id in self._groups:
+            raise RequestRejected(f"request id {request_id!r} is already running")
+        vocab = self.runner.vocab_size
+        if prompt_token_ids and not all(0 <= t < vocab for t in prompt_token_ids):
+            bad = next(t for t in prompt_token_ids if not 0 <= t < vocab)
+            raise RequestRejected(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        resume = resume_output_token_ids or []
+        group = _Group(request_id, prompt, list(prompt_token_ids), metrics=RequestMetrics(arrival))
+        for i in range(params.n):
+            group.seqs.append(self._make_sequence(group, i, params, priority, arrival,
+                                                  resume[i] if i < len(resume) else []))
+        requests = [s.request for s in group.seqs]
+        if len(requests) == 1:
+            self.scheduler.add_request(requests[0])
+        else:
+            self.scheduler.add_request_group(requests)
+        self._groups[request_id] = group
+        for s in group.seqs:
+            self._seq_owner[s.request.request_id] = (group, s)
+
+    def _make_sequence(self, group: _Group, index: int, params: SamplingParams, priority: int, arrival: float,
+                       resumed: list[int]) -> _Sequence:
+        sp = params
+        if params.n > 1 or self._extra_eos_ids:
+            sp = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + index,
+                                     stop_token_ids=params.stop_token_ids + [
+                                         e for e in self._extra_eos_ids if not params.ignore_eos])
+        rid = group.request_id if params.n == 1 else f"{group.request_id}-{index}"
+        request = Request(rid, group.prompt_token_ids, sp, eos_token_id=self.eos_token_id, priority=priority,
+                          arrival_time=arrival, output_token_ids=list(resumed))
+        generator = None
+        if sp.seed is not None and not sp.greedy:
+            generator = torch.Generator(device=self.runner.device)
+            generator.manual_seed(sp.seed)
+            for _ in resumed:  # the draws those tokens took, so the continuation is the same
+                torch.empty(self.runner.vocab_size, device=self.runner.device).exponential_(generator=generator)
+        banned = list(sp.stop_token_ids)
+        if self.eos_token_id is not None and not sp.ignore_eos:
+            banned.append(self.eos_token_id)
+        detok = IncrementalDetokenizer(self.tokenizer, group.prompt_token_ids,
+                                       skip_special_tokens=sp.skip_special_tokens, stop=sp.stop,
+                                       include_stop_str_in_output=sp.include_stop_str_in_output)
+        if resumed:
+            detok.add_tokens(resumed)
+        want_lp = sp.logprobs is not None
+        return _Sequence(index, request, detok, generator, banned, num_seen=len(resumed),
+                         logprobs=[{} for _ in resumed] if want_lp else None,
+                         cumulative_logprob=0.0 if want_lp else None)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request (all its samples) and free its blocks; unknown or finished id: no-op."""
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return
+        for s in group.seqs:
+            self.scheduler.abort_request(s.request.request_id)
+            self._seq_owner.pop(s.request.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    # ---- one step ----------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        now = time.monotonic()
+        sampling: list[_Sequence] = []
+        for seq in sched.seqs:
+            group, s = self._seq_owner[seq.request_id]
+            if group.metrics.first_scheduled_time is None:
+                group.metrics.first_scheduled_time = now
+                group.metrics.num_cached_tokens = s.request.num_cached_tokens
+            if seq.sample:
+                sampling.append(s)
+        sampled: dict[str, int] = {}
+        logprobs: dict[str, dict[int, float] | None] = {}
+        if sched.seqs or sched.blocks_to_copy:
+            logits = self.runner.execute(sched)  # [len(sampling), V]
+        if sampling:
+            rows = [SamplingRow(s.request.sampling_params, s.request.prompt_token_ids, s.request.output_token_ids,
+                                s.banned_ids if s.request.num_output_tokens < s.request.sampling_params.min_tokens
+                                else [], s.generator) for s in sampling]
+            out = self.sampler(logits, rows)
+            for s, tok, lp in zip(sampling, out.token_ids, out.logprobs, strict=True):
+                sampled[s.request.request_id] = tok
+                logprobs[s.request.request_id] = lp
+        finished = self.scheduler.update_from_output(sched, sampled)
+        now = time.monotonic()
+        touched: dict[str, _Group] = {}
+        for s in sampling:
+            self._process_new_tokens(s, logprobs[s.request.request_id])
+            group = self._seq_owner[s.request.request_id][0]
+            touched[group.request_id] = group
+            if group.metrics.first_token_time is None and s.request.num_output_tokens > 0:
+                group.metrics.first_token_time = now
+        for request in finished:
+            owner = self._seq_owner.get(request.request_id)
+            if owner is not None:
+                touched[owner[0].request_id] = owner[0]
+        outputs = []
+        for group in touched.values():
+            if group.request_id not in self._groups:
+                continue  # aborted during the step
+            done = group.finished
+            if done:
+                group.metrics.finished_time = now
+                del self._groups[group.request_id]
+                for s in group.seqs:
+                    del self._seq_owner[s.request.request_id]
+            outputs.append(self._output(group, done))
+        return outputs
+
+    def _process_new_tokens(self, s: _Sequence, logprob: dict[int, float] | None) -> None:
+        request = s.request
+        new = request.output_token_ids[s.num_seen:]
+        if not new:
+            return  # aborted or preempted between schedule and update
+        s.num_seen = request.num_output_tokens
+        if s.logprobs is not None and logprob is not None:
+            s.logprobs.append(logprob)
+            s.cumulative_logprob += logprob[new[-1]]
+        sp = request.sampling_params
+        stopped_by_token = request.finish_reason == "stop" and isinstance(request.stop_reason, int | None)
+        if stopped_by_token and not sp.include_stop_str_in_output:
+            new = new[:-1]  # eos / stop id: not part of the text
+        match = s.detok.add_tokens(new) if new else None
+        if match is not None:
+            if request.is_finished:
+                request.finish("stop", match.stop)  # the stop string wins over length
+            else:
+                self.scheduler.finish_request(request.request_id, "stop", match.stop)
+
+    def _output(self, group: _Group, finished: bool) -> RequestOutput:
+        outs = []
+        for s in group.seqs:
+            r = s.request
+            outs.append(CompletionOutput(
+                index=s.index, text=s.detok.visible_text(r.is_finished), token_ids=list(r.output_token_ids),
+                logprobs=list(s.logprobs) if s.logprobs is not None else None, finish_reason=r.finish_reason,
+                stop_reason=r.stop_reason, cumulative_logprob=s.cumulative_logprob))
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, finished,
+                             dataclasses.replace(group.metrics))

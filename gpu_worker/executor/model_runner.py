@@ -1,0 +1,196 @@
+"""The model runner: owns the model and the paged KV cache; turns a SchedulerOutput into one forward.
+
+execute(sched_out) applies copy-on-write block copies, runs every scheduled token in one forward and
+returns float32 logits only for the sequences that sample this step (lm_head runs on those rows only).
+On CPU with N > 1 torch threads, the step's sequences are split into N groups (batch_split) that run as N
+concurrent forwards, one thread each, with single-threaded ops (see batch_split for why), except for steps
+of few tokens when the matmuls split their columns across threads (cpu_linear.columns_split_across_threads):
+those run as one forward on all threads.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+
+from gpu_worker.core.config import num_blocks_for_memory, parse_memory_size
+from gpu_worker.core.sched_output import ScheduledSeq, SchedulerOutput
+from gpu_worker.executor.batch_split import split_batch
+from gpu_worker.executor.model_loader import ModelFiles
+from gpu_worker.executor.models.llama import AttentionMetadata, LlamaForCausalLM
+from gpu_worker.executor.ops.cpu import linear as cpu_linear
+
+log = logging.getLogger(__name__)
+
+CPU_KV_CACHE_MAX_BYTES = 4 * 2**30  # like vLLM CPU's default KV cache space
+CPU_MEMORY_FRACTION = 0.5  # of MemAvailable, when sizing from free memory
+CUDA_MEMORY_FRACTION = 0.85  # of free device memory after the weights are loaded
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free for the KV cache: device memory on CUDA, MemAvailable from /proc/meminfo on CPU."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free * CUDA_MEMORY_FRACTION)
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                kib = int(line.split()[1])
+                return min(int(kib * 1024 * CPU_MEMORY_FRACTION), CPU_KV_CACHE_MAX_BYTES)
+    return CPU_KV_CACHE_MAX_BYTES  # pragma: no cover - every Linux has MemAvailable
+
+
+@dataclass
+class KVCacheShape:
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+
+def choose_num_blocks(shape: KVCacheShape, device: torch.device, *, num_kv_blocks: int | None,
+                      kv_cache_memory: str | int | None, max_num_seqs: int, max_model_len: int) -> int:
+    """An explicit block count wins; else a memory budget; else free memory (capped at what max_num_seqs
+    full-length sequences can use)."""
+    if num_kv_blocks is not None:
+        if num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {num_kv_blocks}")
+        return num_kv_blocks
+    budget = parse_memory_size(kv_cache_memory) if kv_cache_memory is not None else available_memory(device)
+    blocks = num_blocks_for_memory(budget, block_size=shape.block_size, num_layers=shape.num_layers,
+                                   num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+                                   dtype_bytes=shape.dtype.itemsize)
+    if kv_cache_memory is None:
+        blocks = min(blocks, max_num_seqs * -(-max_model_len // shape.block_size))
+    if blocks < 1:
+        raise ValueError(f"KV cache memory {budget} bytes holds no block of {shape.bytes_per_block} bytes")
+    return blocks
+
+
+class ModelRunner:
+    def __init__(self, files: ModelFiles, *, dtype: torch.dtype, device: torch.device, max_model_len: int,
+                 block_size: int, num_kv_blocks: int | None = None, kv_cache_memory: str | int | None = None,
+                 max_num_seqs: int = 128, use_triton: bool | None = None):
+        self.device, self.dtype, self.block_size = device, dtype, block_size
+        self.model = LlamaForCausalLM(files.config, max_positions=max_model_len, dtype=dtype, device=device,
+                                      use_triton=use_triton)
+        self.model.load_weights(files.weights())
+        self.model.eval()
+        arch = self.model.arch
+        shape = KVCacheShape(arch.num_layers, block_size, arch.num_kv_heads, arch.head_dim, dtype)
+        self.num_blocks = choose_num_blocks(shape, device, num_kv_blocks=num_kv_blocks,
+                                            kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
+                                            max_model_len=max_model_len)
+        log.info("KV cache: %d blocks of %d tokens (%.1f MiB, %d tokens)", self.num_blocks, block_size,
+                 self.num_blocks * shape.bytes_per_block / 2**20, self.num_blocks * block_size)
+        cache_shape = (self.num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+        # kv_caches[layer] = (key_cache, value_cache): [num_blocks, block_size, Hkv, D] each. Left
+        # uninitialised (zeroing GiBs takes seconds); a block is zeroed when a block table first names it, so
+        # never-written slots hold no NaN (masked attention weights still multiply them by 0).
+        self.kv_caches = [(torch.empty(cache_shape, dtype=dtype, device=device),
+                           torch.empty(cache_shape, dtype=dtype, device=device)) for _ in range(arch.num_layers)]
+        self._zeroed = torch.zeros(self.num_blocks, dtype=torch.bool)  # [num_blocks]
+        reads_only_written = getattr(self.model.ops.paged_attention, "reads_only_written_slots", None)
+        self._zero_fresh_blocks = not (reads_only_written and reads_only_written(dtype))
+        # CPU: one worker per torch thread, each running its group of sequences with single-threaded ops
+        # (not with Triton on CPU: the Triton interpreter is not thread-safe)
+        self.num_parts = torch.get_num_threads() if device.type == "cpu" and not use_triton else 1
+        self._pool = (ThreadPoolExecutor(self.num_parts, thread_name_prefix="kvfleet-forward",
+                                         initializer=torch.set_num_threads, initargs=(1,))
+                      if self.num_parts > 1 else None)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.arch.vocab_size
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block src -> block dst in every layer.
+
+        A dst now holds initialised data (src was zeroed when first used), so it is marked zeroed: the lazy
+        zeroing of blocks a block table names for the first time, which runs after this, must not wipe the copy.
+        """
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
+        for key_cache, value_cache in self.kv_caches:
+            key_cache[dst] = key_cache[src]
+            value_cache[dst] = value_cache[src]
+        self._zeroed[[d for _, d in pairs]] = True
+
+    def _zero_new_blocks(self, block_tables: torch.Tensor) -> None:
+        """block_tables: [S, max_blocks] on the CPU; zero the blocks never seen before."""
+        fresh = block_tables[~self._zeroed[block_tables]]
+        if fresh.numel():
+            fresh = fresh.unique().long()
+            self._zeroed[fresh] = True
+            fresh = fresh.to(self.device)
+            for key_cache, value_cache in self.kv_caches:
+                key_cache[fresh] = 0
+                value_cache[fresh] = 0
+
+    def prepare_inputs(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
+                                                                 torch.Tensor]:
+        lens = [len(s.token_ids) for s in seqs]
+        starts = [0]
+        for n in lens:
+            starts.append(starts[-1] + n)
+        max_blocks = max(len(s.block_table) for s in seqs)
+        dev = self.device
+
+        def t(data, dtype):
+            return torch.tensor(data, dtype=dtype).to(dev, non_blocking=True)
+
+        block_tables = torch.tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs],
+                                    dtype=torch.int32)  # [S, max_blocks]
+
+        input_ids = t(list(chain.from_iterable(s.token_ids for s in seqs)), torch.long)  # [T]
+        positions = t([p for s in seqs for p in range(s.start_pos, s.start_pos + len(s.token_ids))],
+                      torch.long)  # [T]
+        meta = AttentionMetadata(
+            slot_mapping=t(list(chain.from_iterable(s.slot_mapping for s in seqs)), torch.long),  # [T]
+            block_tables=block_tables.to(dev, non_blocking=True),
+            query_start_loc=t(starts, torch.int32),  # [S + 1]
+            context_lens=t([s.start_pos + n for s, n in zip(seqs, lens, strict=True)], torch.int32),  # [S]
+        )
+        sample_rows = t([starts[i + 1] - 1 for i, s in enumerate(seqs) if s.sample], torch.long)  # [N]
+        return input_ids, positions, meta, sample_rows
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> torch.Tensor:
+        """-> logits [num sample=True seqs, vocab] float32, in batch order."""
+        self.copy_blocks(sched.blocks_to_copy)
+        if not sched.seqs:
+            return torch.empty(0, self.vocab_size, device=self.device)
+        if self._zero_fresh_blocks:
+            width = max(len(s.block_table) for s in sched.seqs)
+            self._zero_new_blocks(torch.tensor([s.block_table + [0] * (width - len(s.block_table))
+                                                for s in sched.seqs], dtype=torch.int32))  # [S, width]
+        seqs = sched.seqs
+        parts = [seqs]
+        if self._pool is not None and not cpu_linear.columns_split_across_threads(sched.num_batched_tokens):
+            parts = split_batch(seqs, self.num_parts, self.block_size)
+        if len(parts) == 1:
+            return self._forward(seqs)
+        futures = [self._pool.submit(self._forward, [seqs[i] for i in part]) for part in parts]
+        # each part's logits are for its sampling sequences in its order: put them back in batch order
+        sample_row = {i: n for n, i in enumerate(i for i, s in enumerate(seqs) if s.sample)}
+        rows = torch.tensor([sample_row[i] for part in parts for i in part if seqs[i].sample], dtype=torch.long)
+        logits = torch.cat([f.result() for f in futures])  # [N, V] in part order
+        return torch.empty_like(logits).index_copy_(0, rows.to(logits.device), logits)  # [N, V] in batch order
+
+    def _forward(self, seqs: list[ScheduledSeq]) -> torch.Tensor:
+        """One forward over `seqs` -> logits of its sampling sequences [N, V] (inference mode is per thread)."""
+        with torch.inference_mode():
+            input_ids, positions, meta, sample_rows = self.prepare_inputs(seqs)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, H]
+            return self.model.compute_logits(hidden[sample_rows])  # [N, V]

@@ -1,0 +1,168 @@
+"""How the model's linear layers run: which matmul path for how many rows, and the weights packed for it.
+
+On CUDA, and for any weight without a packed form, it is F.linear. On CPU the fastest path depends on the CPU
+and on the number of rows, so `calibrate` measures it once per process, on one thread (as each of the model
+runner's forward threads runs), before any weight is packed:
+- few rows (decode steps: each forward thread multiplies its share of the batch's sequences, tens of rows):
+  oneDNN with a weight packed ahead of time, or kvfleet's panel GEMM (csrc/cpu_kernels.cpp, AVX2 + FMA).
+  On a 2-core AMD Zen 3 at 32 rows, 30 layers' weights streaming from memory: panel 76, oneDNN 64 GFLOP/s.
+- many rows (prefill chunks): F.linear (MKL's sgemm for float32) where it beats the few-rows path at
+  CALIBRATION_ROWS (Zen 3: MKL ~7% over the panel GEMM, ~12% over oneDNN; Zen 4: oneDNN ~2x MKL, so it must
+  be measured).
+bfloat16 weights: oneDNN's bf16 GEMM where the CPU has one (AVX-512 BF16 / AMX); elsewhere neither oneDNN nor
+aten has a fast bf16 GEMM, and a float32 copy of each weight gives the same result (bf16 x bf16 products are
+exact in float32, summed in float32 as a bf16 GEMM does) at float32 speed, for twice the weights' memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from gpu_worker.executor.ops.cpu import kernels as cpu_kernels
+
+log = logging.getLogger(__name__)
+
+DECODE_ROWS = 32  # a forward thread's share of a decode batch of 64 sequences
+CALIBRATION_ROWS = 512  # a forward thread's share of a prefill chunk; F.linear from half this many rows
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A weight [N, K] in the layout of one path, made once at load."""
+
+    kind: str  # "onednn": oneDNN's blocked layout; "panel": cpu_kernels.pack_gemm_weight's panels
+    data: torch.Tensor
+    out_features: int
+    upcast: bool  # a float32 form of a bfloat16 weight: bfloat16 inputs are multiplied in float32
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    """What `calibrate` chose for this process."""
+
+    few_rows: str  # "onednn" | "panel": the packed layout, used below aten_from_rows
+    aten_from_rows: int | None  # float32 inputs of this many rows or more take F.linear; None: never
+    bf16_gemm: bool  # oneDNN multiplies bfloat16 natively here (else bf16 weights get a float32 form)
+
+
+_plan: LinearPlan | None = None
+
+
+def _has_bf16_gemm(weight: torch.Tensor) -> bool:
+    """Can oneDNN pack a bfloat16 weight here? (It needs AVX-512 BW at least.)"""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(weight.detach()[:1].to(torch.bfloat16))
+    except RuntimeError:
+        return False
+    return True
+
+
+def _pack(weight: torch.Tensor, kind: str, upcast: bool) -> PackedWeight:
+    """weight in the layout of `kind`; upcast: a float32 form of a bfloat16 weight."""
+    w = weight.detach().float() if upcast else weight.detach()
+    data = cpu_kernels.pack_gemm_weight(w) if kind == "panel" else torch.ops.mkldnn._reorder_linear_weight(w)
+    return PackedWeight(kind, data, w.shape[0], upcast)
+
+
+def _run(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    xx = x.float() if packed.upcast else x
+    if packed.kind == "panel":
+        out = cpu_kernels.gemm(xx, packed.data, packed.out_features, bias)
+    else:
+        b = bias.float() if packed.upcast and bias is not None else bias
+        out = torch.ops.mkldnn._linear_pointwise(xx, packed.data, b, "none", [], "")
+    return out.to(x.dtype) if packed.upcast else out
+
+
+def _fastest(cases: dict[str, Callable[[], object]], rounds: int = 4) -> dict[str, float]:
+    """name -> best seconds of one call, rounds interleaved (robust to a noisy neighbour)."""
+    best = dict.fromkeys(cases, float("inf"))
+    for fn in cases.values():
+        fn()  # first calls allocate and pick kernels
+    for _ in range(rounds):
+        for name, fn in cases.items():
+            t = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t)
+    return best
+
+
+def _packable(weight: torch.Tensor) -> bool:
+    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
+            and torch.backends.mkldnn.is_available())
+
+
+def calibrate(weight: torch.Tensor) -> LinearPlan | None:
+    """Measure the paths on `weight` (a decoder layer's gate|up, [N, K]) once per process; later calls return
+    the same plan. Packed weights must be made after this (pack_linear_weight follows the plan). None where
+    nothing is packed (not a CPU float32 / bfloat16 weight)."""
+    global _plan
+    if _plan is not None or not _packable(weight):
+        return _plan
+    bf16_gemm = weight.dtype == torch.bfloat16 and _has_bf16_gemm(weight)
+    upcast = weight.dtype == torch.bfloat16 and not bf16_gemm
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            few = {"onednn": _pack(weight, "onednn", upcast)}
+            if cpu_kernels.gemm_available() and (weight.dtype == torch.float32 or upcast):
+                few["panel"] = _pack(weight, "panel", upcast)
+            choice = "onednn"
+            if len(few) > 1:
+                x = torch.randn(DECODE_ROWS, weight.shape[1]).to(weight.dtype)
+                best = _fastest({name: (lambda p=p: _run(x, p, None)) for name, p in few.items()})
+                choice = min(best, key=best.__getitem__)
+            aten_from = None
+            if weight.dtype == torch.float32:
+                x = torch.randn(CALIBRATION_ROWS, weight.shape[1])
+                best = _fastest({"aten": lambda: F.linear(x, weight), "packed": lambda: _run(x, few[choice], None)})
+                aten_from = CALIBRATION_ROWS // 2 if best["aten"] < best["packed"] else None
+    finally:
+        torch.set_num_threads(threads)
+    _plan = LinearPlan(choice, aten_from, bf16_gemm)
+    name = "oneDNN" if choice == "onednn" else "kvfleet's panel GEMM"
+    log.info("CPU linear layers: %s", f"{name} below {aten_from} rows, F.linear (MKL) from {aten_from}"
+             if aten_from else f"{name} for any number of rows")
+    return _plan
+
+
+def columns_split_across_threads(num_rows: int) -> bool:
+    """Does a matmul of num_rows rows split its output columns across torch's threads? The panel GEMM does
+    (each thread streams 1 / P of the weight, for all the rows), so for few rows one multi-threaded forward
+    beats the model runner's P single-threaded ones (2-core Zen 3, a decode step of 64 sequences: 160 against
+    175 ms; a prefill step of 2048 tokens through MKL: 3.15 against 3.0 s, the other way)."""
+    return (_plan is not None and _plan.few_rows == "panel"
+            and num_rows < (_plan.aten_from_rows or CALIBRATION_ROWS // 2))
+
+
+def pack_linear_weight(weight: torch.Tensor) -> PackedWeight | None:
+    """weight [N, K] packed for the calibrated path (made once at load); None where F.linear is the way
+    (CUDA, other dtypes, no oneDNN)."""
+    if not _packable(weight):
+        return None
+    plan = calibrate(weight)
+    if weight.dtype == torch.bfloat16 and plan.bf16_gemm:
+        return _pack(weight, "onednn", upcast=False)
+    return _pack(weight, plan.few_rows, upcast=weight.dtype == torch.bfloat16)
+
+
+def linear(
+    x: torch.Tensor,  # [T, K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+    packed: PackedWeight | None = None,  # pack_linear_weight(weight)
+) -> torch.Tensor:
+    """x @ weight.T + bias -> [T, N], by the path `calibrate` chose for this many rows."""
+    if packed is None:
+        return F.linear(x, weight, bias)
+    if (x.dtype == torch.float32 and _plan is not None and _plan.aten_from_rows is not None
+            and x.shape[0] >= _plan.aten_from_rows):
+        return F.linear(x, weight, bias)
+    return _run(x, packed, bias)

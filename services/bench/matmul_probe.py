@@ -1,0 +1,104 @@
+"""How fast torch multiplies matrices at the model's shapes on this machine: the ceiling for the engine.
+
+For each way torch offers to run a linear layer on CPU (aten's F.linear: MKL for float32, oneDNN for
+bfloat16; oneDNN with a weight packed ahead of time; MKL's packed GEMM for float32) and a few token counts,
+time one decoder layer's matmuls (qkv, o, gate|up, down) back to back. Rounds interleave the candidates and
+each keeps its fastest round, so a neighbour's burst on a shared machine costs the probe little.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from services.bench.metrics import ModelShape
+
+PROBE_TOKENS = (64, 256, 1024)
+
+
+@dataclass
+class ProbeResult:
+    dtype: str
+    best_flops: float  # FLOP/s: the fastest (path, tokens) for a whole layer's matmuls
+    best_path: str
+    best_tokens: int
+    layer_flops: dict[str, float] = field(default_factory=dict)  # "path@tokens" -> FLOP/s
+    lm_head_flops: dict[str, float] = field(default_factory=dict)  # "path@tokens" -> FLOP/s
+
+
+def _linear_paths(dtype) -> dict[str, Callable]:
+    """name -> make(weight [N, K], tokens) -> fn(x [tokens, K]) -> [tokens, N]."""
+    import torch
+    import torch.nn.functional as F
+
+    def aten(w, m):
+        return lambda x: F.linear(x, w)
+
+    def onednn_packed(w, m):
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, m)
+        return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+    def mkl_packed(w, m):
+        packed = torch.ops.mkl._mkl_reorder_linear_weight(w, m)
+        return lambda x: torch.ops.mkl._mkl_linear(x, packed, w, None, m)
+
+    paths = {"aten": aten}
+    if torch.backends.mkldnn.is_available():
+        paths["onednn-packed"] = onednn_packed
+    if dtype == torch.float32 and torch.backends.mkl.is_available():
+        paths["mkl-packed"] = mkl_packed
+    return paths
+
+
+def _time(fn: Callable[[], object], min_s: float) -> float:
+    """Seconds per call, averaged over a run of at least min_s."""
+    n, start = 0, time.perf_counter()
+    while True:
+        fn()
+        n += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_s:
+            return elapsed / n
+
+
+def probe_matmul(shape: ModelShape, dtype_name: str, *, tokens: tuple[int, ...] = PROBE_TOKENS,
+                 rounds: int = 5, min_s: float = 0.03, include_lm_head: bool = True) -> ProbeResult:
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    gen = torch.Generator().manual_seed(0)
+    layer = [(k, n) for _, k, n in shape.linear_shapes()]
+    weights = [torch.randn(n, k, generator=gen).mul_(0.02).to(dtype) for k, n in layer]  # [N, K] each
+    lm_weight = torch.randn(shape.vocab_size, shape.hidden_size, generator=gen).mul_(0.02).to(dtype)
+    layer_cases: dict[str, tuple[Callable, float]] = {}
+    head_cases: dict[str, tuple[Callable, float]] = {}
+    for path, make in _linear_paths(dtype).items():
+        for m in tokens:
+            xs = [torch.randn(m, k, generator=gen).to(dtype) for k, _ in layer]  # [m, K] each
+            fns = [make(w, m) for w in weights]
+
+            def run_layer(fns=fns, xs=xs):
+                for f, x in zip(fns, xs, strict=True):
+                    f(x)
+
+            layer_cases[f"{path}@{m}"] = (run_layer, 2 * m * sum(k * n for k, n in layer))
+            if include_lm_head:
+                head, hx = make(lm_weight, m), torch.randn(m, shape.hidden_size, generator=gen).to(dtype)
+                head_cases[f"{path}@{m}"] = (lambda head=head, hx=hx: head(hx), 2 * m * lm_weight.numel())
+    best_time: dict[str, float] = {}
+    with torch.inference_mode():
+        for fn, _ in [*layer_cases.values(), *head_cases.values()]:
+            fn()  # warm up: first calls allocate and pick kernels
+        for _ in range(rounds):
+            for key, (fn, _) in layer_cases.items():
+                best_time[key] = min(best_time.get(key, float("inf")), _time(fn, min_s))
+            for key, (fn, _) in head_cases.items():
+                k = f"head:{key}"
+                best_time[k] = min(best_time.get(k, float("inf")), _time(fn, min_s / 2))
+    layer_flops = {k: flops / best_time[k] for k, (_, flops) in layer_cases.items()}
+    head_flops = {k: flops / best_time[f"head:{k}"] for k, (_, flops) in head_cases.items()}
+    best_key = max(layer_flops, key=layer_flops.__getitem__)
+    path, tokens_text = best_key.split("@")
+    return ProbeResult(dtype=dtype_name, best_flops=layer_flops[best_key], best_path=path,
+                       best_tokens=int(tokens_text), layer_flops=layer_flops, lm_head_flops=head_flops)

