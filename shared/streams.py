@@ -8,8 +8,10 @@ work the same everywhere.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -34,11 +36,39 @@ def connect_async(url: str, **kwargs: Any) -> aioredis.Redis:
     return aioredis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=5, **kwargs)
 
 
+# ---- Lua scripts ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LuaScript:
+    """One atomic step, as Lua. Its SHA1 is computed once, here; Redis compiles the source the first time a
+    server sees it (and again after a restart lost its script cache): EVALSHA, then on NOSCRIPT one EVAL."""
+
+    source: str
+
+    @property
+    def sha(self) -> str:
+        return hashlib.sha1(self.source.encode()).hexdigest()
+
+
+def run_script(r: redis.Redis, script: LuaScript, keys_: list[str], args: list[Any]) -> Any:
+    try:
+        return r.evalsha(script.sha, len(keys_), *keys_, *args)
+    except redis.exceptions.NoScriptError:
+        return r.eval(script.source, len(keys_), *keys_, *args)
+
+
+async def arun_script(r: aioredis.Redis, script: LuaScript, keys_: list[str], args: list[Any]) -> Any:
+    try:
+        return await r.evalsha(script.sha, len(keys_), *keys_, *args)
+    except redis.exceptions.NoScriptError:
+        return await r.eval(script.source, len(keys_), *keys_, *args)
+
+
 # ---- requests -------------------------------------------------------------------------------------
 
 # Atomic "reserve and enqueue on a worker, if it still has the room the router saw": the status and the
 # reservations are re-read inside Redis, so concurrent gateways never over-commit a worker.
-_ENQUEUE_ROUTED = """
+_ENQUEUE_ROUTED = LuaScript("""
 local blocks, min_headroom = tonumber(ARGV[2]), tonumber(ARGV[3])
 if min_headroom >= 0 then
   local raw = redis.call('GET', KEYS[1])
@@ -53,10 +83,10 @@ if blocks > 0 then
   redis.call('PEXPIRE', KEYS[2], ARGV[4])
 end
 return redis.call('XADD', KEYS[3], '*', ARGV[6], ARGV[5])
-"""
+""")
 
 # Atomic "enqueue on the shared stream unless more than `bound` requests already wait there untaken".
-_ENQUEUE_SHARED = """
+_ENQUEUE_SHARED = LuaScript("""
 local bound = tonumber(ARGV[1])
 if bound >= 0 then
   local waiting = redis.call('XLEN', KEYS[1])
@@ -65,7 +95,7 @@ if bound >= 0 then
   if waiting >= bound then return false end
 end
 return redis.call('XADD', KEYS[1], '*', ARGV[4], ARGV[3])
-"""
+""")
 
 
 def enqueue_commands(pipe: Any, request: GenerationRequest, worker_id: str | None,
@@ -96,17 +126,16 @@ async def aenqueue_routed(r: aioredis.Redis, request: GenerationRequest, worker_
     """Reserve `request.kv_blocks` on the worker and enqueue there, atomically; with `min_headroom` set, only
     if the worker's free blocks less queued and reserved ones still leave that many after this request.
     None: it no longer fits (route again)."""
-    script = r.register_script(_ENQUEUE_ROUTED)
-    return await script(keys=[keys.status(worker_id), keys.reserved(worker_id), keys.req_stream(worker_id)],
-                        args=[request.request_id, request.kv_blocks, -1 if min_headroom is None else min_headroom,
-                              int(reservation_ttl_s * 1000), request.model_dump_json(), keys.FIELD])
+    return await arun_script(
+        r, _ENQUEUE_ROUTED, [keys.status(worker_id), keys.reserved(worker_id), keys.req_stream(worker_id)],
+        [request.request_id, request.kv_blocks, -1 if min_headroom is None else min_headroom,
+         int(reservation_ttl_s * 1000), request.model_dump_json(), keys.FIELD])
 
 
 async def aenqueue_shared(r: aioredis.Redis, request: GenerationRequest, *, bound: int | None) -> str | None:
     """Enqueue on kvfleet:req:any, atomically refusing (None) when `bound` requests already wait untaken."""
-    script = r.register_script(_ENQUEUE_SHARED)
-    return await script(keys=[keys.REQ_ANY], args=[-1 if bound is None else bound, keys.GROUP,
-                                                   request.model_dump_json(), keys.FIELD])
+    return await arun_script(r, _ENQUEUE_SHARED, [keys.REQ_ANY],
+                             [-1 if bound is None else bound, keys.GROUP, request.model_dump_json(), keys.FIELD])
 
 
 def parse_request(fields: dict[str, str]) -> GenerationRequest:
