@@ -13,7 +13,7 @@ import sys
 import time
 
 from services.redis_server import RedisServer
-from shared.settings import Settings, redacted_url
+from shared.settings import Settings, child_env, is_set, redacted_url
 
 # worker flags passed through as they are: (flag, dest)
 WORKER_FLAGS = [("--num-kv-blocks", "num_kv_blocks"), ("--kv-cache-memory", "kv_cache_memory"),
@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _child_env(settings: Settings) -> dict[str, str]:
     """Secrets travel in the environment, not argv (which `ps` shows to everyone)."""
-    env = dict(os.environ, KVFLEET_REDIS_URL=settings.redis_url, PYTHONUNBUFFERED="1")
+    env = child_env(KVFLEET_REDIS_URL=settings.redis_url, PYTHONUNBUFFERED="1")
     if settings.api_keys:
         env["KVFLEET_API_KEYS"] = ",".join(settings.api_keys)
     return env
@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     procs: list[subprocess.Popen] = []
     code = 0
     try:
-        if args.redis_url is None and not os.environ.get("KVFLEET_REDIS_URL"):
+        if args.redis_url is None and not is_set("redis_url"):
             redis_server = RedisServer().start()
             settings = settings.with_overrides(redis_url=redis_server.url)
             print(f"kvfleet: private Redis at {redis_server.url} (pid {redis_server.proc.pid})", flush=True)

@@ -118,6 +118,23 @@ def hf_offline() -> None:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+def child_env(**overrides: str) -> dict[str, str]:
+    """The environment of a child process kvfleet starts (a worker, a gateway, a baseline): this process's,
+    with `overrides` on top."""
+    return {**os.environ, **overrides}
+
+
+def is_set(field_name: str) -> bool:
+    """Is KVFLEET_<FIELD> set (non-empty) in the environment, as opposed to taking the default?"""
+    return bool(os.environ.get(ENV_PREFIX + field_name.upper()))
+
+
+def foreign_var(name: str, default: str = "") -> str:
+    """A variable that another tool owns (CXX, TRITON_INTERPRET, VLLM_CPU_OMP_THREADS_BIND), read here like
+    every other."""
+    return os.environ.get(name, default)
+
+
 def redacted_url(url: str) -> str:
     """A Redis URL safe to print: the password replaced by ***."""
     scheme, sep, rest = url.partition("://")

@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
 from shared.models import ModelNotFound, resolve_model
+from shared.settings import hf_offline
+
+hf_offline()  # before transformers is imported: nothing is ever fetched from a hub
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ execute(sched_out) applies copy-on-write block copies, runs every scheduled toke
 returns float32 logits only for the sequences that sample this step (lm_head runs on those rows only).
 On CPU with N > 1 torch threads, the step's sequences are split into N groups (batch_split) that run as N
 concurrent forwards, one thread each, with single-threaded ops (see batch_split for why), except for steps
-of few tokens when the matmuls split their columns across threads (cpu_linear.columns_split_across_threads):
+of few tokens when the matmuls split their columns across threads (LinearPlan.splits_columns):
 those run as one forward on all threads.
 """
 
@@ -85,6 +85,10 @@ class ModelRunner:
                                       use_triton=use_triton)
         self.model.load_weights(files.weights())
         self.model.eval()
+        # CPU: which matmul path for how many rows, measured on one layer's weight; the weights are packed
+        # for it. None on CUDA (F.linear everywhere).
+        self.linear_plan = cpu_linear.calibrate(self.model.layers[0].gate_up_weight)
+        self.model.pack_weights(self.linear_plan)
         arch = self.model.arch
         shape = KVCacheShape(arch.num_layers, block_size, arch.num_kv_heads, arch.head_dim, dtype)
         self.num_blocks = choose_num_blocks(shape, device, num_kv_blocks=num_kv_blocks,
@@ -177,7 +181,8 @@ class ModelRunner:
                                                 for s in sched.seqs], dtype=torch.int32))  # [S, width]
         seqs = sched.seqs
         parts = [seqs]
-        if self._pool is not None and not cpu_linear.columns_split_across_threads(sched.num_batched_tokens):
+        one_forward = self.linear_plan is not None and self.linear_plan.splits_columns(sched.num_batched_tokens)
+        if self._pool is not None and not one_forward:
             parts = split_batch(seqs, self.num_parts, self.block_size)
         if len(parts) == 1:
             return self._forward(seqs)

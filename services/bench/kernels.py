@@ -14,11 +14,12 @@ import argparse
 import contextlib
 import importlib
 import json
-import os
 import sys
 
 import torch
 import torch.nn.functional as F
+
+from shared.settings import foreign_var
 
 # (substring of torch.cuda.get_device_name(), peak HBM bandwidth in GB/s per the vendor datasheets);
 # first match wins, so the more specific names come first
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         print("services.bench.kernels needs a CUDA GPU (torch.cuda.is_available() is False); the kernels' CPU "
               "checks are the tests: pytest tests/kernels", file=sys.stderr)
         return 2
-    if os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes"):
+    if foreign_var("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes"):
         print("services.bench.kernels times compiled kernels: unset TRITON_INTERPRET", file=sys.stderr)
         return 2
     if args.num_q_heads % args.num_kv_heads:

@@ -25,7 +25,9 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from shared.settings import child_env, hf_offline
+
+hf_offline()
 
 
 def _prompts(n: int) -> list[str]:
@@ -95,7 +97,7 @@ def bench_fleet(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     port = free_port()
     procs: list[subprocess.Popen] = []
     with RedisServer() as srv:
-        env = dict(os.environ, KVFLEET_REDIS_URL=srv.url)
+        env = child_env(KVFLEET_REDIS_URL=srv.url)
         cli = [sys.executable, "-m", "services.cli"]
         try:
             procs.append(subprocess.Popen(cli + ["worker", "--model", args.model, "--worker-id", "bench"]

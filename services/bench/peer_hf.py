@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import sys
 import time
+
+from shared.settings import hf_offline
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -25,7 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--progress", action="store_true", help="a progress bar on stderr")
     args = ap.parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    hf_offline()
 
     import torch
     import transformers

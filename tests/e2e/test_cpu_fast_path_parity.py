@@ -20,7 +20,7 @@ MAX_TOKENS = 12
 @pytest.mark.parametrize("mode", ["as_calibrated", "always_split"])
 def test_split_steps_match_hf(two_torch_threads, mode, monkeypatch):
     if mode == "always_split":
-        monkeypatch.setattr(cpu_linear, "columns_split_across_threads", lambda num_rows: False)
+        monkeypatch.setattr(cpu_linear.LinearPlan, "splits_columns", lambda self, num_rows: False)
     prompts = [r.prompt_token_ids[:96] for r in load_workload("peer64", vocab_size=49152).requests[:6]]
     llm = LLM("smollm2", block_size=16, num_kv_blocks=64, max_num_batched_tokens=128, max_num_seqs=8,
               max_model_len=256)

@@ -68,3 +68,20 @@ def test_incremental_detokenization_matches_a_full_decode(tiny_llama_dir):
         pieces.append(detok.text[len(before):])
     assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True)
     assert detok.text == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_the_runner_owns_its_plan(tiny_llama_dir):
+    """Two runners in one process each calibrate and hold their own plan; the module keeps no state."""
+    from gpu_worker.executor.model_loader import load_model_files
+    from gpu_worker.executor.model_runner import ModelRunner
+    from gpu_worker.executor.ops.cpu import linear as cpu_linear
+
+    files = load_model_files(tiny_llama_dir)
+    runners = [ModelRunner(files, dtype=torch.float32, device=torch.device("cpu"), max_model_len=64,
+                           block_size=16, num_kv_blocks=8) for _ in range(2)]
+    assert all(isinstance(r.linear_plan, cpu_linear.LinearPlan) for r in runners)
+    assert runners[0].linear_plan is not runners[1].linear_plan
+    layer = runners[0].model.layers[0]
+    assert layer.packed["gate_up"].kind == runners[0].linear_plan.few_rows
+    assert not [name for name, value in vars(cpu_linear).items()
+                if isinstance(value, cpu_linear.LinearPlan | cpu_linear.PackedWeight)]

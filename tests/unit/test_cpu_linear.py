@@ -14,8 +14,7 @@ if cpu_kernels.gemm_available():
 
 
 @pytest.fixture
-def plan(request, monkeypatch):
-    monkeypatch.setattr(cpu_linear, "_plan", request.param)
+def plan(request):
     return request.param
 
 
@@ -24,8 +23,8 @@ def plan(request, monkeypatch):
 def test_every_plan_computes_the_same_linear(plan, rows):
     g = torch.Generator().manual_seed(rows)
     w, b, x = torch.randn(48, 40, generator=g), torch.randn(48, generator=g), torch.randn(rows, 40, generator=g)
-    packed = cpu_linear.pack_linear_weight(w)
-    assert packed.kind == plan.few_rows and not packed.upcast
+    packed = plan.pack(w)
+    assert packed.kind == plan.few_rows and not packed.upcast and packed.aten_from_rows == plan.aten_from_rows
     torch.testing.assert_close(cpu_linear.linear(x, w, b, packed), x @ w.T + b, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(cpu_linear.linear(x, w, None, packed), x @ w.T, atol=1e-4, rtol=1e-5)
 
@@ -47,27 +46,30 @@ def test_bfloat16_through_a_float32_weight_equals_float32_math(kind):
     torch.testing.assert_close(out, want, atol=0, rtol=2**-7)
 
 
-def test_calibrate_picks_a_plan_once(monkeypatch):
-    monkeypatch.setattr(cpu_linear, "_plan", None)
+def test_calibrate_returns_a_plan_that_packs_by_it():
     w = torch.randn(96, 64)
     plan = cpu_linear.calibrate(w)
     assert plan.few_rows in ("onednn", "panel") and plan.aten_from_rows in (None, cpu_linear.CALIBRATION_ROWS // 2)
-    assert cpu_linear.calibrate(torch.randn(8, 8)) is plan
-    assert cpu_linear.pack_linear_weight(w).kind == plan.few_rows
+    packed = plan.pack(w)
+    assert packed.kind == plan.few_rows and packed.aten_from_rows == plan.aten_from_rows
 
 
-def test_nothing_packed_off_cpu_float_weights(monkeypatch):
-    monkeypatch.setattr(cpu_linear, "_plan", None)
+def test_bfloat16_weights_never_take_the_float32_switch():
+    plan = cpu_linear.LinearPlan("onednn", 256, bf16_gemm=False)
+    packed = plan.pack(torch.randn(16, 8).to(torch.bfloat16))
+    assert packed.upcast and packed.aten_from_rows is None
+
+
+def test_nothing_packed_off_cpu_float_weights():
     assert cpu_linear.calibrate(torch.randn(8, 8, dtype=torch.float16)) is None
-    assert cpu_linear.pack_linear_weight(torch.randn(8, 8, dtype=torch.float16)) is None
+    assert cpu_linear.LinearPlan("onednn", None, False).pack(torch.randn(8, 8, dtype=torch.float16)) is None
 
 
-def test_one_forward_only_for_few_rows_through_the_panel_gemm(monkeypatch):
-    monkeypatch.setattr(cpu_linear, "_plan", cpu_linear.LinearPlan("panel", 256, False))
-    assert cpu_linear.columns_split_across_threads(64)
-    assert not cpu_linear.columns_split_across_threads(256)
-    monkeypatch.setattr(cpu_linear, "_plan", cpu_linear.LinearPlan("panel", None, False))
-    assert cpu_linear.columns_split_across_threads(64)
-    assert not cpu_linear.columns_split_across_threads(cpu_linear.CALIBRATION_ROWS // 2)
-    monkeypatch.setattr(cpu_linear, "_plan", cpu_linear.LinearPlan("onednn", 256, False))  # oneDNN: split as before
-    assert not cpu_linear.columns_split_across_threads(64)
+def test_one_forward_only_for_few_rows_through_the_panel_gemm():
+    plan = cpu_linear.LinearPlan("panel", 256, False)
+    assert plan.splits_columns(64)
+    assert not plan.splits_columns(256)
+    plan = cpu_linear.LinearPlan("panel", None, False)
+    assert plan.splits_columns(64)
+    assert not plan.splits_columns(cpu_linear.CALIBRATION_ROWS // 2)
+    assert not cpu_linear.LinearPlan("onednn", 256, False).splits_columns(64)  # oneDNN: split as before

@@ -94,10 +94,10 @@ class DecoderLayer(nn.Module):
         self.down_bias = nn.Parameter(torch.empty(h), requires_grad=False) if cfg.mlp_bias else None
         self.packed: dict[str, cpu_linear.PackedWeight] = {}  # name -> packed <name>_weight, after loading
 
-    def pack_weights(self) -> None:
+    def pack_weights(self, plan: cpu_linear.LinearPlan) -> None:
         self.packed = {}
         for name in ("qkv", "o", "gate_up", "down"):
-            packed = cpu_linear.pack_linear_weight(getattr(self, f"{name}_weight"))
+            packed = plan.pack(getattr(self, f"{name}_weight"))
             if packed is not None:
                 self.packed[name] = packed
 
@@ -212,10 +212,14 @@ class LlamaForCausalLM(nn.Module):
         missing = expected - loaded
         if missing:
             raise ValueError(f"checkpoint lacks weights for {sorted(missing)[:5]}")
-        cpu_linear.calibrate(self.layers[0].gate_up_weight)  # CPU: which matmul path for how many rows
-        for layer in self.layers:  # CPU: matmul weights in the layout of the calibrated path
-            layer.pack_weights()
-        self.lm_head_packed = cpu_linear.pack_linear_weight(self.embed if self.lm_head is None else self.lm_head)
+
+    def pack_weights(self, plan: cpu_linear.LinearPlan | None) -> None:
+        """CPU: the matmul weights in the layout of `plan` (the model runner's calibration); None: unpacked."""
+        if plan is None:
+            return
+        for layer in self.layers:
+            layer.pack_weights(plan)
+        self.lm_head_packed = plan.pack(self.embed if self.lm_head is None else self.lm_head)
 
     @staticmethod
     def _target(name: str, shard: dict, norms: dict) -> tuple[str, int, int | None] | None:

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from shared.settings import foreign_var
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
@@ -70,7 +72,7 @@ def _library_path(source: str) -> Path:
 
 
 def _build(source: str, out: Path) -> None:
-    compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+    compiler = shutil.which(foreign_var("CXX", "g++")) or shutil.which("c++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++) on PATH")
     out.parent.mkdir(parents=True, exist_ok=True)

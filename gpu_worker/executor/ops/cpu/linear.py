@@ -1,8 +1,10 @@
 """How the model's linear layers run: which matmul path for how many rows, and the weights packed for it.
 
 On CUDA, and for any weight without a packed form, it is F.linear. On CPU the fastest path depends on the CPU
-and on the number of rows, so `calibrate` measures it once per process, on one thread (as each of the model
-runner's forward threads runs), before any weight is packed:
+and on the number of rows, so the model runner calls `calibrate` once, on one decoder weight, before any weight
+is packed; the LinearPlan it returns is the runner's, and it packs every weight (`LinearPlan.pack`). Each
+packed weight carries what the plan decided for it, so `linear` needs nothing else. `calibrate` measures on
+one thread, as each of the model runner's forward threads runs:
 - few rows (decode steps: each forward thread multiplies its share of the batch's sequences, tens of rows):
   oneDNN with a weight packed ahead of time, or kvfleet's panel GEMM (csrc/cpu_kernels.cpp, AVX2 + FMA).
   On a 2-core AMD Zen 3 at 32 rows, 30 layers' weights streaming from memory: panel 76, oneDNN 64 GFLOP/s.
@@ -40,18 +42,34 @@ class PackedWeight:
     data: torch.Tensor
     out_features: int
     upcast: bool  # a float32 form of a bfloat16 weight: bfloat16 inputs are multiplied in float32
+    aten_from_rows: int | None = None  # float32 inputs of this many rows or more take F.linear; None: never
 
 
 @dataclass(frozen=True)
 class LinearPlan:
-    """What `calibrate` chose for this process."""
+    """What `calibrate` chose on this CPU: the model runner holds it and packs its weights by it."""
 
     few_rows: str  # "onednn" | "panel": the packed layout, used below aten_from_rows
     aten_from_rows: int | None  # float32 inputs of this many rows or more take F.linear; None: never
     bf16_gemm: bool  # oneDNN multiplies bfloat16 natively here (else bf16 weights get a float32 form)
 
+    def pack(self, weight: torch.Tensor) -> PackedWeight | None:
+        """weight [N, K] packed for this plan (made once at load); None where F.linear is the way (CUDA,
+        other dtypes, no oneDNN)."""
+        if not _packable(weight):
+            return None
+        if weight.dtype == torch.bfloat16 and self.bf16_gemm:
+            return _pack(weight, "onednn", upcast=False)
+        upcast = weight.dtype == torch.bfloat16
+        return _pack(weight, self.few_rows, upcast, None if upcast else self.aten_from_rows)
 
-_plan: LinearPlan | None = None
+    def splits_columns(self, num_rows: int) -> bool:
+        """Does a matmul of num_rows rows split its output columns across torch's threads? The panel GEMM
+        does (each thread streams 1 / P of the weight, for all the rows), so for few rows one multi-threaded
+        forward beats the model runner's P single-threaded ones (2-core Zen 3, a decode step of 64
+        sequences: 160 against 175 ms; a prefill step of 2048 tokens through MKL: 3.15 against 3.0 s, the
+        other way)."""
+        return self.few_rows == "panel" and num_rows < (self.aten_from_rows or CALIBRATION_ROWS // 2)
 
 
 def _has_bf16_gemm(weight: torch.Tensor) -> bool:
@@ -63,11 +81,11 @@ def _has_bf16_gemm(weight: torch.Tensor) -> bool:
     return True
 
 
-def _pack(weight: torch.Tensor, kind: str, upcast: bool) -> PackedWeight:
+def _pack(weight: torch.Tensor, kind: str, upcast: bool, aten_from_rows: int | None = None) -> PackedWeight:
     """weight in the layout of `kind`; upcast: a float32 form of a bfloat16 weight."""
     w = weight.detach().float() if upcast else weight.detach()
     data = cpu_kernels.pack_gemm_weight(w) if kind == "panel" else torch.ops.mkldnn._reorder_linear_weight(w)
-    return PackedWeight(kind, data, w.shape[0], upcast)
+    return PackedWeight(kind, data, w.shape[0], upcast, aten_from_rows)
 
 
 def _run(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -99,12 +117,10 @@ def _packable(weight: torch.Tensor) -> bool:
 
 
 def calibrate(weight: torch.Tensor) -> LinearPlan | None:
-    """Measure the paths on `weight` (a decoder layer's gate|up, [N, K]) once per process; later calls return
-    the same plan. Packed weights must be made after this (pack_linear_weight follows the plan). None where
-    nothing is packed (not a CPU float32 / bfloat16 weight)."""
-    global _plan
-    if _plan is not None or not _packable(weight):
-        return _plan
+    """Measure the paths on `weight` (a decoder layer's gate|up, [N, K]): the plan to pack this model's
+    weights by. None where nothing is packed (not a CPU float32 / bfloat16 weight)."""
+    if not _packable(weight):
+        return None
     bf16_gemm = weight.dtype == torch.bfloat16 and _has_bf16_gemm(weight)
     upcast = weight.dtype == torch.bfloat16 and not bf16_gemm
     threads = torch.get_num_threads()
@@ -126,43 +142,22 @@ def calibrate(weight: torch.Tensor) -> LinearPlan | None:
                 aten_from = CALIBRATION_ROWS // 2 if best["aten"] < best["packed"] else None
     finally:
         torch.set_num_threads(threads)
-    _plan = LinearPlan(choice, aten_from, bf16_gemm)
+    plan = LinearPlan(choice, aten_from, bf16_gemm)
     name = "oneDNN" if choice == "onednn" else "kvfleet's panel GEMM"
     log.info("CPU linear layers: %s", f"{name} below {aten_from} rows, F.linear (MKL) from {aten_from}"
              if aten_from else f"{name} for any number of rows")
-    return _plan
-
-
-def columns_split_across_threads(num_rows: int) -> bool:
-    """Does a matmul of num_rows rows split its output columns across torch's threads? The panel GEMM does
-    (each thread streams 1 / P of the weight, for all the rows), so for few rows one multi-threaded forward
-    beats the model runner's P single-threaded ones (2-core Zen 3, a decode step of 64 sequences: 160 against
-    175 ms; a prefill step of 2048 tokens through MKL: 3.15 against 3.0 s, the other way)."""
-    return (_plan is not None and _plan.few_rows == "panel"
-            and num_rows < (_plan.aten_from_rows or CALIBRATION_ROWS // 2))
-
-
-def pack_linear_weight(weight: torch.Tensor) -> PackedWeight | None:
-    """weight [N, K] packed for the calibrated path (made once at load); None where F.linear is the way
-    (CUDA, other dtypes, no oneDNN)."""
-    if not _packable(weight):
-        return None
-    plan = calibrate(weight)
-    if weight.dtype == torch.bfloat16 and plan.bf16_gemm:
-        return _pack(weight, "onednn", upcast=False)
-    return _pack(weight, plan.few_rows, upcast=weight.dtype == torch.bfloat16)
+    return plan
 
 
 def linear(
     x: torch.Tensor,  # [T, K]
     weight: torch.Tensor,  # [N, K]
     bias: torch.Tensor | None = None,  # [N]
-    packed: PackedWeight | None = None,  # pack_linear_weight(weight)
+    packed: PackedWeight | None = None,  # LinearPlan.pack(weight)
 ) -> torch.Tensor:
-    """x @ weight.T + bias -> [T, N], by the path `calibrate` chose for this many rows."""
+    """x @ weight.T + bias -> [T, N], by the path the plan chose for this many rows."""
     if packed is None:
         return F.linear(x, weight, bias)
-    if (x.dtype == torch.float32 and _plan is not None and _plan.aten_from_rows is not None
-            and x.shape[0] >= _plan.aten_from_rows):
+    if packed.aten_from_rows is not None and x.shape[0] >= packed.aten_from_rows:
         return F.linear(x, weight, bias)
     return _run(x, packed, bias)
