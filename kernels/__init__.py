@@ -1,5 +1,5 @@
-"""Triton kernels with the signatures of gpu_worker.executor.ops.torch_ops (the torch path), so the model runner can use
-either namespace. Import this package only after deciding on TRITON_INTERPRET (CPU runs need it set to 1
+"""Triton kernels with the signatures of the `Ops` protocol (gpu_worker/executor/ops), so the model can use
+them in place of the torch reference ops. Import this package only after deciding on TRITON_INTERPRET (CPU runs need it set to 1
 before the first import of triton)."""
 
 from kernels.activation import silu_and_mul

@@ -21,7 +21,8 @@ from gpu_worker.core.config import num_blocks_for_memory, parse_memory_size
 from gpu_worker.core.sched_output import ScheduledSeq, SchedulerOutput
 from gpu_worker.executor.batch_split import split_batch
 from gpu_worker.executor.model_loader import ModelFiles
-from gpu_worker.executor.models.llama import AttentionMetadata, LlamaForCausalLM
+from gpu_worker.executor.models.llama import LlamaForCausalLM
+from gpu_worker.executor.ops import AttentionMetadata
 from gpu_worker.executor.ops.cpu import linear as cpu_linear
 
 log = logging.getLogger(__name__)

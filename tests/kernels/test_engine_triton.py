@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gpu_worker.engine.llm import LLM
-from gpu_worker.executor.models.llama import OP_NAMES
+from gpu_worker.executor.ops import OP_NAMES
 from shared.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.kernels

@@ -6,49 +6,15 @@ One forward per engine step over the batch's tokens flattened: [T] ids, [T] posi
 
 from __future__ import annotations
 
-import logging
 import types
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_worker.executor.ops import torch_ops as torch_ops
+from gpu_worker.executor.ops import AttentionMetadata, Ops, select_ops
 from gpu_worker.executor.ops.cpu import linear as cpu_linear
-
-log = logging.getLogger(__name__)
-
-OP_NAMES = ("store_kv_cache", "paged_attention", "rms_norm", "silu_and_mul", "rotary_embedding")
-
-
-@dataclass
-class AttentionMetadata:
-    """The paged-attention inputs of one step, shared by every layer."""
-
-    slot_mapping: torch.Tensor  # [T] int64, -1 = do not store
-    block_tables: torch.Tensor  # [S, max_blocks] int32
-    query_start_loc: torch.Tensor  # [S + 1] int32
-    context_lens: torch.Tensor  # [S] int32
-
-
-def select_ops(device: torch.device, use_triton: bool | None) -> types.SimpleNamespace:
-    """The ops namespace, chosen once: Triton kernels (kernels/) on CUDA or when asked, the torch reference
-    ops otherwise (and for any kernel not written yet)."""
-    chosen = {name: getattr(torch_ops, name) for name in OP_NAMES}
-    if device.type == "cpu":
-        from gpu_worker.executor.ops.cpu.native_ops import cpu_ops
-
-        chosen.update(cpu_ops())  # native CPU kernels (gpu_worker/executor/ops/cpu/csrc) where they build
-    if use_triton or (use_triton is None and device.type == "cuda"):
-        import kernels
-
-        missing = [name for name in OP_NAMES if not hasattr(kernels, name)]
-        chosen.update({name: getattr(kernels, name) for name in OP_NAMES if name not in missing})
-        if missing:
-            log.warning("kernels/ lacks %s: using the torch ops for those", ", ".join(missing))
-    return types.SimpleNamespace(**chosen)
 
 
 def rope_cos_sin_cache(config, head_dim: int, max_positions: int) -> torch.Tensor:
@@ -73,7 +39,7 @@ def rope_cos_sin_cache(config, head_dim: int, max_positions: int) -> torch.Tenso
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: types.SimpleNamespace, ops: types.SimpleNamespace):
+    def __init__(self, cfg: types.SimpleNamespace, ops: Ops):
         super().__init__()
         self.cfg, self.ops = cfg, ops
         h, d, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads

@@ -1,6 +1,6 @@
-"""Torch reference implementations of the model's hot operations (the CPU path).
-
-kernels/ holds Triton versions with identical signatures; the model picks one namespace at construction.
+"""Torch reference implementations of the model's hot operations (the `Ops` protocol of this package): the
+ground truth the native CPU kernels and the Triton kernels are tested against, and the fallback for any input
+they do not cover.
 KV cache per layer: key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim].
 """
 

@@ -1,5 +1,6 @@
-"""The model's hot ops on CPU through the native kernels (cpu_kernels), with gpu_worker/ops.py's signatures
-and results: select_ops puts these in the model's ops namespace on CPU when the kernels build. Any input a
+"""The model's hot ops on CPU through the native kernels (kernels.py, built from csrc/), with the signatures
+and results of the `Ops` protocol (gpu_worker/executor/ops): select_ops takes these on CPU when the kernels
+build. Any input a
 kernel does not cover (another dtype, odd strides) goes to the torch op.
 """
 
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.executor.ops import torch_ops as torch_ops
+from gpu_worker.executor.ops import torch_ops
 from gpu_worker.executor.ops.cpu import kernels as cpu_kernels
 from gpu_worker.executor.ops.cpu.kernels import SUFFIX, as_index, kernel
 
