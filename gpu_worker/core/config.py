@@ -1,10 +1,11 @@
-"""Engine configuration: one dataclass passed down from the CLI / LLM(...) to every layer."""
+"""Engine configuration: the KV cache's and the scheduler's settings as the CLI / LLM(...) give them, and the
+arithmetic that sizes the cache from a memory budget."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-SCHEDULING_POLICIES = ("fcfs", "priority", "sjf")
+from gpu_worker.core.policies import SchedulingPolicy, policy_class
 
 
 @dataclass
@@ -23,13 +24,19 @@ class SchedulerConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048  # context window: prompt + output tokens
-    policy: str = "fcfs"
+    policy: str | SchedulingPolicy = "fcfs"  # a built-in name, "package.module:Class" or a policy object
     sjf_aging_s: float = 10.0  # sjf: a waiting request gains one block_size of "shortness" per this many seconds
     log_memory_usage_s: float = 0.0  # > 0: log the KV cache's memory use every this many seconds
 
     def __post_init__(self) -> None:
-        if self.policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
+        if isinstance(self.policy, str):
+            try:
+                policy_class(self.policy)  # a user's class is imported now: a wrong name fails before a model loads
+            except ValueError as e:
+                raise ValueError(f"scheduling_policy (--scheduling-policy) {e}") from None
+        elif not isinstance(self.policy, SchedulingPolicy):
+            raise ValueError(f"scheduling_policy must be a built-in name, 'package.module:Class' or a SchedulingPolicy "
+                             f"object, got {self.policy!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

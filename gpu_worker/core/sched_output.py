@@ -31,10 +31,10 @@ class ScheduledSeq:
 
 @dataclass
 class SchedulerOutput:
+    """One step's work: the sequences to run, in batch order, and the block copies to make first."""
+
     seqs: list[ScheduledSeq] = field(default_factory=list)  # batch order: the runner keeps it
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst), before the forward
-    preempted_ids: list[str] = field(default_factory=list)  # preempted (blocks freed) in this step
-    finished_ids: list[str] = field(default_factory=list)  # finished or aborted since the last step
 
     @property
     def num_batched_tokens(self) -> int:

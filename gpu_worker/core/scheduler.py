@@ -1,9 +1,10 @@
 """The scheduler: continuous batching over a paged KV cache (ints and ids only, no torch).
 
 Each step: running requests first (decodes and unfinished chunked prefills, in admission order), then
-waiting ones in policy order, under a token budget and a sequence cap. A running request that needs a
-block when none is free preempts the lowest-priority, latest-arriving running request (recompute: its
-blocks are freed and it goes back to the front of the waiting queue, keeping priority and arrival time).
+waiting ones in the order the policy (gpu_worker.core.policies) picks, under a token budget and a sequence
+cap. A running request that needs a block when none is free preempts the one the policy names (by default
+the lowest-priority, latest-arriving): recompute, its blocks are freed and it goes back to the front of the
+waiting queue, keeping priority and arrival time.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import asdict, dataclass
 
 from gpu_worker.core.config import CacheConfig, SchedulerConfig
 from gpu_worker.core.kv_cache_manager import KVCacheManager, KVCacheStats
+from gpu_worker.core.policies import make_policy
 from gpu_worker.core.request import Request, RequestStatus
 from gpu_worker.core.sched_output import ScheduledSeq, SchedulerOutput
 
@@ -28,6 +30,8 @@ class RequestRejected(ValueError):
 
 @dataclass
 class SchedulerStats(KVCacheStats):
+    """The KV cache's statistics plus the queues' lengths and the preemptions so far."""
+
     num_running: int = 0
     num_waiting: int = 0
     num_preemptions: int = 0  # total since start
@@ -41,6 +45,8 @@ class Scheduler:
         self.config = scheduler_config
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
+        self.policy = make_policy(scheduler_config.policy, block_size=self.block_size,
+                                  sjf_aging_s=scheduler_config.sjf_aging_s)
         self.kv_cache_manager = KVCacheManager(self.block_size, cache_config.num_blocks,
                                                cache_config.enable_prefix_caching)
         self.waiting: deque[Request] = deque()
@@ -49,7 +55,6 @@ class Scheduler:
         self.num_preemptions = 0
         self._fork_point: dict[str, int] = {}  # group leader -> tokens it computes before its siblings fork
         self._siblings: dict[str, list[Request]] = {}  # group leader -> siblings waiting for the fork
-        self._finished_ids: list[str] = []  # finished/aborted since the last schedule()
         self._finished_unreported: list[Request] = []  # finished inside schedule(): next update_from_output
         self._clock = clock
         self._last_memory_log = clock()
@@ -80,7 +85,6 @@ class Scheduler:
         """A resumed request whose sent tokens already end it: reported by the next update_from_output."""
         if not request.output_token_ids or not request.check_stop():
             return False
-        self._finished_ids.append(request.request_id)
         self._finished_unreported.append(request)
         return True
 
@@ -153,7 +157,6 @@ class Scheduler:
             del self._fork_point[rid]
             self.waiting.extendleft(reversed(self._siblings.pop(rid)))
         del self.requests[rid]
-        self._finished_ids.append(rid)
 
     def _finish_in_schedule(self, request: Request, reason: str) -> None:
         request.finish(reason)
@@ -168,17 +171,18 @@ class Scheduler:
         return self.kv_cache_manager.num_blocks_for(request.num_tokens) > self.cache_config.num_blocks
 
     def _next_waiting(self) -> Request:
-        policy = self.config.policy
-        if policy == "priority":
-            return min(self.waiting, key=lambda r: (r.priority, r.arrival_time))
-        if policy == "sjf":
-            now, aging = self._clock(), self.config.sjf_aging_s
-            credit_rate = self.block_size / aging if aging > 0 else 0.0
-            return min(
-                self.waiting,
-                key=lambda r: (r.num_tokens - (now - r.arrival_time) * credit_rate, r.arrival_time),
-            )
-        return self.waiting[0]
+        request = self.policy.next_to_admit(self.waiting, self._clock())
+        if request not in self.waiting:
+            raise RuntimeError(f"scheduling policy {type(self.policy).__name__}.next_to_admit returned "
+                               f"{getattr(request, 'request_id', request)!r}, which is not waiting")
+        return request
+
+    def _next_victim(self) -> Request:
+        victim = self.policy.next_to_preempt(self.running, self._clock())
+        if victim not in self.running:
+            raise RuntimeError(f"scheduling policy {type(self.policy).__name__}.next_to_preempt returned "
+                               f"{getattr(victim, 'request_id', victim)!r}, which is not running")
+        return victim
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
@@ -207,7 +211,7 @@ class Scheduler:
         kvm, max_seqs = self.kv_cache_manager, self.config.max_num_seqs
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, int] = {}  # request id -> tokens this step, in batch order
-        preempted: list[str] = []
+        preempted = False  # after a preemption nothing new is admitted this step
 
         for request in list(self.running):
             if budget <= 0 or len(scheduled) >= max_seqs:
@@ -221,9 +225,9 @@ class Scheduler:
                 self._finish_in_schedule(request, "length")
                 continue
             while kvm.allocate_slots(request, num_new) is None:
-                victim = max(enumerate(self.running), key=lambda ir: (ir[1].priority, ir[1].arrival_time, ir[0]))[1]
+                victim = self._next_victim()
                 self._preempt(victim)
-                preempted.append(victim.request_id)
+                preempted = True
                 budget += scheduled.pop(victim.request_id, 0)
                 if victim is request:
                     break
@@ -268,9 +272,7 @@ class Scheduler:
                 block_table=kvm.get_block_ids(rid), slot_mapping=kvm.slot_mapping(rid, start, num_new),
                 sample=start + num_new == request.num_tokens))
             request.num_computed_tokens = start + num_new
-        finished_ids, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(seqs=seqs, blocks_to_copy=kvm.take_pending_copies(), preempted_ids=preempted,
-                               finished_ids=finished_ids)
+        return SchedulerOutput(seqs=seqs, blocks_to_copy=kvm.take_pending_copies())
 
     def update_from_output(self, sched_out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Record the step's results: cache the now-written full blocks, append sampled tokens, finish.

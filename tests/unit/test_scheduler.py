@@ -41,6 +41,11 @@ def step(s, token=7):
     return out, finished
 
 
+def preempted(s):
+    """Ids of the waiting requests that were preempted and have not run again yet."""
+    return [r.request_id for r in s.waiting if r.status == RequestStatus.PREEMPTED]
+
+
 def test_prefill_then_decode_exact_blocks_and_slots():
     s = make()
     s.add_request(req("a", range(6), max_tokens=3))
@@ -59,7 +64,7 @@ def test_prefill_then_decode_exact_blocks_and_slots():
     assert finished[0].status == RequestStatus.FINISHED_LENGTH
     assert not s.has_unfinished_requests() and s.get_request("a") is None
     assert s.stats().used_blocks == 0
-    assert s.schedule().finished_ids == ["a"]
+    assert s.schedule().is_empty
 
 
 def test_chunked_prefill_splits_a_long_prompt():
@@ -137,7 +142,7 @@ def test_preemption_by_recompute_goes_to_front_and_resumes():
     step(s)  # a, b: position 6 -> slots 6 and 14
     step(s)  # position 7 -> slots 7 and 15: both blocks full
     out, _ = step(s)  # a needs a third block, none is free -> b (latest arrival) is preempted
-    assert out.preempted_ids == ["b"]
+    assert preempted(s) == ["b"]
     assert [(q.request_id, q.block_table) for q in out.seqs] == [("a", [0, 1, 3])]
     b = s.get_request("b")
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0 and b.num_preemptions == 1
@@ -158,7 +163,7 @@ def test_preemption_victim_is_lowest_priority_even_if_earlier():
     for _ in range(3):
         step(s)
     out, _ = step(s)
-    assert out.preempted_ids == ["low"]
+    assert preempted(s) == ["low"] and s.stats().num_preemptions == 1
     assert s.get_request("low").priority == 9 and s.get_request("low").arrival_time == 0
 
 
@@ -170,7 +175,7 @@ def test_request_preempts_itself_when_it_is_the_victim():
         step(s)
     s.running.reverse()  # b is visited first: it is the latest arrival, so it gives up its own blocks
     out, _ = step(s)
-    assert out.preempted_ids == ["b"] and [q.request_id for q in out.seqs] == ["a"]
+    assert preempted(s) == ["b"] and s.stats().num_preemptions == 1 and [q.request_id for q in out.seqs] == ["a"]
 
 
 def test_rejections_name_the_numbers():
@@ -222,14 +227,17 @@ def test_finish_request_and_abort_free_blocks():
     s.add_request(req("a", range(6), max_tokens=8))
     s.add_request(req("w", range(6), max_tokens=8))
     step(s)
+    a, w = s.get_request("a"), s.get_request("w")
     s.finish_request("a", "stop", stop_reason="\n\n")
+    assert (a.status, a.stop_reason, s.get_request("a")) == (RequestStatus.FINISHED_STOPPED, "\n\n", None)
     a_done = s.schedule()
-    assert "a" in a_done.finished_ids
+    assert [q.request_id for q in a_done.seqs] == ["w"]
     s.abort_request("w")
     s.abort_request("w")  # finished: no-op
     s.abort_request("nope")  # unknown: no-op
+    assert w.status == RequestStatus.FINISHED_ABORTED and w.finish_reason == "abort"
     assert not s.has_unfinished_requests() and s.stats().used_blocks == 0
-    assert s.schedule().finished_ids == ["w"]
+    assert s.schedule().is_empty
 
 
 def test_prefix_hit_at_admission_sets_computed_tokens():
@@ -321,7 +329,7 @@ def test_resumed_request_that_already_ended_is_reported_without_running():
                          req("g1", range(4), max_tokens=2, eos=9, output_token_ids=[1])])
     assert [r.request_id for r in s.waiting] == ["g1"]
     out, finished = step(s)
-    assert [q.request_id for q in out.seqs] == ["g1"] and out.finished_ids == ["done", "g0"]
+    assert [q.request_id for q in out.seqs] == ["g1"]
     assert [(r.request_id, r.finish_reason) for r in finished] == [("done", "length"), ("g0", "stop"), ("g1", "length")]
 
 
