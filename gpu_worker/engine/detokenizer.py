@@ -1,21 +1,17 @@
 """Incremental detokenization and stop strings, one IncrementalDetokenizer per sequence.
 
 Text grows by decoding a short window of ids: the tokens between prefix_offset and read_offset decode to
-the text already emitted, those up to the end to that text plus the new piece (vLLM / TGI's offsets). A
+the text already produced, those up to the end to that text plus the new piece (vLLM / TGI's offsets). A
 piece that ends in an incomplete UTF-8 character ("\\ufffd") waits for the next token.
+
+The engine takes the new text once per step (`take_text`). The detokenizer keeps no whole text: only what
+was decoded and not taken yet (held back while it could begin a stop string) and the last characters taken
+that a stop string could still start in. So a step costs the size of its own text, not of the output so far.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 _PROMPT_CONTEXT = 5  # prompt tokens decoded along with the first output tokens (leading-space handling)
-
-
-@dataclass
-class StopMatch:
-    stop: str  # the stop string found
-    truncated: bool  # text was cut back to it
 
 
 class IncrementalDetokenizer:
@@ -28,46 +24,62 @@ class IncrementalDetokenizer:
         self.token_ids: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT:])  # context + output ids
         self.prefix_offset = 0
         self.read_offset = len(self.token_ids)
-        self.text = ""
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
+        self._pending = ""  # decoded, not taken yet
+        self._taken_tail = ""  # the last max_stop_len - 1 characters taken: where a stop string may begin
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def add_tokens(self, new_token_ids: list[int]) -> StopMatch | None:
-        """Append tokens; return the stop string match when the text now contains one (text is then cut)."""
-        start = len(self.text)
+    def add_tokens(self, new_token_ids: list[int]) -> str | None:
+        """Append tokens; return the stop string when the text now contains one (the text is then cut at it,
+        after it with include_stop_str_in_output)."""
+        start = len(self._pending)
         for tid in new_token_ids:
             self.token_ids.append(tid)
             prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
             full_text = self._decode(self.token_ids[self.prefix_offset:])
             if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
-                self.text += full_text[len(prefix_text):]
+                self._pending += full_text[len(prefix_text):]
                 self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
-        return self._check_stop(start) if self.stop and len(self.text) > start else None
+        return self._check_stop(start) if self.stop and len(self._pending) > start else None
 
-    def _check_stop(self, new_from: int) -> StopMatch | None:
+    def _check_stop(self, new_from: int) -> str | None:
         """Search only where a stop string could newly end: from max_stop_len - 1 before the new text."""
-        search_from = max(new_from - self._max_stop_len + 1, 0)
+        text, base = self._taken_tail + self._pending, len(self._taken_tail)
+        search_from = max(base + new_from - self._max_stop_len + 1, 0)
         best: tuple[int, str] | None = None
         for s in self.stop:
-            i = self.text.find(s, search_from)
+            i = text.find(s, search_from)
             if i != -1 and (best is None or i < best[0]):
                 best = (i, s)
         if best is None:
             return None
         i, s = best
-        self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
-        return StopMatch(stop=s, truncated=True)
+        # The cut is never inside taken text: it was held back while it could begin a stop string, and
+        # with include_stop_str_in_output the cut is after the match, which ends in the new text.
+        self._pending = text[base: i + len(s) if self.include_stop else i]
+        return s
 
-    def visible_text(self, finished: bool) -> str:
-        """The text safe to stream: while running, hold back a tail that could still begin a stop string."""
-        if finished or not self.stop or self.include_stop:
-            return self.text
+    def take_text(self, finished: bool) -> str:
+        """The text decoded since the last call. While running, a tail that could still begin a stop string
+        is held back for a later call; once finished, everything is released."""
+        hold = 0 if finished or not self.stop or self.include_stop else self._hold()
+        text = self._pending[: len(self._pending) - hold]
+        self._pending = self._pending[len(text):]
+        if self._max_stop_len > 1 and text:
+            tail = self._taken_tail + text
+            self._taken_tail = tail[max(len(tail) - self._max_stop_len + 1, 0):]
+        return text
+
+    def _hold(self) -> int:
+        """Characters at the end of the pending text that begin a stop string (the longest such prefix).
+        Looking at the pending text alone is enough: it holds the last hold plus all text since, and a stop
+        prefix longer than that would have been held last time already."""
         hold = 0
         for s in self.stop:
-            for k in range(min(len(s) - 1, len(self.text)), hold, -1):
-                if self.text.endswith(s[:k]):
+            for k in range(min(len(s) - 1, len(self._pending)), hold, -1):
+                if self._pending.endswith(s[:k]):
                     hold = k
                     break
-        return self.text[: len(self.text) - hold] if hold else self.text
+        return hold

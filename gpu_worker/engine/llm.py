@@ -1,4 +1,7 @@
-"""LLM: the offline API, shaped like vllm.LLM. `LLM("smollm2").generate(prompts, SamplingParams(...))`."""
+"""LLM: the offline API, shaped like vllm.LLM. `LLM("smollm2").generate(prompts, SamplingParams(...))`.
+
+It returns complete outputs: the engine's per-step deltas folded together (outputs.OutputAccumulator).
+"""
 
 from __future__ import annotations
 
@@ -6,8 +9,9 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from gpu_worker.core.policies import SchedulingPolicy
 from gpu_worker.engine.llm_engine import LLMEngine
-from gpu_worker.engine.outputs import RequestOutput
+from gpu_worker.engine.outputs import OutputAccumulator, RequestOutput
 from shared.sampling_params import SamplingParams
 
 Prompt = str | dict[str, Any]  # text, or {"prompt_token_ids": [...]} (optionally with "prompt")
@@ -18,8 +22,8 @@ class LLM:
     def __init__(self, model: str, *, dtype: str = "float32", device: str = "cpu", block_size: int = 16,
                  num_kv_blocks: int | None = None, kv_cache_memory: str | int | None = None,
                  max_num_seqs: int = 128, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
-                 enable_prefix_caching: bool = True, scheduling_policy: str = "fcfs", seed: int = 0,
-                 **engine_kwargs: Any):
+                 enable_prefix_caching: bool = True, scheduling_policy: str | SchedulingPolicy = "fcfs",
+                 seed: int = 0, **engine_kwargs: Any):
         self.engine = LLMEngine.from_model(
             model, dtype=dtype, device=device, block_size=block_size, num_kv_blocks=num_kv_blocks,
             kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
@@ -85,14 +89,20 @@ class LLM:
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         from tqdm.auto import tqdm
 
+        running = {rid: OutputAccumulator() for rid in request_ids}
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         num_out = 0
         try:
             while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished:
-                        finished[out.request_id] = out
+                for delta in self.engine.step():
+                    acc = running.get(delta.request_id)
+                    if acc is None:
+                        continue  # queued on the engine by someone else
+                    acc.add(delta)
+                    if delta.finished:
+                        out = finished[delta.request_id] = acc.result()
+                        del running[delta.request_id]
                         num_out += sum(len(c.token_ids) for c in out.outputs)
                         bar.update(1)
                         elapsed = bar.format_dict["elapsed"]

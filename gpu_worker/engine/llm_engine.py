@@ -1,5 +1,8 @@
 """LLMEngine: add_request / abort_request / step(). A step is scheduler -> model runner -> sampler ->
 scheduler.update_from_output -> detokenize -> stop strings -> one RequestOutput per request that moved.
+Outputs are deltas (vLLM's RequestOutputKind.DELTA): the token ids, text and logprobs new since the request's
+last output, so a step costs what it produced; the offline API (llm.py) folds them into complete outputs.
+Tokens a request already had (resumed after a takeover, or recomputed after preemption) are never sent again.
 
 A request with n > 1 runs as n sequences with ids f"{request_id}-{i}" (one scheduler group: they share the
 prompt's blocks) and comes back as one RequestOutput with n CompletionOutputs.
@@ -15,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gpu_worker.core.config import CacheConfig, SchedulerConfig
+from gpu_worker.core.policies import SchedulingPolicy
 from gpu_worker.core.request import Request
 from gpu_worker.core.scheduler import RequestRejected, Scheduler, SchedulerStats
 from gpu_worker.engine.detokenizer import IncrementalDetokenizer
@@ -41,7 +45,8 @@ class _Sequence:
     generator: torch.Generator | None
     banned_ids: list[int]  # masked while fewer than min_tokens outputs exist
     num_seen: int  # output tokens already processed (detokenized, logprobs recorded)
-    logprobs: list[dict[int, float]] | None
+    num_sent: int  # output tokens already in an output (or sent before a takeover)
+    logprobs: list[dict[int, float]] | None  # of the processed tokens not sent yet; None if not asked
     cumulative_logprob: float | None
 
 
@@ -77,8 +82,8 @@ class LLMEngine:
     def from_model(cls, model: str, *, dtype: str = "float32", device: str = "cpu", block_size: int = 16,
                    num_kv_blocks: int | None = None, kv_cache_memory: str | int | None = None,
                    max_num_seqs: int = 128, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
-                   enable_prefix_caching: bool = True, scheduling_policy: str = "fcfs", seed: int = 0,
-                   log_memory_usage_s: float = 0.0, use_triton: bool | None = None) -> LLMEngine:
+                   enable_prefix_caching: bool = True, scheduling_policy: str | SchedulingPolicy = "fcfs",
+                   seed: int = 0, log_memory_usage_s: float = 0.0, use_triton: bool | None = None) -> LLMEngine:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         files = load_model_files(model)
@@ -155,12 +160,12 @@ class LLMEngine:
         detok = IncrementalDetokenizer(self.tokenizer, group.prompt_token_ids,
                                        skip_special_tokens=sp.skip_special_tokens, stop=sp.stop,
                                        include_stop_str_in_output=sp.include_stop_str_in_output)
-        if resumed:
+        if resumed:  # their text was sent too: all of it but what a stop string could still begin with
             detok.add_tokens(resumed)
+            detok.take_text(finished=False)
         want_lp = sp.logprobs is not None
-        return _Sequence(index, request, detok, generator, banned, num_seen=len(resumed),
-                         logprobs=[{} for _ in resumed] if want_lp else None,
-                         cumulative_logprob=0.0 if want_lp else None)
+        return _Sequence(index, request, detok, generator, banned, num_seen=len(resumed), num_sent=len(resumed),
+                         logprobs=[] if want_lp else None, cumulative_logprob=0.0 if want_lp else None)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request (all its samples) and free its blocks; unknown or finished id: no-op."""
@@ -240,20 +245,25 @@ class LLMEngine:
         stopped_by_token = request.finish_reason == "stop" and isinstance(request.stop_reason, int | None)
         if stopped_by_token and not sp.include_stop_str_in_output:
             new = new[:-1]  # eos / stop id: not part of the text
-        match = s.detok.add_tokens(new) if new else None
-        if match is not None:
+        stop = s.detok.add_tokens(new) if new else None
+        if stop is not None:
             if request.is_finished:
-                request.finish("stop", match.stop)  # the stop string wins over length
+                request.finish("stop", stop)  # the stop string wins over length
             else:
-                self.scheduler.finish_request(request.request_id, "stop", match.stop)
+                self.scheduler.finish_request(request.request_id, "stop", stop)
 
     def _output(self, group: _Group, finished: bool) -> RequestOutput:
+        """The group's delta: per sample, what was processed since its last output."""
         outs = []
         for s in group.seqs:
             r = s.request
+            new_ids = r.output_token_ids[s.num_sent:s.num_seen]
+            s.num_sent = s.num_seen
+            logprobs = s.logprobs
+            if logprobs is not None:
+                s.logprobs = []
             outs.append(CompletionOutput(
-                index=s.index, text=s.detok.visible_text(r.is_finished), token_ids=list(r.output_token_ids),
-                logprobs=list(s.logprobs) if s.logprobs is not None else None, finish_reason=r.finish_reason,
-                stop_reason=r.stop_reason, cumulative_logprob=s.cumulative_logprob))
+                index=s.index, text=s.detok.take_text(r.is_finished), token_ids=new_ids, logprobs=logprobs,
+                finish_reason=r.finish_reason, stop_reason=r.stop_reason, cumulative_logprob=s.cumulative_logprob))
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, finished,
                              dataclasses.replace(group.metrics))

@@ -39,6 +39,7 @@ class RequestTelemetry:
         self.worker_id, self.engine, self.metrics = worker_id, engine, metrics
         self.open: dict[str, _Open] = {}
         self.resumed: dict[str, int] = {}  # requests taken over with tokens already sent -> how many
+        self.generated: dict[str, int] = {}  # request -> tokens this worker sent for it so far
         self._preemptions_seen = 0
 
     # ---- boundaries (worker main thread) -----------------------------------------------------------------
@@ -67,8 +68,10 @@ class RequestTelemetry:
         self.open[req.request_id] = _Open(span, time.time_ns())
 
     def output(self, job: Any, output: Any, chunks: list[Any], *, first: bool) -> None:
-        """One engine output of `job` and the chunks made from it; `first`: its first output here."""
-        self.metrics.generation_tokens += sum(len(c.token_ids) for c in chunks)
+        """One engine output (a delta) of `job` and the chunks made from it; `first`: its first output here."""
+        new = sum(len(c.token_ids) for c in chunks)
+        self.metrics.generation_tokens += new
+        self.generated[job.request_id] = self.generated.get(job.request_id, 0) + new
         if first:
             self._first_output(job, output)
         if output.finished:
@@ -78,6 +81,7 @@ class RequestTelemetry:
         """The request left this worker outside the engine's finish: cancelled, rejected, handed back,
         left pending at drain."""
         self.resumed.pop(request_id, None)
+        self.generated.pop(request_id, None)
         o = self.open.pop(request_id, None)
         if o is None:
             return
@@ -117,7 +121,7 @@ class RequestTelemetry:
         scheduled_ns = t.wall_ns(m.first_scheduled_time)
         first_ns = o.first_token_ns = scheduled_ns + int(((m.first_token_time or time.monotonic())
                                                           - m.first_scheduled_time) * 1e9)
-        blocks = self._blocks(output)
+        blocks = self._blocks(job, output)
         s = o.span
         queue_wait = m.first_scheduled_time - m.arrival_time
         s.set_attributes({t.KVFLEET_QUEUE_WAIT_S: queue_wait, t.KVFLEET_KV_BLOCKS: blocks,
@@ -136,7 +140,8 @@ class RequestTelemetry:
     def _finished(self, job: Any, output: Any) -> None:
         reasons = [c.finish_reason for c in output.outputs if c.finish_reason]
         o = self.open.pop(job.request_id, None)
-        generated = sum(len(c.token_ids) for c in output.outputs) - self.resumed.pop(job.request_id, 0)
+        generated = self.generated.pop(job.request_id, 0)
+        resumed = self.resumed.pop(job.request_id, 0)
         self.metrics.finished(output.metrics, generated, reasons)
         if o is None:
             return
@@ -145,11 +150,11 @@ class RequestTelemetry:
         if o.first_token_ns is not None:
             t.record_span("kvfleet.decode", o.span, o.first_token_ns, end_ns,
                           {t.GEN_AI_USAGE_OUTPUT_TOKENS: generated})
-        o.span.set_attributes({t.GEN_AI_USAGE_OUTPUT_TOKENS: sum(len(c.token_ids) for c in output.outputs),
+        o.span.set_attributes({t.GEN_AI_USAGE_OUTPUT_TOKENS: resumed + generated,
                                t.GEN_AI_RESPONSE_FINISH_REASONS: reasons, "kvfleet.end": "finished"})
         o.span.end(end_time=end_ns)
 
-    def _blocks(self, output: Any) -> int:
+    def _blocks(self, job: Any, output: Any) -> int:
         """KV blocks the request holds now (all its samples, shared ones once); when it already finished
         and freed them (a one-token request), the blocks its tokens filled."""
         kvm, n = self.engine.scheduler.kv_cache_manager, len(output.outputs)
@@ -157,4 +162,4 @@ class RequestTelemetry:
         held = len({b for rid in ids for b in kvm.get_block_ids(rid)})
         if held or not output.finished:
             return held
-        return max(kvm.num_blocks_for(len(output.prompt_token_ids) + len(c.token_ids)) for c in output.outputs)
+        return max(kvm.num_blocks_for(len(output.prompt_token_ids) + len(t)) for t in job.sent_tokens)

@@ -1,9 +1,9 @@
 """What a worker knows about each request it holds: where it came from (stream entry to ack) and what it
-has already sent, so cumulative engine outputs become numbered delta chunks.
+has already sent. The engine's outputs are deltas already; the tracker numbers them into chunks.
 
 A request taken over from a dead worker starts from the chunks that worker wrote (`Job.resume_from`): the
-tokens already sent seed the engine (resume_output_token_ids), and the chunk numbers continue, so the
-reader sees no token twice and none skipped.
+tokens already sent seed the engine (resume_output_token_ids), which sends none of them again, and the
+chunk numbers continue, so the reader sees no token twice and none skipped.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpu_worker.engine.outputs import RequestOutput
 from shared.blocks import request_blocks
 from shared.messages import ChunkError, GenerationRequest, OutputChunk, Usage
 
@@ -24,7 +25,6 @@ class Job:
     entry_id: str
     deliveries: int = 1
     sent_tokens: list[list[int]] = field(default_factory=list)  # per choice index
-    sent_chars: list[int] = field(default_factory=list)  # per choice index: text length already sent
     finished: list[bool] = field(default_factory=list)  # per choice index
     next_seq: int = 0
     done: bool = False  # the output stream already holds the final chunk: only the ack is missing
@@ -33,14 +33,12 @@ class Job:
     def resume_from(self, chunks: list[OutputChunk]) -> Job:
         n = max(self.request.params().n, 1 + max((c.index for c in chunks), default=0))
         self.sent_tokens = [[] for _ in range(n)]
-        self.sent_chars = [0] * n
         self.finished = [False] * n
         for c in sorted(chunks, key=lambda c: c.seq):
             if c.seq < self.next_seq:
                 continue  # a duplicate written by two workers
             self.next_seq = c.seq + 1
             self.sent_tokens[c.index] += c.token_ids
-            self.sent_chars[c.index] += len(c.text)
             self.finished[c.index] |= c.finish_reason is not None
             self.done |= c.final
         return self
@@ -68,7 +66,7 @@ class RequestTracker:
     def add(self, job: Job) -> None:
         n = job.request.params().n
         if not job.sent_tokens:
-            job.sent_tokens, job.sent_chars, job.finished = [[] for _ in range(n)], [0] * n, [False] * n
+            job.sent_tokens, job.finished = [[] for _ in range(n)], [False] * n
         self.jobs[job.request_id] = job
 
     def pop(self, request_id: str) -> Job | None:
@@ -102,29 +100,23 @@ class RequestTracker:
         job.next_seq += 1
         return c
 
-    def chunks_for(self, output: Any) -> list[OutputChunk]:
-        """Delta chunks for one cumulative RequestOutput (gpu_worker.engine.outputs); the last one is final when the
-        request finished."""
+    def chunks_for(self, output: RequestOutput) -> list[OutputChunk]:
+        """Numbered chunks for one delta RequestOutput (gpu_worker.engine.outputs): one per choice with news;
+        the last one is final when the request finished."""
         job = self.jobs[output.request_id]
         self.started.add(job.request_id)
         chunks = []
         for comp in output.outputs:
             i = comp.index
             if i >= len(job.finished) or job.finished[i]:
-                continue  # a choice that finished before the takeover: the reader has all of it
-            new_tokens = list(comp.token_ids[len(job.sent_tokens[i]):])
-            text = comp.text[job.sent_chars[i]:]
-            finish = comp.finish_reason if comp.finish_reason is not None else None
-            if not new_tokens and not text and finish is None:
+                continue  # its finish was sent (here, or before a takeover): the reader has all of it
+            finish = comp.finish_reason
+            if not comp.token_ids and not comp.text and finish is None:
                 continue
-            logprobs = None
-            if comp.logprobs is not None:
-                logprobs = [dict(d) for d in comp.logprobs[len(job.sent_tokens[i]):]]
-            job.sent_tokens[i] += new_tokens
-            job.sent_chars[i] += len(text)
-            job.finished[i] |= finish is not None
-            chunks.append(self.chunk(job, index=i, token_ids=new_tokens, text=text, logprobs=logprobs,
-                                     finish_reason=finish, stop_reason=getattr(comp, "stop_reason", None)))
+            job.sent_tokens[i] += comp.token_ids
+            job.finished[i] = finish is not None
+            chunks.append(self.chunk(job, index=i, token_ids=comp.token_ids, text=comp.text, logprobs=comp.logprobs,
+                                     finish_reason=finish, stop_reason=comp.stop_reason))
         if output.finished:
             usage = self.usage(job, output)
             if chunks:
@@ -133,11 +125,10 @@ class RequestTracker:
                 chunks.append(self.chunk(job, final=True, usage=usage))
         return chunks
 
-    def usage(self, job: Job, output: Any) -> Usage:
+    def usage(self, job: Job, output: RequestOutput) -> Usage:
         prompt = len(job.request.prompt_token_ids)
         completion = sum(len(t) for t in job.sent_tokens)
-        metrics = getattr(output, "metrics", None)
-        cached = int(getattr(metrics, "num_cached_tokens", 0) or 0)
+        cached = output.metrics.num_cached_tokens if output.metrics is not None else 0
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                      cached_tokens=cached)
 

@@ -43,7 +43,7 @@ def run_engine(model_dir: Path, workload: Workload, shape: ModelShape, args: arg
             bar = tqdm(total=workload.output_tokens, desc="kvfleet", unit="tok", dynamic_ncols=True)
         meter = KVWasteMeter()
         done: dict[str, tuple[int, int]] = {}  # request id -> (output tokens, prefix-cache hit tokens)
-        seen: dict[str, int] = {}
+        produced: dict[str, int] = {}  # request id -> output tokens so far (the engine's outputs are deltas)
         steps = 0
         t1 = time.perf_counter()
         for r in workload.requests:
@@ -55,9 +55,9 @@ def run_engine(model_dir: Path, workload: Workload, shape: ModelShape, args: arg
             meter.observe(s.used_blocks, s.allocated_slots, s.stored_tokens)
             new = 0
             for out in outputs:
-                n = len(out.outputs[0].token_ids)
-                new += n - seen.get(out.request_id, 0)
-                seen[out.request_id] = n
+                k = len(out.outputs[0].token_ids)
+                new += k
+                n = produced[out.request_id] = produced.get(out.request_id, 0) + k
                 if out.finished:
                     done[out.request_id] = (n, out.metrics.num_cached_tokens if out.metrics else 0)
             if bar is not None:

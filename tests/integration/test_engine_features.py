@@ -9,6 +9,7 @@ import torch
 from gpu_worker import LLM, LLMEngine, SamplingParams
 from gpu_worker.core.sched_output import ScheduledSeq, SchedulerOutput
 from gpu_worker.core.scheduler import RequestRejected
+from gpu_worker.engine.outputs import OutputAccumulator
 from gpu_worker.executor.model_loader import UnsupportedArchitecture, load_model_files
 from gpu_worker.executor.model_runner import ModelRunner
 
@@ -25,6 +26,20 @@ def llm(tiny_llama_dir):
 def gen(llm, prompt, **kw):
     kw.setdefault("temperature", 0)
     return llm.generate({"prompt_token_ids": prompt}, SamplingParams(**kw), use_tqdm=False)[0].outputs[0]
+
+
+def step_into(engine, accumulators):
+    """One engine step; its deltas folded into accumulators (request id -> OutputAccumulator)."""
+    for delta in engine.step():
+        accumulators.setdefault(delta.request_id, OutputAccumulator()).add(delta)
+
+
+def run_all(engine):
+    """Step until the engine is idle; the complete output of every request it ran."""
+    accumulators = {}
+    while engine.has_unfinished_requests():
+        step_into(engine, accumulators)
+    return {rid: acc.result() for rid, acc in accumulators.items()}
 
 
 def test_max_tokens_and_text(llm):
@@ -69,10 +84,12 @@ def test_streaming_holds_back_a_possible_stop_string(llm):
     text_at_6 = llm.get_tokenizer().decode(ref.token_ids[:6])
     stop = text_at_6[-3:] + "\u2603"  # the text after 6 tokens ends with the start of this stop string
     engine.add_request("hold", PROMPT, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop]))
-    streamed = {}
+    streamed, tokens, text = {}, [], ""
     while engine.has_unfinished_requests():
         for o in engine.step():
-            streamed[len(o.outputs[0].token_ids)] = o.outputs[0].text
+            tokens += o.outputs[0].token_ids
+            text += o.outputs[0].text
+            streamed[len(tokens)] = text
     assert streamed[6] == text_at_6[:-3]  # held back: the next token might complete the stop string
     assert streamed[12] == ref.text  # finished: everything is released
     assert all(ref.text.startswith(t) for t in streamed.values())
@@ -82,11 +99,11 @@ def test_n_samples_share_the_prompt_blocks(llm):
     engine = llm.engine
     params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True)
     engine.add_request("group", PROMPT, params)
-    outputs, peak_used = [], 0
+    accumulators, peak_used = {}, 0
     while engine.has_unfinished_requests():
-        outputs = engine.step() or outputs
+        step_into(engine, accumulators)
         peak_used = max(peak_used, engine.stats().used_blocks)
-    (out,) = outputs
+    (out,) = [acc.result() for acc in accumulators.values()]
     assert out.finished and out.request_id == "group"
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert all(len(c.token_ids) == 6 for c in out.outputs)
@@ -139,15 +156,17 @@ def test_greedy_n_samples_equal_the_n1_output_in_a_mixed_batch(tiny_llama_dir, n
         [("g1", prompt_of(1), 2), ("g7", prompt_of(GROUP_BS - 1), 2), ("o1", prompt_of(3, 600), 1)],
         [("g8", prompt_of(GROUP_BS), 3), ("o2", prompt_of(20, 700), 1), ("g9", prompt_of(GROUP_BS + 1), 2)],
     ]
-    done = {}
+    accumulators = {}
     for wave in waves:
         for rid, p, n in wave:
             engine.add_request(rid, p, dataclasses.replace(GREEDY, n=n))
-        done.update({o.request_id: o for o in engine.step() if o.finished})
+        step_into(engine, accumulators)
     engine.add_request("t", prompt_of(6, 800), SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=8))
     while engine.has_unfinished_requests():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
+        step_into(engine, accumulators)
+    done = {rid: acc.result() for rid, acc in accumulators.items()}
     for rid, p, n in (r for wave in waves for r in wave):
+        assert done[rid].finished
         assert [c.token_ids for c in done[rid].outputs] == [n1_output(p)] * n, rid
     assert engine.stats().used_blocks == 0
 
@@ -182,13 +201,13 @@ def test_seeded_request_is_reproducible_across_batches(llm):
 def test_resume_output_token_ids_continues_the_same_tokens(llm, temperature, seed):
     params = SamplingParams(temperature=temperature, seed=seed, max_tokens=10, ignore_eos=True)
     full = gen(llm, PROMPT, temperature=temperature, seed=seed, max_tokens=10, ignore_eos=True)
+    head = gen(llm, PROMPT, temperature=temperature, seed=seed, max_tokens=4, ignore_eos=True)  # sent before
+    assert head.token_ids == full.token_ids[:4]
     engine = llm.engine
     engine.add_request("resumed", PROMPT, params, resume_output_token_ids=[full.token_ids[:4]])
-    last = None
-    while engine.has_unfinished_requests():
-        last = engine.step() or last
-    assert last[0].outputs[0].token_ids == full.token_ids
-    assert last[0].outputs[0].text == full.text
+    rest = run_all(engine)["resumed"].outputs[0]  # the tokens after the resumed ones, none of those again
+    assert head.token_ids + rest.token_ids == full.token_ids
+    assert head.text + rest.text == full.text
 
 
 def test_too_long_prompt_is_rejected(llm):

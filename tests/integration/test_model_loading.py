@@ -62,12 +62,11 @@ def test_incremental_detokenization_matches_a_full_decode(tiny_llama_dir):
     detok = IncrementalDetokenizer(tok, prompt)
     pieces = []
     for i in ids:
-        before = detok.text
         detok.add_tokens([i])
-        assert "\ufffd" not in detok.text  # half a character is never shown
-        pieces.append(detok.text[len(before):])
-    assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True)
-    assert detok.text == tok.decode(ids, skip_special_tokens=True)
+        pieces.append(detok.take_text(finished=False))
+        assert "\ufffd" not in pieces[-1]  # half a character is never shown
+    assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True)  # the whole text, in pieces
+    assert detok.take_text(finished=True) == ""  # nothing was held back: there are no stop strings
 
 
 def test_the_runner_owns_its_plan(tiny_llama_dir):

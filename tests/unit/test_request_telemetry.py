@@ -45,7 +45,7 @@ def job(rid: str = "r1", trace_context=None, sent=None, deliveries=1) -> Job:
     if sent:
         j.resume_from([OutputChunk(request_id=rid, seq=0, token_ids=sent)])
     else:
-        j.sent_tokens, j.sent_chars, j.finished = [[]], [0], [False]
+        j.sent_tokens, j.finished = [[]], [False]
     return j
 
 
@@ -81,7 +81,7 @@ def test_one_request_spans_events_and_metrics(spans):
     rt.after_step()
     rt.after_step()  # nothing new: no second event
     m.finished_time = now
-    rt.output(j, output("r1", [7, 8, 9, 10], m, "length"), [OutputChunk(request_id="r1", seq=1, token_ids=[8, 9, 10])],
+    rt.output(j, output("r1", [8, 9, 10], m, "length"), [OutputChunk(request_id="r1", seq=1, token_ids=[8, 9, 10])],
               first=False)
     assert not rt.open
 
@@ -115,7 +115,7 @@ def test_ended_requests_and_takeovers(spans):
     rt.taken(taken_over)
     now = time.monotonic()
     m = RequestMetrics(now - 9, now - 0.1, now - 0.05, now)
-    rt.output(taken_over, output("moved", [5, 6, 7, 8], m, "length"),
+    rt.output(taken_over, output("moved", [8], m, "length"),
               [OutputChunk(request_id="moved", seq=1, token_ids=[8])], first=True)
     by = {s.attributes["kvfleet.request.id"]: s for s in spans.get_finished_spans()
           if s.name == "kvfleet.worker.request"}

@@ -1,4 +1,4 @@
-"""The worker's send state: cumulative engine outputs -> numbered delta chunks; a takeover resumes the chunk
+"""The worker's send state: the engine's delta outputs -> numbered chunks; a takeover resumes the chunk
 numbers and the tokens already sent, so a reader sees nothing twice and nothing skipped."""
 
 from __future__ import annotations
@@ -27,18 +27,30 @@ def out(*comps: tuple[str, list[int], str | None], finished: bool = False) -> Re
         for i, (t, ids, fr) in enumerate(comps)], finished)
 
 
-def test_cumulative_outputs_become_numbered_deltas():
+def test_delta_outputs_become_numbered_chunks():
     tr = RequestTracker("w")
     tr.add(job())
     a = tr.chunks_for(out(("Hel", [1], None)))
-    b = tr.chunks_for(out(("Hello", [1, 2], None)))
-    c = tr.chunks_for(out(("Hello!", [1, 2, 3], "stop"), finished=True))
-    chunks = a + b + c
+    b = tr.chunks_for(out(("lo", [2], None)))
+    held = tr.chunks_for(out(("", [], None)))  # nothing new (text held back, say): no chunk, no number
+    c = tr.chunks_for(out(("!", [3], "stop"), finished=True))
+    chunks = a + b + held + c
     assert [(x.seq, x.text, x.token_ids) for x in chunks] == [(0, "Hel", [1]), (1, "lo", [2]), (2, "!", [3])]
     assert c[-1].final and c[-1].finish_reason == "stop"
     assert (c[-1].usage.prompt_tokens, c[-1].usage.completion_tokens) == (20, 3)
-    assert tr.chunks_for(out(("Hello!", [1, 2, 3], "stop"), finished=True)) == [
+    assert tr.chunks_for(out(("", [], "stop"), finished=True)) == [
         OutputChunk(request_id="r1", seq=3, final=True, usage=c[-1].usage, worker_id="w")]
+
+
+def test_a_choice_that_finished_is_not_sent_again():
+    tr = RequestTracker("w")
+    tr.add(job(n=2))
+    a = tr.chunks_for(out(("a", [1], "stop"), ("b", [5], None)))
+    # the engine repeats each choice's finish reason in every output of its request
+    b = tr.chunks_for(out(("", [], "stop"), (" c", [6], "length"), finished=True))
+    assert [(x.index, x.seq, x.text, x.finish_reason) for x in a + b] == [
+        (0, 0, "a", "stop"), (1, 1, "b", None), (1, 2, " c", "length")]
+    assert b[-1].final and b[-1].usage.completion_tokens == 3
 
 
 def test_a_takeover_continues_where_the_dead_worker_stopped():
@@ -49,8 +61,8 @@ def test_a_takeover_continues_where_the_dead_worker_stopped():
     assert j.resume_token_ids() == [[1, 2]] and j.next_seq == 2 and not j.done
     tr = RequestTracker("w2")
     tr.add(j)
-    # the new engine recomputes the resumed tokens, so its first output already holds them
-    chunks = tr.chunks_for(out(("Hello wor", [1, 2, 7], None)))
+    # the new engine recomputes the resumed tokens but sends only what comes after them
+    chunks = tr.chunks_for(out((" wor", [7], None)))
     assert [(x.seq, x.text, x.token_ids) for x in chunks] == [(2, " wor", [7])]
     dedup = ChunkDeduper()
     assert [x.seq for x in written + chunks if dedup.accept(x)] == [0, 1, 2]
@@ -62,7 +74,7 @@ def test_a_finished_choice_is_not_sent_again_after_a_takeover():
     j = job(n=2).resume_from(written)
     tr = RequestTracker("w2")
     tr.add(j)
-    chunks = tr.chunks_for(out(("a z", [1, 9], None), ("b c", [5, 6], "length"), finished=True))
+    chunks = tr.chunks_for(out((" z", [9], None), (" c", [6], "length"), finished=True))
     assert [(x.index, x.seq, x.text) for x in chunks] == [(1, 2, " c")] and chunks[0].final
     assert chunks[0].usage.completion_tokens == 3
 
