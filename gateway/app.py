@@ -13,15 +13,18 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway import fleet, responses
+from gateway import responses
 from gateway.errors import APIError, install_handlers
-from gateway.generation import GatewayState, relay, routing_header, submit, target_for, watch_disconnect
-from gateway.instrumentation import Instrumentation
+from gateway.middleware import Instrumentation
 from gateway.openai_api import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from gateway.placement import routing_header, submit, target_for
 from gateway.prompts import prepare
+from gateway.relay import relay, watch_disconnect
 from gateway.router import POLICIES
+from gateway.state import GatewayState
 from gateway.tokenizer import Tokenizers
 from shared import streams, telemetry
+from shared.fleet_state import FleetSnapshot
 from shared.settings import Settings
 
 log = logging.getLogger("kvfleet.gateway")
@@ -112,7 +115,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models() -> ModelList:
-        view = await fleet.read_fleet(state.redis)
+        view = await streams.aread_fleet(state.redis)
         cards: dict[str, ModelCard] = {}
         for w in view.live:
             card = cards.setdefault(w.model, ModelCard(id=w.model, max_model_len=w.max_model_len))
@@ -123,15 +126,15 @@ def create_app(settings: Settings) -> FastAPI:
         return ModelList(data=list(cards.values()))
 
     @app.get("/v1/fleet", dependencies=[Depends(authorized)])
-    async def fleet_status() -> dict[str, Any]:
-        return await fleet.snapshot(state.redis)
+    async def fleet_status() -> dict[str, Any]:  # a FleetSnapshot, served as it is
+        return dict(await streams.afleet_snapshot(state.redis))
 
     @app.get("/health")
     @app.get("/readyz")
     async def health() -> JSONResponse:
         try:
-            await state.redis.ping()
-            view = await fleet.read_fleet(state.redis)
+            await streams.aping(state.redis)
+            view = await streams.aread_fleet(state.redis)
         except Exception as e:  # noqa: BLE001 (any Redis trouble means: not ready)
             return JSONResponse({"status": "unavailable", "reason": f"redis: {type(e).__name__}"}, 503)
         if not view.live:
@@ -144,7 +147,12 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        await state.metrics.refresh(state.redis)
+        try:
+            snap: FleetSnapshot | None = await streams.afleet_snapshot(state.redis)
+        except Exception as e:  # noqa: BLE001 (any Redis trouble: scrape what the gateway itself knows)
+            log.warning("metrics: cannot read the fleet from Redis: %s", type(e).__name__)
+            snap = None
+        state.metrics.refresh(snap)
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

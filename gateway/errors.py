@@ -5,11 +5,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from shared import streams
 
 log = logging.getLogger("kvfleet.gateway")
 
@@ -70,8 +71,8 @@ def install_handlers(app: FastAPI) -> None:
     async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return APIError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None)).response()
 
-    @app.exception_handler(redis.RedisError)
-    async def _redis_error(_request: Request, exc: redis.RedisError) -> JSONResponse:
+    @app.exception_handler(streams.RedisError)
+    async def _redis_error(_request: Request, exc: Exception) -> JSONResponse:
         log.warning("redis unavailable: %s", exc)
         return APIError(503, "the request queue (Redis) is unavailable; retry shortly", code="redis_unavailable",
                         headers={"Retry-After": "1"}).response()

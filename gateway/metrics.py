@@ -1,7 +1,7 @@
 """The gateway's Prometheus metrics (its own registry): HTTP requests by endpoint and status, latency and
-time to first token as the client sees them, routing decisions by policy and worker, 429s; and, read from
-Redis at scrape time (`refresh`), the fleet: request-stream length / pending / lag and each live worker's
-free and total KV blocks.
+time to first token as the client sees them, routing decisions by policy and worker, 429s; and, from the
+fleet snapshot the /metrics handler reads at scrape time (`refresh`), the fleet: request-stream length /
+pending / lag and each live worker's free and total KV blocks.
 
 Names differ from the workers' (kvfleet_http_*, kvfleet_gateway_*, kvfleet_fleet_*) so that sums over all
 scraped targets never count a request or a block twice.
@@ -9,7 +9,6 @@ scraped targets never count a request or a block twice.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-log = logging.getLogger("kvfleet.gateway")
+from shared.fleet_state import FleetSnapshot, lag
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -25,10 +24,10 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 
 
 class _FleetCollector(Collector):
-    """The last fleet snapshot (gateway.fleet.snapshot) as gauges."""
+    """The last fleet snapshot (shared.streams.afleet_snapshot) as gauges."""
 
     def __init__(self) -> None:
-        self.snapshot: dict[str, Any] | None = None
+        self.snapshot: FleetSnapshot | None = None
 
     def collect(self) -> Iterator[Any]:
         snap = self.snapshot
@@ -38,13 +37,13 @@ class _FleetCollector(Collector):
                                    labels=["stream"])
         pending = GaugeMetricFamily("kvfleet_stream_pending", "Entries delivered to a worker, not yet acked.",
                                     labels=["stream"])
-        lag = GaugeMetricFamily("kvfleet_stream_lag", "Entries no worker has taken yet (length - pending).",
-                                labels=["stream"])
+        lags = GaugeMetricFamily("kvfleet_stream_lag", "Entries no worker has taken yet (length - pending).",
+                                 labels=["stream"])
         for name, info in snap["streams"].items():
             length.add_metric([name], info["length"])
             pending.add_metric([name], info["pending"])
-            lag.add_metric([name], max(0, info["length"] - info["pending"]))
-        yield from (length, pending, lag)
+            lags.add_metric([name], lag(info))
+        yield from (length, pending, lags)
         free = GaugeMetricFamily("kvfleet_fleet_free_blocks", "A live worker's free KV blocks (its status).",
                                  labels=["worker", "model_name"])
         total = GaugeMetricFamily("kvfleet_fleet_total_blocks", "A live worker's KV blocks (its status).",
@@ -90,12 +89,6 @@ class GatewayMetrics:
     def routed(self, policy: str, worker_id: str | None) -> None:
         self.routing.labels(policy, worker_id or "any").inc()
 
-    async def refresh(self, r: Any) -> None:
-        """Read the fleet from Redis for this scrape; a Redis error leaves the fleet gauges out."""
-        from gateway import fleet
-
-        try:
-            self._fleet.snapshot = await fleet.snapshot(r)
-        except Exception as e:  # noqa: BLE001 (any Redis trouble: scrape what the gateway itself knows)
-            log.warning("metrics: cannot read the fleet from Redis: %s", type(e).__name__)
-            self._fleet.snapshot = None
+    def refresh(self, snapshot: FleetSnapshot | None) -> None:
+        """The fleet as read for this scrape; None (Redis could not be read) leaves the fleet gauges out."""
+        self._fleet.snapshot = snapshot

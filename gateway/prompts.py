@@ -70,7 +70,7 @@ def completion_prompts(tokenizer: Any, prompt: Any) -> list[tuple[list[int], str
 def resolve_max_tokens(target: Any, prompt_len: int, max_tokens: int | None, param: str) -> int | None:
     """max_tokens as the workers will run it; 400 (with both numbers) when prompt + output exceed the window.
     With no worker alive (scale to zero) the window is unknown: the worker that takes it checks.
-    `target`: a gateway.generation.Target."""
+    `target`: a gateway.placement.Target."""
     if not target.workers:
         return max_tokens
     limit = target.max_model_len
@@ -97,7 +97,7 @@ def make_params(build: Any) -> SamplingParams:
 
 def prepare(target: Any, body: CompletionRequest | ChatCompletionRequest) -> Prepared:
     """Tokenize, check the window, build the sampling params: what every door does before placing. 400s name
-    the field. `target`: the gateway.generation.Target the request goes to (its tokenizer and window)."""
+    the field. `target`: the gateway.placement.Target the request goes to (its tokenizer and window)."""
     tok = target.tokenizer
     if isinstance(body, ChatCompletionRequest):
         try:

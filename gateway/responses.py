@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.errors import APIError
-from gateway.generation import Submitted, chunk_error
 from gateway.openai_api import (
     ChatChoice,
     ChatChunkChoice,
@@ -26,6 +25,8 @@ from gateway.openai_api import (
     TopLogprob,
     UsageInfo,
 )
+from gateway.placement import Submitted
+from gateway.relay import chunk_error
 from gateway.tokenizer import token_strings
 from shared.messages import OutputChunk, Usage
 

@@ -64,3 +64,12 @@ def route(
         return prefill_weight * uncached + in_use, w.worker_id
 
     return min(fits, key=cost).worker_id
+
+
+def prefix_overlap(owners: Sequence[str | None]) -> dict[str, int]:
+    """worker id -> the prompt's leading blocks last routed there, given the worker each block went to, in order
+    (None: none known; shared.streams.aprefix_owners): the run that the first block's worker holds."""
+    first = owners[0] if owners else None
+    if first is None:
+        return {}
+    return {first: next((i for i, o in enumerate(owners) if o != first), len(owners))}

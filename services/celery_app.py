@@ -20,13 +20,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import redis
 from celery import Celery, Task, signals
 
 from services.call_errors import FleetUnavailable, InvalidRequest
 from services.fleet_calls import FleetCaller
 from services.loop_thread import LoopThread
-from shared import telemetry
+from shared import streams, telemetry
 from shared.settings import Settings, hf_offline
 
 SETTINGS = Settings.from_env()
@@ -101,7 +100,7 @@ _runtime = _Runtime()
 TASK_OPTIONS: dict[str, Any] = dict(
     bind=True, acks_late=True, reject_on_worker_lost=True,
     # a full fleet, no live worker, a Redis blip: retrying is safe, the job record makes it attach
-    autoretry_for=(FleetUnavailable, redis.ConnectionError, redis.TimeoutError), retry_backoff=True, retry_jitter=True,
+    autoretry_for=(FleetUnavailable, *streams.CONNECTION_ERRORS), retry_backoff=True, retry_jitter=True,
     throws=(InvalidRequest,),  # the caller's mistake: logged without a traceback
     retry_backoff_max=SETTINGS.celery_retry_backoff_max_s, max_retries=SETTINGS.celery_max_retries,
 )

@@ -25,7 +25,7 @@ from gateway.prompts import prompt_count
 from services.call_errors import InvalidRequest
 from services.fleet_calls import Call, FleetCaller
 from services.loop_thread import LoopThread
-from shared import keys, streams
+from shared import streams
 from shared.messages import OutputChunk
 from shared.settings import Settings, hf_offline
 
@@ -87,7 +87,7 @@ class Handle:
         result) then says finish_reason "abort"."""
         streams.cancel(self._client._redis, self.request_id)
 
-    def _gone(self, exists: int) -> bool:
+    def _gone(self, exists: bool) -> bool:
         return self._call.result is not None and not exists  # finished long ago: only the result is left
 
     def __aiter__(self) -> AsyncIterator[OutputChunk]:
@@ -97,7 +97,7 @@ class Handle:
         s = self._client.settings
         r = streams.connect_async(s.redis_url)  # on the caller's event loop
         try:
-            if self._gone(await r.exists(keys.out_stream(self.request_id))):
+            if self._gone(await streams.aoutput_exists(r, self.request_id)):
                 return
             async for chunk in streams.aiter_output(r, self.request_id, timeout_s=s.request_timeout_s,
                                                     expire_after_s=s.output_ttl_s):
@@ -108,6 +108,6 @@ class Handle:
     def __iter__(self) -> Iterator[OutputChunk]:
         """The same chunks for synchronous code."""
         s, r = self._client.settings, self._client._redis
-        if self._gone(r.exists(keys.out_stream(self.request_id))):
+        if self._gone(streams.output_exists(r, self.request_id)):
             return iter(())
         return streams.iter_output(r, self.request_id, timeout_s=s.request_timeout_s, expire_after_s=s.output_ttl_s)

@@ -2,7 +2,7 @@
 
 It reuses the gateway's pieces, so a request behaves the same whichever door it comes in by: its OpenAI
 pydantic models (validation, field limits), prompt preparation (gateway.prompts: tokenizing, context-window
-checks, sampling params, batches of prompts), building and placing (gateway.generation.build_request and
+checks, sampling params, batches of prompts), building and placing (gateway.placement.build_request and
 place: routing by free KV blocks with reservations and the 429 bound), and its response bodies
 (gateway.responses). Around that, a job record
 (services.job_record) makes each request id enter the fleet at most once: a caller that comes back with the
@@ -17,18 +17,27 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from gateway import fleet
 from gateway.errors import APIError
-from gateway.generation import GatewayState, Planned, Submitted, Target, build_request, place, target_for
-from gateway.instrumentation import OPERATIONS
 from gateway.openai_api import ChatCompletionRequest, CompletionRequest, CompletionResponse
+from gateway.placement import (
+    OPERATIONS,
+    Placement,
+    Planned,
+    Submitted,
+    Target,
+    build_request,
+    place,
+    target_for,
+)
 from gateway.prompts import part_ids, prepare, prompt_count
 from gateway.responses import chat_body, completion_body, merge_completions
+from gateway.state import GatewayState
 from gateway.tokenizer import Tokenizers
 from services import job_record
 from services.call_errors import GenerationFailed, InvalidRequest, from_api_error, from_validation_error
 from services.job_record import Claim
 from shared import streams, telemetry
+from shared.fleet_state import FleetView
 from shared.messages import GenerationRequest
 from shared.settings import Settings
 
@@ -152,7 +161,7 @@ class FleetCaller:
 
     async def default_model(self) -> str:
         """The model the live fleet serves when it serves exactly one, else the configured one."""
-        served = {w.model for w in (await fleet.read_fleet(self.redis)).live}
+        served = {w.model for w in (await streams.aread_fleet(self.redis)).live}
         return served.pop() if len(served) == 1 else self.settings.model
 
     # ---- placing -------------------------------------------------------------------------------
@@ -180,7 +189,7 @@ class FleetCaller:
             async with self.gateway.admission:
                 claimed = await job_record.claim(r, rid, ttl_s=s.job_ttl_s, lease_s=s.job_lease_s)
                 if claimed.outcome is not Claim.HELD:
-                    if claimed.outcome is Claim.FRESH or not await job_record.in_fleet(r, rid):
+                    if claimed.outcome is Claim.FRESH or not await streams.arequest_in_fleet(r, rid):
                         try:
                             await place(self.gateway, planned)
                         except APIError:  # refused before anything was enqueued (429): a retry may place it
@@ -198,10 +207,10 @@ class FleetCaller:
         """The gateway's view of a placed request, as its response renderers take it."""
         info = call.info
         tok = await self.gateway.tokenizers.get(info.tokenizer) if info.logprobs is not None else None
-        target = Target(model=info.model, workers=[], view=fleet.FleetView(), tokenizer=tok, max_model_len=0,
+        target = Target(model=info.model, workers=[], view=FleetView(), tokenizer=tok, max_model_len=0,
                         block_size=0, max_total_blocks=0)
         return Submitted(call.request_id, target, GenerationRequest.model_validate(info.request),
-                         fleet.Placement(None, "", ""))
+                         Placement(None, "", ""))
 
 
 def _attached(rid: str, rec: job_record.Record) -> Call:

@@ -7,7 +7,7 @@ kvfleet:job:{request_id} holds JSON {state, since, owner, call, result}, kept `j
   done      `result` is the finished response body (returned as is; the fleet is not asked again)
 A placing lease older than `lease_s` (placing is a few Redis round trips) belongs to an attempt that died while placing: the next attempt takes
 it over and first looks for the request in the fleet's streams (it may have been enqueued just before the
-death) before enqueuing it. Claim, promotion and release are atomic (Lua compare-and-set).
+death) before enqueuing it. Claim, promotion and release are atomic (Lua compare-and-set in shared.streams).
 """
 
 from __future__ import annotations
@@ -20,30 +20,9 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from shared import keys, streams
+from shared import streams
 
 LEASE_S = 10.0  # placing (claim, route, enqueue, promote) takes milliseconds; a lease this old lost its owner
-SCAN_PAGE = 500
-
-# KEYS[1] record; ARGV: our placing record, now, lease seconds, ttl ms -> {1 fresh | 2 taken over | 0 held, old}
-_CLAIM = """
-local cur = redis.call('GET', KEYS[1])
-if cur then
-  local ok, rec = pcall(cjson.decode, cur)
-  if not (ok and rec.state == 'placing' and tonumber(ARGV[2]) - tonumber(rec.since) > tonumber(ARGV[3])) then
-    return {0, cur}
-  end
-end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[4])
-if cur then return {2, cur} end
-return {1, ''}
-"""
-# KEYS[1] record; ARGV: expected value, new value ('' deletes), ttl ms -> 1 replaced | 0 not ours any more
-_REPLACE = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-if ARGV[2] == '' then redis.call('DEL', KEYS[1]) else redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) end
-return 1
-"""
 
 
 @dataclass
@@ -77,38 +56,34 @@ class Claimed:
 
 async def claim(r: Any, request_id: str, *, ttl_s: float, lease_s: float = LEASE_S) -> Claimed:
     lease = Record(state="placing", since=time.time(), owner=uuid.uuid4().hex).dumps()
-    outcome, old = await r.register_script(_CLAIM)(
-        keys=[keys.job(request_id)], args=[lease, time.time(), lease_s, int(ttl_s * 1000)])
-    outcome = Claim(int(outcome))
+    outcome, old = await streams.aclaim_job(r, request_id, lease, now=time.time(), lease_s=lease_s, ttl_s=ttl_s)
+    outcome = Claim(outcome)
     if outcome is Claim.HELD:
         return Claimed(outcome, "", Record.loads(old))
     return Claimed(outcome, lease)
 
 
 async def get(r: Any, request_id: str) -> Record | None:
-    raw = await r.get(keys.job(request_id))
+    raw = await streams.aget_job(r, request_id)
     return Record.loads(raw) if raw else None
 
 
 async def promote(r: Any, request_id: str, lease: str, call: dict[str, Any], *, ttl_s: float) -> bool:
     """placing -> enqueued, if the lease is still ours."""
     new = Record(state="enqueued", since=time.time(), owner=Record.loads(lease).owner, call=call).dumps()
-    return bool(await r.register_script(_REPLACE)(keys=[keys.job(request_id)], args=[lease, new, int(ttl_s * 1000)]))
+    return await streams.areplace_job(r, request_id, lease, new, ttl_s=ttl_s)
 
 
 async def release(r: Any, request_id: str, lease: str) -> None:
     """Drop our lease: nothing was enqueued (the fleet was full, the request was refused)."""
-    await r.register_script(_REPLACE)(keys=[keys.job(request_id)], args=[lease, "", 0])
+    await streams.areplace_job(r, request_id, lease, "")
 
 
 async def finish(r: Any, request_id: str, call: dict[str, Any], result: dict[str, Any], *, ttl_s: float,
                  output_ttl_s: float) -> None:
     """Store the finished body; the output stream is no longer needed past `output_ttl_s`."""
     rec = Record(state="done", since=time.time(), call=call, result=result)
-    pipe = r.pipeline(transaction=True)
-    pipe.set(keys.job(request_id), rec.dumps(), px=int(ttl_s * 1000))
-    pipe.pexpire(keys.out_stream(request_id), int(output_ttl_s * 1000))
-    await pipe.execute()
+    await streams.afinish_job(r, request_id, rec.dumps(), ttl_s=ttl_s, output_ttl_s=output_ttl_s)
 
 
 async def wait_placed(r: Any, request_id: str, *, lease_s: float = LEASE_S, poll_s: float = 0.05) -> Record | None:
@@ -119,21 +94,3 @@ async def wait_placed(r: Any, request_id: str, *, lease_s: float = LEASE_S, poll
         if rec is None or rec.state != "placing" or time.time() - rec.since > lease_s:
             return None if rec is None or rec.state == "placing" else rec
         await asyncio.sleep(poll_s)
-
-
-async def in_fleet(r: Any, request_id: str) -> bool:
-    """Was the request enqueued? Its entry stays in a request stream until the worker writes its final chunk
-    (the ack and XDEL go in the same MULTI as that chunk), so: look in the streams first, then for output."""
-    names = [keys.REQ_ANY] + [keys.req_stream(w) for w in sorted(await r.smembers(keys.WORKERS))]
-    for name in names:
-        start = "-"
-        while True:
-            entries = await r.xrange(name, min=start, max="+", count=SCAN_PAGE)
-            for _entry_id, fields in entries:
-                raw = fields.get(keys.FIELD, "")
-                if request_id in raw and streams.parse_request(fields).request_id == request_id:
-                    return True
-            if len(entries) < SCAN_PAGE:
-                break
-            start = "(" + entries[-1][0]
-    return bool(await r.exists(keys.out_stream(request_id)))

@@ -1,8 +1,9 @@
-"""A live terminal view of the fleet (`kvfleet top`): each worker with a free-KV-block bar, running and
-waiting requests, tokens/s and TTFT percentiles; the request streams with their length, pending and lag.
-Refreshes every --interval seconds; q or Ctrl-C quits. `--once` prints one plain-text frame (for scripts).
+"""A live terminal view of the fleet (`kvfleet top`): each worker with its model, a free-KV-block bar, reserved
+blocks, running and waiting requests, tokens/s and TTFT percentiles; the request streams with their length,
+pending and lag. Refreshes every --interval seconds; q or Ctrl-C quits. `--once` prints one plain-text frame
+(for scripts). `kvfleet status` prints the same frame from a single read.
 
-Everything comes from Redis (the workers' statuses and the streams), as `kvfleet status` reads it; tokens/s
+Everything comes from Redis (the workers' statuses and the streams: shared.streams.afleet_snapshot); tokens/s
 is the change of each worker's generated-token count between two reads.
 """
 
@@ -14,9 +15,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from shared import streams
+from shared.fleet_state import FleetSnapshot, lag
 from shared.settings import Settings, redacted_url
 
 BAR_WIDTH = 20
+MODEL_WIDTH = 16
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,23 +32,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 @dataclass
 class Sample:
-    snap: dict[str, Any]
+    snap: FleetSnapshot
     at: float  # time.monotonic() of the read
 
 
 class FleetReader:
-    """Reads gateway.fleet.snapshot over one asyncio Redis client on a private event loop."""
+    """Reads the fleet snapshot over one asyncio Redis client on a private event loop."""
 
     def __init__(self, url: str):
-        from shared import streams
-
         self.loop = asyncio.new_event_loop()
         self.r = streams.connect_async(url, socket_timeout=5)
 
     def read(self) -> Sample:
-        from gateway import fleet
-
-        return Sample(self.loop.run_until_complete(fleet.snapshot(self.r)), time.monotonic())
+        return Sample(self.loop.run_until_complete(streams.afleet_snapshot(self.r)), time.monotonic())
 
     def close(self) -> None:
         self.loop.run_until_complete(self.r.aclose())
@@ -71,19 +71,25 @@ def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v * 1000:.0f}"
 
 
-def render(now: Sample, prev: Sample | None, width: int = 120) -> list[str]:
-    """One frame as lines (no colors): the curses view and --once print the same."""
+def _model(name: str) -> str:
+    return name if len(name) <= MODEL_WIDTH else "…" + name[-(MODEL_WIDTH - 1):]
+
+
+def render(now: Sample, prev: Sample | None, width: int = 140) -> list[str]:
+    """One frame as lines (no colors): the curses view, --once and `kvfleet status` print the same. Without
+    `prev` (one read) tokens/s shows "-"."""
     snap = now.snap
-    lines = [f"{'WORKER':<20} {'FREE KV BLOCKS':<{BAR_WIDTH + 2}} {'FREE/TOTAL':>11} {'RUN':>4} {'WAIT':>4} "
-             f"{'TOK/S':>7} {'TTFT p50/p95/p99 ms':>20} {'PREEMPT':>7} {'HB':>5}"]
+    lines = [f"{'WORKER':<20} {'MODEL':<{MODEL_WIDTH}} {'FREE KV BLOCKS':<{BAR_WIDTH + 2}} {'FREE/TOTAL':>11} "
+             f"{'RESV':>5} {'RUN':>4} {'WAIT':>4} {'TOK/S':>7} {'TTFT p50/p95/p99 ms':>20} {'PREEMPT':>7} {'HB':>5}"]
     total_tps = 0.0
     for w in sorted(snap["workers"], key=lambda w: w["worker_id"]):
         tps = tokens_per_s(now, prev, w["worker_id"])
         total_tps += tps or 0.0
         ttft = "/".join(_ms(w.get(f"ttft_p{q}_s")) for q in (50, 95, 99))
         flag = " draining" if w.get("draining") else ""
-        lines.append(f"{w['worker_id'][:20]:<20} {bar(w['free_blocks'], w['total_blocks'])} "
-                     f"{w['free_blocks']:>5}/{w['total_blocks']:<5} {w['running']:>4} {w['waiting']:>4} "
+        lines.append(f"{w['worker_id'][:20]:<20} {_model(w['model']):<{MODEL_WIDTH}} "
+                     f"{bar(w['free_blocks'], w['total_blocks'])} {w['free_blocks']:>5}/{w['total_blocks']:<5} "
+                     f"{w['reserved_blocks']:>5} {w['running']:>4} {w['waiting']:>4} "
                      f"{'-' if tps is None else f'{tps:.1f}':>7} {ttft:>20} {w['num_preemptions']:>7} "
                      f"{w['heartbeat_age_s']:>4.1f}s{flag}")
     if not snap["workers"]:
@@ -93,8 +99,7 @@ def render(now: Sample, prev: Sample | None, width: int = 120) -> list[str]:
     lines.append("")
     lines.append(f"{'STREAM':<40} {'LENGTH':>8} {'PENDING':>8} {'LAG':>8}")
     for name, info in snap["streams"].items():
-        lag = max(0, info["length"] - info["pending"])
-        lines.append(f"{name[:40]:<40} {info['length']:>8} {info['pending']:>8} {lag:>8}")
+        lines.append(f"{name[:40]:<40} {info['length']:>8} {info['pending']:>8} {lag(info):>8}")
     lines.append("")
     lines.append(f"workers {len(snap['workers'])} live, {len(snap['dead_workers'])} dead | "
                  f"{total_tps:.1f} tokens/s | dead letters {snap['dead_letters']}")

@@ -26,12 +26,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import redis
-
 from gpu_worker.serve.request_tracker import Job, RequestTracker
 from shared import keys, streams, telemetry
 from shared.blocks import request_blocks
-from shared.messages import ChunkError, DeadLetter, GenerationRequest, WorkerStatus
+from shared.messages import ChunkError, DeadLetter, GenerationRequest
 from shared.settings import Settings
 
 log = logging.getLogger("kvfleet.worker")
@@ -60,16 +58,8 @@ class Room:
     idle: bool = False  # nothing running or waiting
 
 
-def ensure_group(r: redis.Redis, stream: str) -> None:
-    try:
-        r.xgroup_create(stream, keys.GROUP, id="0", mkstream=True)
-    except redis.ResponseError as e:
-        if "BUSYGROUP" not in str(e):
-            raise
-
-
 class Intake:
-    def __init__(self, r: redis.Redis, settings: Settings, worker_id: str, inbox: queue.Queue,
+    def __init__(self, r: streams.Client, settings: Settings, worker_id: str, inbox: queue.Queue,
                  room: Callable[[], Room], *, metrics: Any = None):
         self.r, self.settings, self.worker_id = r, settings, worker_id
         self.metrics = metrics  # gpu_worker.serve.metrics.WorkerMetrics: counts dead letters
@@ -83,10 +73,9 @@ class Intake:
                          threading.Thread(target=self._cancels, name="kvfleet-cancels", daemon=True)]
 
     def start(self) -> Intake:
-        ensure_group(self.r, self.own)
-        ensure_group(self.r, keys.REQ_ANY)
-        self._cancel_from = self.r.xinfo_stream(keys.CANCEL)["last-generated-id"] if self.r.exists(
-            keys.CANCEL) else "0-0"
+        streams.ensure_group(self.r, self.own)
+        streams.ensure_group(self.r, keys.REQ_ANY)
+        self._cancel_from = streams.cancel_cursor(self.r)
         for owner_stream in (self.own, keys.REQ_ANY):  # what a previous run under this id left pending
             self._claim(owner_stream, self.worker_id, min_idle_ms=0)
         for t in self._threads:
@@ -101,7 +90,7 @@ class Intake:
         while not self._stop.is_set():
             try:
                 self._read_once()
-            except redis.RedisError as e:
+            except streams.RedisError as e:
                 log.warning("redis read failed (%s); retrying", e)
                 time.sleep(0.5)
 
@@ -130,22 +119,18 @@ class Intake:
         if not want:
             time.sleep(0.02)
             return
-        reply = self.r.xreadgroup(keys.GROUP, self.worker_id, want, count=1 if spare and self._dead else 8,
-                                  block=SPARE_READ_BLOCK_MS if spare else READ_BLOCK_MS)
-        for stream, entries in reply or []:
-            for entry_id, fields in entries:
-                self._take(stream, entry_id, fields, deliveries=1)
+        for d in streams.read_requests(self.r, self.worker_id, want, count=1 if spare and self._dead else 8,
+                                       block_ms=SPARE_READ_BLOCK_MS if spare else READ_BLOCK_MS):
+            self._take(d)
 
     def _take_shared_head(self, room: Room) -> bool:
         """Take the oldest untaken request of the shared stream if it fits the free blocks now (or this
         worker is idle); otherwise leave it, in order, for a worker with more room."""
-        groups = {g["name"]: g for g in self.r.xinfo_groups(keys.REQ_ANY)}
-        last = groups.get(keys.GROUP, {}).get("last-delivered-id", "0-0")
-        head = self.r.xrange(keys.REQ_ANY, min=f"({last}", max="+", count=1)
-        if not head:
+        head = streams.shared_head(self.r)
+        if head is None:
             return False
         try:
-            request = streams.parse_request(head[0][1])
+            request = streams.parse_request(head)
             params = request.params()
             need = request_blocks(len(request.prompt_token_ids),
                                   min(params.max_tokens or 1, self.settings.route_max_output_tokens),
@@ -154,19 +139,17 @@ class Intake:
             need = 0  # malformed: take it, so _take drops it
         if not room.idle and need > room.available_blocks - self.settings.reserve_blocks:
             return False
-        reply = self.r.xreadgroup(keys.GROUP, self.worker_id, {keys.REQ_ANY: ">"}, count=1)
-        for stream, entries in reply or []:
-            for entry_id, fields in entries:
-                self._take(stream, entry_id, fields, deliveries=1)
-        return bool(reply)
+        taken = streams.read_requests(self.r, self.worker_id, {keys.REQ_ANY: ">"}, count=1)
+        for d in taken:
+            self._take(d)
+        return bool(taken)
 
     def _scan_dead(self) -> None:
         """Find workers whose status expired; forget those that left nothing behind."""
-        members = sorted(self.r.smembers(keys.WORKERS) - {self.worker_id})
-        statuses = self.r.mget([keys.status(w) for w in members]) if members else []
-        self._dead = [w for w, s in zip(members, statuses, strict=True) if s is None]
+        self._dead = [w for w, s in streams.other_workers(self.r, self.worker_id).items() if s is None]
         for dead in list(self._dead):
-            if self._forget_if_empty(dead):
+            if streams.prune_dead_worker(self.r, dead):
+                log.info("forgot dead worker %s", dead)
                 self._dead.remove(dead)
 
     def _claim_dead(self) -> int:
@@ -179,50 +162,31 @@ class Intake:
         return 0
 
     def _claim(self, stream: str, owner: str, *, min_idle_ms: int, count: int = 32) -> int:
-        try:
-            pending = self.r.xpending_range(stream, keys.GROUP, min="-", max="+", count=count, consumername=owner)
-        except redis.ResponseError:  # no such stream or group
-            return 0
-        if not pending:
-            return 0
-        counts = {p["message_id"]: p["times_delivered"] for p in pending}
-        claimed = self.r.xclaim(stream, keys.GROUP, self.worker_id, min_idle_ms, list(counts))
-        for entry_id, fields in claimed:
-            if fields:  # None: the entry was deleted meanwhile
-                self._take(stream, entry_id, fields, deliveries=counts[entry_id] + 1)
+        claimed = streams.claim_pending(self.r, stream, owner, self.worker_id, min_idle_ms=min_idle_ms, count=count)
+        for d in claimed:
+            if d.fields is not None:  # None: the entry was deleted meanwhile
+                self._take(d)
         if claimed:
             log.info("claimed %d request(s) left pending by %s on %s", len(claimed), owner, stream)
         return len(claimed)
 
-    def _forget_if_empty(self, dead: str) -> bool:
-        stream = keys.req_stream(dead)
-        if self.r.xlen(stream) or self.r.xpending_range(keys.REQ_ANY, keys.GROUP, "-", "+", 1, consumername=dead):
-            return False
-        pipe = self.r.pipeline(transaction=True)
-        pipe.delete(stream, keys.reserved(dead))
-        pipe.srem(keys.WORKERS, dead)
-        pipe.xgroup_delconsumer(keys.REQ_ANY, keys.GROUP, dead)
-        pipe.execute()
-        log.info("forgot dead worker %s", dead)
-        return True
-
-    def _take(self, stream: str, entry_id: str, fields: dict[str, str], *, deliveries: int) -> None:
+    def _take(self, d: streams.Delivery) -> None:
         try:
-            request = streams.parse_request(fields)
+            request = streams.parse_request(d.fields)
         except ValueError as e:
-            log.error("dropping malformed entry %s on %s: %s", entry_id, stream, e)
-            self._ack(stream, entry_id)
+            log.error("dropping malformed entry %s on %s: %s", d.entry_id, d.stream, e)
+            streams.ack_and_delete(self.r, d.ack)
             return
-        job = Job(request=request, stream=stream, entry_id=entry_id, deliveries=deliveries)
-        if deliveries > 1 or request.attempt > 0:
+        job = Job(request=request, stream=d.stream, entry_id=d.entry_id, deliveries=d.deliveries)
+        if d.deliveries > 1 or request.attempt > 0:
             job.resume_from(streams.read_all_chunks(self.r, request.request_id))
         if job.done:
-            self._ack(stream, entry_id)
+            streams.ack_and_delete(self.r, d.ack)
             return
-        if deliveries > self.settings.max_deliveries:
-            self._dead_letter(job, f"delivered {deliveries} times (max_deliveries {self.settings.max_deliveries})")
+        if d.deliveries > self.settings.max_deliveries:
+            self._dead_letter(job, f"delivered {d.deliveries} times (max_deliveries {self.settings.max_deliveries})")
             return
-        if self.r.exists(keys.cancelled(request.request_id)):
+        if streams.is_cancelled(self.r, request.request_id):
             self._finish(job, finish_reason="abort")
             return
         room = self.room()
@@ -237,43 +201,28 @@ class Intake:
     def _forward(self, job: Job, need: int) -> None:
         """This worker's whole cache cannot hold the request (it came from the shared stream, or a dead
         worker's): pass it straight to the live worker with the largest cache that can, or fail it."""
-        members = sorted(self.r.smembers(keys.WORKERS) - {self.worker_id})
-        raw = self.r.mget([keys.status(w) for w in members]) if members else []
-        able = [WorkerStatus.model_validate_json(x) for x in raw if x is not None]
-        able = [w for w in able if not w.draining and w.total_blocks >= need]
+        able = [w for w in streams.other_workers(self.r, self.worker_id).values()
+                if w is not None and not w.draining and w.total_blocks >= need]
         if not able:
             self._finish(job, error=ChunkError(kind="invalid_request", message=(
                 f"the request needs {need} KV blocks and no live worker's cache holds that many")))
             return
         target = max(able, key=lambda w: (w.free_blocks, w.total_blocks)).worker_id
         log.info("request %s needs %d blocks > this cache: forwarded to %s", job.request_id, need, target)
-        pipe = self.r.pipeline(transaction=True)
-        streams.enqueue_commands(pipe, requeue(job.request), target)
-        pipe.xack(job.stream, keys.GROUP, job.entry_id)
-        pipe.xdel(job.stream, job.entry_id)
-        pipe.execute()
-
-    def _ack(self, stream: str, entry_id: str) -> None:
-        pipe = self.r.pipeline(transaction=True)
-        pipe.xack(stream, keys.GROUP, entry_id)
-        pipe.xdel(stream, entry_id)
-        pipe.execute()
+        streams.forward(self.r, requeue(job.request), target, streams.Ack(job.stream, job.entry_id))
 
     def _finish(self, job: Job, **kw) -> None:
         """Close a request that never reaches the engine: final chunk, then ack, in one MULTI."""
         tracker = RequestTracker(self.worker_id)
         tracker.add(job)
         chunk = tracker.final_chunk(job, **kw)
-        pipe = self.r.pipeline(transaction=True)
-        streams.add_chunk_commands(pipe, chunk, self.settings.output_ttl_s)
-        pipe.xack(job.stream, keys.GROUP, job.entry_id)
-        pipe.xdel(job.stream, job.entry_id)
-        pipe.execute()
+        streams.publish(self.r, self.worker_id, output_ttl_s=self.settings.output_ttl_s, chunks=[chunk],
+                        acks=[streams.Ack(job.stream, job.entry_id)])
 
     def _dead_letter(self, job: Job, reason: str) -> None:
         log.error("request %s -> %s: %s", job.request_id, keys.DEAD, reason)
         letter = DeadLetter(request=job.request, reason=reason, deliveries=job.deliveries, worker_id=self.worker_id)
-        self.r.xadd(keys.DEAD, {keys.FIELD: letter.model_dump_json()}, maxlen=10_000, approximate=True)
+        streams.dead_letter(self.r, letter)
         self._finish(job, error=ChunkError(kind="dead_letter", message=f"request failed: {reason}"))
         if self.metrics is not None:
             self.metrics.dead_letters.inc()
@@ -288,15 +237,13 @@ class Intake:
         last = self._cancel_from
         while not self._stop.is_set():
             try:
-                reply = self.r.xread({keys.CANCEL: last}, block=1000, count=256)
-            except redis.RedisError as e:
+                last, request_ids = streams.read_cancels(self.r, last)
+            except streams.RedisError as e:
                 log.warning("redis cancel read failed (%s); retrying", e)
                 time.sleep(0.5)
                 continue
-            for _stream, entries in reply or []:
-                for entry_id, fields in entries:
-                    last = entry_id
-                    self.inbox.put(Cancel(fields[keys.FIELD]))
+            for request_id in request_ids:
+                self.inbox.put(Cancel(request_id))
 
 
 def requeue(request: GenerationRequest) -> GenerationRequest:

@@ -16,9 +16,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import redis
-
-from shared import keys, streams
+from shared import streams
 from shared.messages import GenerationRequest, OutputChunk, WorkerStatus
 from shared.settings import Settings
 
@@ -26,23 +24,17 @@ log = logging.getLogger("kvfleet.worker")
 
 
 @dataclass
-class Ack:
-    stream: str
-    entry_id: str
-
-
-@dataclass
 class HandBack:
     """Give a request back to the fleet: re-enqueue it on the shared stream and ack the old entry."""
 
     request: GenerationRequest
-    ack: Ack
+    ack: streams.Ack
 
 
 @dataclass
 class _Batch:
     chunks: list[OutputChunk] = field(default_factory=list)
-    acks: list[Ack] = field(default_factory=list)
+    acks: list[streams.Ack] = field(default_factory=list)
     handbacks: list[HandBack] = field(default_factory=list)
     taken: list[str] = field(default_factory=list)  # request ids whose reservation the status now covers
 
@@ -51,7 +43,7 @@ class _Batch:
 
 
 class Outbox:
-    def __init__(self, r: redis.Redis, settings: Settings, worker_id: str):
+    def __init__(self, r: streams.Client, settings: Settings, worker_id: str):
         self.r, self.settings, self.worker_id = r, settings, worker_id
         self._q: queue.Queue = queue.Queue()
         self._status: WorkerStatus | None = None  # latest snapshot from the main thread
@@ -66,10 +58,10 @@ class Outbox:
         self._thread.start()
         return self
 
-    def send(self, chunks: list[OutputChunk], ack: Ack | None = None) -> None:
+    def send(self, chunks: list[OutputChunk], ack: streams.Ack | None = None) -> None:
         self._q.put(_Batch(chunks=list(chunks), acks=[ack] if ack else []))
 
-    def hand_back(self, request: GenerationRequest, ack: Ack) -> None:
+    def hand_back(self, request: GenerationRequest, ack: streams.Ack) -> None:
         self._q.put(_Batch(handbacks=[HandBack(request, ack)]))
 
     def set_status(self, status: WorkerStatus, taken: list[str] | None = None) -> None:
@@ -85,8 +77,8 @@ class Outbox:
         self._thread.join(timeout_s)
         if remove_status:
             try:
-                self.r.delete(keys.status(self.worker_id))
-            except redis.RedisError as e:
+                streams.remove_status(self.r, self.worker_id)
+            except streams.RedisError as e:
                 log.warning("could not remove status: %s", e)
 
     # ---- writer thread -----------------------------------------------------------------------
@@ -134,25 +126,16 @@ class Outbox:
         status_due = self._status_due(now)
         if not (batch.chunks or batch.acks or batch.handbacks) and not status_due:
             return True
-        pipe = self.r.pipeline(transaction=True)
-        for chunk in batch.chunks:
-            streams.add_chunk_commands(pipe, chunk, self.settings.output_ttl_s)
-        for hb in batch.handbacks:
-            streams.enqueue_commands(pipe, hb.request, None)
-        for ack in batch.acks + [hb.ack for hb in batch.handbacks]:
-            pipe.xack(ack.stream, keys.GROUP, ack.entry_id)
-            pipe.xdel(ack.stream, ack.entry_id)
         status = self._status
         if status_due and status is not None:
             status = status.model_copy(update={"heartbeat": time.time()})
-            pipe.set(keys.status(self.worker_id), status.model_dump_json(),
-                     px=int(self.settings.status_ttl_s * 1000))
-            pipe.sadd(keys.WORKERS, self.worker_id)
-            if batch.taken:
-                pipe.hdel(keys.reserved(self.worker_id), *batch.taken)
         try:
-            pipe.execute()
-        except redis.RedisError as e:
+            streams.publish(self.r, self.worker_id, output_ttl_s=self.settings.output_ttl_s, chunks=batch.chunks,
+                            requeued=[hb.request for hb in batch.handbacks],
+                            acks=batch.acks + [hb.ack for hb in batch.handbacks],
+                            status=status if status_due else None, status_ttl_s=self.settings.status_ttl_s,
+                            taken=batch.taken)
+        except streams.RedisError as e:
             self.healthy = False
             log.warning("redis write failed (%s); retrying", e)
             return False

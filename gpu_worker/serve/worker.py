@@ -18,14 +18,16 @@ import time
 from collections import OrderedDict
 from typing import Any
 
+from gpu_worker.core.policies import policy_class
 from gpu_worker.serve.intake import Cancel, Intake, Room, requeue
 from gpu_worker.serve.metrics import WorkerMetrics
-from gpu_worker.serve.outbox import Ack, Outbox
+from gpu_worker.serve.outbox import Outbox
 from gpu_worker.serve.request_telemetry import RequestTelemetry
 from gpu_worker.serve.request_tracker import Job, RequestTracker
 from shared import keys, streams, telemetry
 from shared.messages import ChunkError, WorkerStatus
 from shared.settings import Settings, hf_offline, redacted_url
+from shared.streams import Ack
 
 log = logging.getLogger("kvfleet.worker")
 
@@ -196,11 +198,10 @@ class Worker:
     # ---- status ------------------------------------------------------------------------------
     def _status(self) -> WorkerStatus:
         stats = self.last_stats = self.engine.stats()
-        kv = getattr(stats, "kv_cache", None) or getattr(stats, "kv_cache_stats", None) or stats
         return WorkerStatus(
             worker_id=self.worker_id, model=self.model_name, model_path=self.model_path,
             max_model_len=self.engine.max_model_len, block_size=self.engine.block_size,
-            total_blocks=kv.total_blocks, free_blocks=kv.free_blocks, cached_blocks=getattr(kv, "cached_blocks", 0),
+            total_blocks=stats.total_blocks, free_blocks=stats.free_blocks, cached_blocks=stats.cached_blocks,
             promised_blocks=self.tracker.promised_blocks(self.engine.block_size,
                                                          self.settings.route_max_output_tokens), running=stats.num_running, waiting=stats.num_waiting,
             num_preemptions=stats.num_preemptions, num_finished=self.num_finished, pid=os.getpid(), host=socket.gethostname(),
@@ -227,6 +228,15 @@ class Worker:
         return True, "ok"
 
 
+def _scheduling_policy(spec: str) -> str:
+    """--scheduling-policy: a user's class is imported while the flags are parsed, so a wrong name fails at once."""
+    try:
+        policy_class(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return spec
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", help="Redis URL (redis://, rediss://, with password); env KVFLEET_REDIS_URL")
     p.add_argument("--model", help="HF directory, .gguf file or the default alias; env KVFLEET_MODEL")
@@ -238,7 +248,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=128, help='most sequences in one batch')
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help='token budget of one engine step (prefill chunks + decodes)')
     p.add_argument("--max-model-len", type=int, help="context window (default: the model's)")
-    p.add_argument("--scheduling-policy", choices=["fcfs", "priority", "sjf"], default="fcfs", help='order of admission: first come first served, priority (lower first), shortest prompt first (with aging)')
+    p.add_argument("--scheduling-policy", type=_scheduling_policy, default="fcfs", metavar="POLICY",
+                   help="which waiting request is admitted next and which running one is preempted first: fcfs "
+                        "(first come, first served), priority (lower value first), sjf (fewest tokens first, with "
+                        "aging) or package.module:Class (a gpu_worker.core.policies.SchedulingPolicy subclass)")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false", help='turn off automatic prefix caching')
     p.add_argument("--dtype", default="float32", help='weights and KV cache dtype: float32, bfloat16 or float16')
     p.add_argument("--device", default="cpu", help='cpu or cuda')

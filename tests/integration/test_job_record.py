@@ -1,5 +1,6 @@
 """services.job_record against a real Redis (no fleet): the claim / take-over / promote / release protocol
-that lets a request id enter the fleet at most once, and the scan that finds an enqueued request."""
+that lets a request id enter the fleet at most once, and the scan that finds an enqueued request
+(shared.streams.arequest_in_fleet)."""
 
 from __future__ import annotations
 
@@ -76,14 +77,14 @@ def test_in_fleet_finds_a_request_in_any_stream_or_by_its_output(redis_url):
         await r.sadd(keys.WORKERS, "w0", "w1")
         for i in range(600):  # more than a page of other requests before it
             await streams.aenqueue(r, GenerationRequest(request_id=f"other-{i}", prompt_token_ids=[1]), "w1")
-        assert not await job_record.in_fleet(r, "j3")
+        assert not await streams.arequest_in_fleet(r, "j3")
         await streams.aenqueue(r, GenerationRequest(request_id="j3", prompt_token_ids=[1]), "w1")
-        assert await job_record.in_fleet(r, "j3")
+        assert await streams.arequest_in_fleet(r, "j3")
         await streams.aenqueue(r, GenerationRequest(request_id="j4", prompt_token_ids=[1]), None)
-        assert await job_record.in_fleet(r, "j4")
-        assert not await job_record.in_fleet(r, "j5")
+        assert await streams.arequest_in_fleet(r, "j4")
+        assert not await streams.arequest_in_fleet(r, "j5")
         await r.xadd(keys.out_stream("j5"), {keys.FIELD: OutputChunk(request_id="j5", seq=0).model_dump_json()})
-        assert await job_record.in_fleet(r, "j5")  # taken, finished and acked: only its output is left
-        assert not await job_record.in_fleet(r, "j")  # a prefix of other ids is not a match
+        assert await streams.arequest_in_fleet(r, "j5")  # taken, finished and acked: only its output is left
+        assert not await streams.arequest_in_fleet(r, "j")  # a prefix of other ids is not a match
 
     run(redis_url, body)

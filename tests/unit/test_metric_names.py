@@ -85,10 +85,10 @@ def test_gateway_metrics_and_fleet_gauges():
     g.routed("free_blocks", "w1")
     g.routed("free_blocks", None)
     g.ttft.labels("tiny").observe(0.1)
-    g._fleet.snapshot = {
+    g.refresh({
         "workers": [{"worker_id": "w1", "model": "tiny", "free_blocks": 5, "total_blocks": 8}],
         "dead_workers": ["w0"], "streams": {"kvfleet:req:any": {"length": 3, "pending": 1}},
-        "dead_letters": 2}
+        "dead_letters": 2})
     got = samples(g.registry)
     assert got[("kvfleet_http_requests_total", (("endpoint", "/v1/chat/completions"), ("status", "429")))] == 1
     assert got[("kvfleet_rejected_total", ())] == 1
@@ -109,8 +109,8 @@ def test_every_metric_the_dashboard_charts_is_exported():
     m.success.labels("tiny", "w1", "stop").inc()
     g = GatewayMetrics()
     g.routed("free_blocks", "w1")
-    g._fleet.snapshot = {"workers": [], "dead_workers": [], "streams": {"s": {"length": 0, "pending": 0}},
-                         "dead_letters": 0}
+    g.refresh({"workers": [], "dead_workers": [], "streams": {"s": {"length": 0, "pending": 0}},
+               "dead_letters": 0})
     exported = names(m.registry) | names(g.registry)
     dashboard = json.loads(DASHBOARD.read_text())
     charted = {n for p in dashboard["panels"] for t in p.get("targets", [])

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.router import headroom, route
-from shared.blocks import blocks_for, request_blocks
+from gateway.router import headroom, prefix_overlap, route
+from shared.blocks import block_hashes, blocks_for, request_blocks
 from shared.messages import WorkerStatus
 
 pytestmark = pytest.mark.unit
@@ -102,32 +102,14 @@ def test_block_arithmetic():
     assert headroom(ws("a", 50, promised=5), 10, {"a": 7}) == 28
 
 
-def test_prefix_index_hashes_chain_and_overlap_counts_leading_blocks():
-    import asyncio
-
-    from gateway.prefix_index import block_hashes, overlap, remember_commands
-    from shared import keys
-
+def test_prefix_hashes_chain_and_overlap_counts_leading_blocks():
     a = block_hashes(list(range(40)), 16, "m")  # 2 full blocks; the 8-token tail is not hashed
     b = block_hashes(list(range(32)) + [99] * 20, 16, "m")
     c = block_hashes([7] + list(range(1, 40)), 16, "m")
     assert len(a) == 2 and b[:2] == a and len(b) == 3
     assert not set(c) & set(a)  # a block's hash covers every token before it
     assert block_hashes(list(range(40)), 16, "other-model") != a
-
-    class Store:  # the two Redis calls prefix_index makes, on a dict
-        def __init__(self):
-            self.kv = {}
-
-        def set(self, k, v, ex):
-            self.kv[k] = v
-
-        async def mget(self, ks):
-            return [self.kv.get(k) for k in ks]
-
-    store = Store()
-    remember_commands(store, a, "w1")
-    remember_commands(store, b[2:], "w2")
-    assert store.kv[keys.prefix_block(a[0])] == "w1"
-    assert asyncio.run(overlap(store, b)) == {"w1": 2}  # w2 holds block 3 only after w1's blocks: no run
-    assert asyncio.run(overlap(store, c)) == {}
+    # the worker each of b's blocks was last routed to (shared.streams.aprefix_owners): a to w1, then b[2:] to w2
+    assert prefix_overlap(["w1", "w1", "w2"]) == {"w1": 2}  # w2 holds block 3 only after w1's blocks: no run
+    assert prefix_overlap(["w1", None, "w1"]) == {"w1": 1}
+    assert prefix_overlap([None, None]) == {} and prefix_overlap([]) == {}

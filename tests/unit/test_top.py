@@ -1,4 +1,5 @@
-"""services/top.py: the frame it draws (free-block bars, tokens/s from two reads, TTFT, stream lag)."""
+"""services/top.py: the frame it draws, for `kvfleet top` and `kvfleet status` (free-block bars, reserved blocks,
+tokens/s from two reads, TTFT, stream lag)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ pytestmark = pytest.mark.unit
 def worker(wid: str, free: int, total: int, tokens: int, **kw) -> dict:
     return {"worker_id": wid, "model": "tiny", "free_blocks": free, "total_blocks": total, "running": 2,
             "waiting": 1, "num_preemptions": 0, "heartbeat_age_s": 0.3, "draining": False,
-            "generation_tokens": tokens} | kw
+            "generation_tokens": tokens, "reserved_blocks": 0} | kw
 
 
 def snap(*workers, streams=None) -> dict:
@@ -37,12 +38,14 @@ def test_tokens_per_second_from_two_reads():
 
 def test_frame_lists_workers_streams_and_ttft():
     prev = Sample(snap(worker("w1", 5, 10, tokens=0)), at=0.0)
-    now = Sample(snap(worker("w1", 4, 16, tokens=30, ttft_p50_s=0.012, ttft_p95_s=0.05, ttft_p99_s=0.2),
+    now = Sample(snap(worker("w1", 4, 16, tokens=30, ttft_p50_s=0.012, ttft_p95_s=0.05, ttft_p99_s=0.2,
+                             reserved_blocks=3),
                       worker("w0", 16, 16, tokens=0, draining=True)), at=1.0)
     lines = render(now, prev)
     text = "\n".join(lines)
     (w1,) = [line for line in lines if line.startswith("w1")]
     assert "[###############.....]" in w1 and "4/16" in w1 and "30.0" in w1 and "12/50/200" in w1
+    assert w1.split()[1:5] == ["tiny", "[###############.....]", "4/16", "3"]  # model, bar, blocks, reserved
     (w0,) = [line for line in lines if line.startswith("w0")]
     assert "draining" in w0 and "-/-/-" in w0
     (stream,) = [line for line in lines if line.startswith("kvfleet:req:any")]

@@ -1,0 +1,278 @@
+"""Placing one generation in the fleet, from the gateway's side: find the workers that serve the model (its
+prompts are then prepared by gateway.prompts), build each request and check it against the caches, then
+place it: route it among the live workers, reserve its blocks on the chosen one and enqueue it there (or on
+the shared stream when none can take it now; 429 when that is full too). The routing and enqueue spans are
+made here; the worker continues the trace from the context the enqueue span puts into the stream entry.
+
+services.fleet_calls builds and places through the same functions (build_request, place).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
+
+from gateway.errors import APIError, bad_request
+from gateway.prompts import Prepared, Prompt, part_ids
+from gateway.router import prefix_overlap, route
+from gateway.state import GatewayState
+from gateway.tokenizer import same_model
+from shared import keys, streams
+from shared import telemetry as t
+from shared.blocks import block_hashes, blocks_for, request_blocks
+from shared.fleet_state import FleetView
+from shared.messages import GenerationRequest, WorkerStatus
+from shared.settings import Settings
+
+OPERATIONS = {"chatcmpl": "chat", "cmpl": "text_completion"}  # request id prefix -> gen_ai.operation.name
+MAX_ROUTE_TRIES = 3
+
+
+@dataclass
+class Target:
+    model: str  # the name answered back to the client
+    workers: list[WorkerStatus]
+    view: FleetView
+    tokenizer: Any
+    max_model_len: int
+    block_size: int
+    max_total_blocks: int
+
+
+async def target_for(state: GatewayState, model: str) -> Target:
+    """The live workers serving `model` and its tokenizer; 503 when none lives, 404 for an unknown model."""
+    view = await streams.aread_fleet(state.redis)
+    settings = state.settings
+    if not view.live and not settings.queue_when_no_workers:
+        raise APIError(503, "no worker is alive to serve requests; start one with `kvfleet worker`",
+                       code="no_workers", headers={"Retry-After": str(settings.retry_after_s)})
+    workers = view.serving(lambda w: same_model(model, w.model, w.model_path))
+    if not workers and view.live:
+        served = sorted({w.model for w in view.live})
+        raise APIError(404, f"the model {model!r} does not exist; this fleet serves: {', '.join(served)}",
+                       param="model", code="model_not_found")
+    if not workers:  # scale to zero: queue for the gateway's own model
+        if not same_model(model, settings.model, ""):
+            raise APIError(404, f"the model {model!r} does not exist; this gateway serves {settings.model!r}",
+                           param="model", code="model_not_found")
+        tok = await state.tokenizers.get(settings.model)
+        return Target(model, [], view, tok, max_model_len=0, block_size=16, max_total_blocks=1 << 30)
+    tok = await state.tokenizers.get(workers[0].model_path or settings.model)
+    return Target(model=model, workers=workers, view=view, tokenizer=tok,
+                  max_model_len=min(w.max_model_len for w in workers), block_size=workers[0].block_size,
+                  max_total_blocks=max(w.total_blocks for w in workers))
+
+
+@dataclass
+class Planned:
+    """A request built and checked, not yet placed."""
+
+    request: GenerationRequest
+    target: Target
+    routing_blocks: int  # what routing counts for it: prompt plus (capped) output, times n
+
+    def serves(self, w: WorkerStatus) -> bool:
+        """The workers it may go to: those that serve its model (as target_for found them)."""
+        return any(w.worker_id == c.worker_id for c in self.target.workers)
+
+
+@dataclass
+class Placement:
+    worker_id: str | None  # None: the shared stream
+    entry_id: str
+    policy: str
+
+
+@dataclass
+class Submitted:
+    request_id: str
+    target: Target
+    request: GenerationRequest
+    placement: Placement
+
+    @property
+    def num_choices(self) -> int:
+        return self.request.params().n
+
+    def prompt_of(self, _choice: int) -> str | None:
+        return self.request.prompt
+
+
+@dataclass
+class Batch:
+    """A completion's prompts, each its own fleet request, answered as one response: prompt i's choice j is
+    choice i * n + j."""
+
+    request_id: str  # the response's id (the only prompt's request id when there is one)
+    subs: list[Submitted]
+
+    @property
+    def target(self) -> Target:
+        return self.subs[0].target
+
+    @property
+    def n(self) -> int:
+        return self.subs[0].num_choices
+
+    @property
+    def num_choices(self) -> int:
+        return self.n * len(self.subs)
+
+    def prompt_of(self, choice: int) -> str | None:
+        return self.subs[choice // self.n].request.prompt
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def build_request(settings: Settings, target: Target, prompt: Prompt, *, priority: int,
+                  request_id: str) -> Planned:
+    """The request with its KV-block count; 400 when it is empty or can never fit the largest cache."""
+    ids, params = prompt.token_ids, prompt.params
+    if not ids:
+        raise bad_request("the prompt is empty: at least one token is needed", "prompt")
+    bs = target.block_size
+    need_now = request_blocks(len(ids), 1, params.n, bs)
+    if target.workers and need_now > target.max_total_blocks:
+        raise bad_request(f"the prompt needs {need_now} KV blocks ({len(ids)} tokens, n={params.n}, block "
+                          f"size {bs}) but the largest worker's cache has {target.max_total_blocks}", "prompt",
+                          "prompt_too_large")
+    out_tokens = min(params.max_tokens or 1, settings.route_max_output_tokens)
+    routing_blocks = min(request_blocks(len(ids), out_tokens, params.n, bs), target.max_total_blocks)
+    request = GenerationRequest(request_id=request_id, prompt_token_ids=ids, sampling_params=params.to_dict(),
+                                model=target.model, priority=priority, prompt=prompt.text)
+    return Planned(request, target, routing_blocks)
+
+
+async def place(state: GatewayState, planned: Planned) -> Submitted:
+    """Route, reserve and enqueue a built request (429 when the fleet is full). The caller holds
+    state.admission: one placement at a time per gateway (or per FleetCaller)."""
+    placement = await _route_and_enqueue(state.redis, state.settings, planned)
+    state.metrics.routed(placement.policy, placement.worker_id)
+    sub = Submitted(planned.request.request_id, planned.target, planned.request, placement)
+    annotate_request(sub)
+    return sub
+
+
+async def _route_and_enqueue(r: Any, settings: Settings, planned: Planned) -> Placement:
+    """Among the live workers that serve the request, route, reserve and enqueue, routing again (up to
+    MAX_ROUTE_TRIES) when the worker filled up meanwhile; when none can take it, the shared stream; 429
+    (with Retry-After) when that is over its bound. The Lua checks in shared.streams keep gateway replicas
+    from over-committing a worker."""
+    request, policy, routing_blocks = planned.request, settings.routing, planned.routing_blocks
+    checks_room = policy in ("free_blocks", "prefix")
+    for _ in range(MAX_ROUTE_TRIES):
+        with t.span("kvfleet.route", attributes={t.KVFLEET_ROUTING_POLICY: policy,
+                                                 t.KVFLEET_KV_BLOCKS: routing_blocks}) as span:
+            view = await streams.aread_fleet(r)
+            candidates = view.serving(planned.serves)
+            hashes: list[str] = []
+            overlap: dict[str, int] = {}
+            turn = 0
+            if policy == "prefix" and candidates:
+                hashes = block_hashes(request.prompt_token_ids, candidates[0].block_size, request.model)
+                overlap = prefix_overlap(await streams.aprefix_owners(r, hashes))
+            elif policy == "round_robin":
+                turn = await streams.anext_turn(r)
+            worker = route(routing_blocks, candidates, policy, view.reservations,
+                           reserve_blocks=settings.reserve_blocks, turn=turn, prompt_blocks=len(hashes),
+                           prefix_overlap=overlap)
+            note_route(span, worker, candidates, view.reservations)
+        if worker is None:
+            break
+        request.kv_blocks = routing_blocks
+        with enqueue_span(request, keys.req_stream(worker)):
+            entry_id = await streams.aenqueue_routed(
+                r, request, worker, min_headroom=settings.reserve_blocks if checks_room else None,
+                reservation_ttl_s=settings.reservation_ttl_s)
+        if entry_id is not None:
+            if hashes:
+                await streams.aremember_prefix(r, hashes, worker)
+            return Placement(worker, entry_id, policy)
+    request.kv_blocks = 0
+    with enqueue_span(request, keys.REQ_ANY) as span:
+        entry_id = await streams.aenqueue_shared(r, request, bound=settings.queue_bound)
+        if entry_id is None:
+            t.set_error(span, "shared queue full")
+    if entry_id is None:
+        raise APIError(
+            429, f"the fleet is full: no worker has {routing_blocks} free KV blocks for this request and "
+                 f"{settings.queue_bound} requests already wait in the shared queue; retry later",
+            code="fleet_overloaded", headers={"Retry-After": str(settings.retry_after_s)})
+    return Placement(None, entry_id, policy)
+
+
+async def submit(state: GatewayState, target: Target, prepared: Prepared, *, id_prefix: str) -> Batch:
+    """Every prompt of `prepared` into the fleet, each as its own request. All are built and checked before
+    the first is placed; when one cannot be placed (429), those already placed are cancelled."""
+    rid = new_request_id(id_prefix)
+    planned = [build_request(state.settings, target, p, priority=prepared.priority, request_id=part)
+               for p, part in zip(prepared.prompts, part_ids(rid, len(prepared.prompts)), strict=True)]
+    subs: list[Submitted] = []
+    try:
+        for p in planned:
+            async with state.admission:
+                subs.append(await place(state, p))
+    except BaseException:
+        for sub in subs:
+            state.spawn(streams.acancel(state.redis, sub.request_id))
+        raise
+    return Batch(rid, subs)
+
+
+def routing_header(batch: Batch) -> dict[str, str]:
+    """Where it went: the response id, and per prompt (comma-separated in a batch) the worker ("any": the
+    shared queue) and the prompt's KV blocks."""
+    subs = batch.subs
+    return {"X-Request-Id": batch.request_id,
+            "X-Kvfleet-Worker": ",".join(s.placement.worker_id or "any" for s in subs),
+            "X-Kvfleet-Prompt-Blocks": ",".join(str(blocks_for(len(s.request.prompt_token_ids), s.target.block_size))
+                                                for s in subs)}
+
+
+# ---- spans ----------------------------------------------------------------------------------------
+
+def note_route(span: Any, worker_id: str | None, candidates: list[WorkerStatus], reservations: dict[str, int]) -> None:
+    """What the router chose and saw, on its `kvfleet.route` span."""
+    if not span.is_recording():
+        return
+    chosen = next((w for w in candidates if w.worker_id == worker_id), None)
+    span.set_attributes({t.KVFLEET_WORKER_ID: worker_id or "none", "kvfleet.routing.candidates": len(candidates)})
+    if chosen is not None:
+        span.set_attributes({t.KVFLEET_ROUTING_FREE_BLOCKS: chosen.free_blocks,
+                             "kvfleet.routing.available_blocks":
+                                 chosen.available_blocks() - reservations.get(chosen.worker_id, 0)})
+
+
+@contextlib.contextmanager
+def enqueue_span(request: GenerationRequest, stream: str) -> Iterator[Any]:
+    """A PRODUCER span around the XADD, whose context goes into the request (so into the stream entry):
+    the worker that takes the entry, or a later one after a crash, continues the trace from it."""
+    with t.span("kvfleet.enqueue", kind=SpanKind.PRODUCER,
+                attributes={t.MESSAGING_SYSTEM: "redis", t.MESSAGING_DESTINATION: stream,
+                            t.KVFLEET_REQUEST_ID: request.request_id}) as span:
+        request.trace_context = t.inject()
+        yield span
+
+
+def annotate_request(sub: Submitted) -> None:
+    """GenAI attributes of a placed request on the current (server) span."""
+    span = trace.get_current_span()
+    if not span.is_recording():
+        return
+    req, sp = sub.request, sub.request.sampling_params
+    span.set_attributes({k: v for k, v in {
+        t.GEN_AI_SYSTEM: t.SYSTEM, t.GEN_AI_OPERATION_NAME: OPERATIONS.get(req.request_id.split("-")[0]),
+        t.GEN_AI_REQUEST_MODEL: req.model, t.GEN_AI_REQUEST_MAX_TOKENS: sp.get("max_tokens"),
+        t.GEN_AI_REQUEST_TEMPERATURE: sp.get("temperature"), t.GEN_AI_REQUEST_TOP_P: sp.get("top_p"),
+        t.GEN_AI_REQUEST_CHOICE_COUNT: sp.get("n"), t.GEN_AI_USAGE_INPUT_TOKENS: len(req.prompt_token_ids),
+        t.GEN_AI_RESPONSE_ID: req.request_id, t.KVFLEET_REQUEST_ID: req.request_id,
+        t.KVFLEET_WORKER_ID: sub.placement.worker_id or "any",
+        t.KVFLEET_ROUTING_POLICY: sub.placement.policy}.items() if v is not None})

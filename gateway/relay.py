@@ -1,0 +1,100 @@
+"""Relaying one placed request's output to its client: its chunks, each once and in order, cancelling the
+request on the worker when the client goes away or nothing arrives in time; and `RelayObserver`, which marks
+the first token and the usage of the generation on the request's server span."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from opentelemetry import trace
+
+from gateway.errors import APIError, bad_request
+from gateway.metrics import GatewayMetrics
+from gateway.placement import Submitted
+from gateway.state import GatewayState
+from shared import streams
+from shared import telemetry as t
+from shared.messages import OutputChunk
+
+log = logging.getLogger("kvfleet.gateway")
+
+
+def chunk_error(chunk: OutputChunk) -> APIError:
+    err = chunk.error
+    assert err is not None
+    if err.kind == "invalid_request":
+        return bad_request(err.message, code="rejected_by_worker")
+    return APIError(500, err.message, type="server_error", code=err.kind)
+
+
+async def relay(state: GatewayState, sub: Submitted, disconnected: Any = None) -> AsyncIterator[OutputChunk]:
+    """The request's chunks, each once, in order. Cancels the request on the worker if the consumer stops
+    early (client gone), `disconnected()` turns true (checked at most every 0.25 s, between chunks), or no
+    chunk arrives within request_timeout_s (-> 504)."""
+    settings = state.settings
+    finished, next_check = False, 0.0
+    chunks = streams.aiter_output(state.redis, sub.request_id, timeout_s=settings.request_timeout_s,
+                                  expire_after_s=settings.output_ttl_after_read_s)
+    loop = asyncio.get_running_loop()
+    observer = RelayObserver(state.metrics, sub)
+    try:
+        async for chunk in chunks:
+            observer.chunk(chunk)
+            finished = chunk.final
+            yield chunk
+            if disconnected is not None and not finished and loop.time() >= next_check:
+                next_check = loop.time() + 0.25
+                if await disconnected():
+                    return
+    except streams.OutputTimeout:
+        raise APIError(504, f"no output within {settings.request_timeout_s:g}s; the request was cancelled",
+                       code="timeout") from None
+    finally:
+        if not finished:
+            log.info("cancelling %s (client gone or timed out)", sub.request_id)
+            state.spawn(streams.acancel(state.redis, sub.request_id))
+
+
+async def watch_disconnect(http_request: Any, task: asyncio.Task, interval_s: float = 0.25) -> None:
+    """For non-streaming calls: cancel `task` (and so the fleet request) when the client disconnects."""
+    while not task.done():
+        if await http_request.is_disconnected():
+            task.cancel()
+            return
+        await asyncio.sleep(interval_s)
+
+
+class RelayObserver:
+    """Watches the chunks relayed for one request: gateway TTFT (metric and span event) at the first
+    token, usage and finish reasons on the server span at the final chunk. Two checks per chunk."""
+
+    def __init__(self, metrics: GatewayMetrics, sub: Submitted):
+        self.metrics, self.sub = metrics, sub
+        self.span = trace.get_current_span()
+        self.first = True
+        self.reasons: list[str] = []
+
+    def chunk(self, chunk: OutputChunk) -> None:
+        if self.first and chunk.token_ids:
+            self.first = False
+            ttft = max(0.0, time.time() - self.sub.request.arrival_time)
+            self.metrics.ttft.labels(self.sub.target.model).observe(ttft)
+            if self.span.is_recording():
+                self.span.set_attribute(t.KVFLEET_TTFT_S, ttft)
+                self.span.add_event("first_token", {t.KVFLEET_TTFT_S: ttft, t.KVFLEET_WORKER_ID: chunk.worker_id})
+        if chunk.finish_reason:
+            self.reasons.append(chunk.finish_reason)
+        if chunk.final and self.span.is_recording():
+            attrs: dict[str, Any] = {t.GEN_AI_RESPONSE_FINISH_REASONS: self.reasons,
+                                     t.GEN_AI_RESPONSE_MODEL: self.sub.target.model}
+            if chunk.usage is not None:
+                attrs |= {t.GEN_AI_USAGE_INPUT_TOKENS: chunk.usage.prompt_tokens,
+                          t.GEN_AI_USAGE_OUTPUT_TOKENS: chunk.usage.completion_tokens,
+                          t.KVFLEET_PREFIX_CACHE_HIT_TOKENS: chunk.usage.cached_tokens}
+            self.span.set_attributes(attrs)
+            if chunk.error is not None:
+                t.set_error(self.span, chunk.error.message)

@@ -1,0 +1,29 @@
+"""What one gateway process holds for all its requests (and a services.fleet_calls.FleetCaller for its own):
+the settings, the asyncio Redis client, the tokenizers, the metrics, and the lock that places one request at
+a time."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.metrics import GatewayMetrics
+from gateway.tokenizer import Tokenizers
+from shared.settings import Settings
+
+
+@dataclass
+class GatewayState:
+    settings: Settings
+    redis: Any  # redis.asyncio.Redis, made by shared.streams.connect_async
+    tokenizers: Tokenizers
+    background: set[asyncio.Task] = field(default_factory=set)
+    admission: asyncio.Lock = field(default_factory=asyncio.Lock)  # one placement at a time per gateway
+    metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+
+    def spawn(self, coro: Any) -> None:
+        """Run `coro` to completion even if the caller's scope is being cancelled (a client disconnect)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)

@@ -1,0 +1,63 @@
+"""The fleet as Redis shows it, as plain data: the live workers (their statuses), the dead ones, the blocks
+reserved on each; and the snapshot shaped from it (GET /v1/fleet, `kvfleet status` / `top`, the gateway's
+fleet gauges). No Redis commands here: shared.streams reads the fleet (aread_fleet, afleet_snapshot) and
+fills these in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypedDict
+
+from shared import keys
+from shared.messages import WorkerStatus
+
+
+@dataclass
+class FleetView:
+    """What routing reads on each request: workers whose status is present (live), workers that were seen
+    but whose status expired (dead), and per live worker the blocks gateways reserved there that its status
+    does not show yet."""
+
+    live: list[WorkerStatus] = field(default_factory=list)
+    dead: list[str] = field(default_factory=list)
+    reservations: dict[str, int] = field(default_factory=dict)  # worker -> reserved blocks
+
+    def serving(self, model_matches: Callable[[WorkerStatus], bool]) -> list[WorkerStatus]:
+        return [w for w in self.live if model_matches(w)]
+
+
+class StreamInfo(TypedDict):
+    length: int  # entries: queued and in work
+    pending: int  # delivered to a worker, not yet acked
+
+
+class FleetSnapshot(TypedDict):
+    """The fleet at a glance, as JSON (GET /v1/fleet prints it as is)."""
+
+    workers: list[dict[str, Any]]  # each live worker's WorkerStatus, plus heartbeat_age_s and reserved_blocks
+    dead_workers: list[str]
+    streams: dict[str, StreamInfo]  # request stream -> its counts
+    dead_letters: int  # entries in the dead-letter stream
+
+
+def lag(info: StreamInfo) -> int:
+    """Entries no worker has taken yet."""
+    return max(0, info["length"] - info["pending"])
+
+
+def snapshot_streams(view: FleetView) -> list[str]:
+    """The request streams a snapshot counts: the shared one, then each live and each dead worker's."""
+    return [keys.REQ_ANY] + [keys.req_stream(w) for w in [s.worker_id for s in view.live] + view.dead]
+
+
+def snapshot(view: FleetView, streams: dict[str, StreamInfo], dead_letters: int, now: float) -> FleetSnapshot:
+    return {
+        "workers": [s.model_dump() | {"heartbeat_age_s": round(now - s.heartbeat, 3),
+                                      "reserved_blocks": view.reservations.get(s.worker_id, 0)}
+                    for s in view.live],
+        "dead_workers": view.dead,
+        "streams": streams,
+        "dead_letters": dead_letters,
+    }

@@ -1,0 +1,81 @@
+"""shared.streams' fleet reads and prefix index against a real Redis (no fleet): what the gateway routes on
+(aread_fleet), the snapshot GET /v1/fleet, `kvfleet status` / `top` and the gateway's gauges show, and where
+prompt prefixes were routed."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.router import prefix_overlap
+from services.redis_server import RedisServer
+from shared import keys, streams
+from shared.blocks import block_hashes
+from shared.fleet_state import FleetView
+from shared.messages import GenerationRequest, WorkerStatus
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def redis_url():
+    with RedisServer() as srv:
+        yield srv.url
+
+
+def run(redis_url, body):
+    async def main():
+        r = streams.connect_async(redis_url)
+        try:
+            return await body(r)
+        finally:
+            await r.aclose()
+
+    return asyncio.run(main())
+
+
+def status(wid: str, free: int) -> WorkerStatus:
+    return WorkerStatus(worker_id=wid, model="tiny", max_model_len=256, block_size=16, total_blocks=64,
+                        free_blocks=free)
+
+
+def test_fleet_view_and_snapshot(redis_url):
+    async def body(r):
+        assert await streams.aread_fleet(r) == FleetView()
+        await r.sadd(keys.WORKERS, "w0", "w1")  # w1 was seen once; its status expired
+        await r.set(keys.status("w0"), status("w0", 40).model_dump_json())
+        await streams.aenqueue(r, GenerationRequest(request_id="a", prompt_token_ids=[1], kv_blocks=3), "w0")
+        await streams.aenqueue(r, GenerationRequest(request_id="b", prompt_token_ids=[1], kv_blocks=2), "w0")
+        await r.xgroup_create(keys.req_stream("w0"), keys.GROUP, id="0")
+        await r.xreadgroup(keys.GROUP, "w0", {keys.req_stream("w0"): ">"}, count=1)  # taken, not yet acked
+        view = await streams.aread_fleet(r)
+        assert [w.worker_id for w in view.live] == ["w0"] and view.dead == ["w1"]
+        assert view.reservations == {"w0": 5}
+
+        snap = await streams.afleet_snapshot(r)
+        (w0,) = snap["workers"]
+        assert w0["worker_id"] == "w0" and w0["free_blocks"] == 40 and w0["reserved_blocks"] == 5
+        assert 0 <= w0["heartbeat_age_s"] < 5
+        assert snap["dead_workers"] == ["w1"] and snap["dead_letters"] == 0
+        assert snap["streams"] == {keys.REQ_ANY: {"length": 0, "pending": 0},  # no such stream yet
+                                   keys.req_stream("w0"): {"length": 2, "pending": 1},
+                                   keys.req_stream("w1"): {"length": 0, "pending": 0}}
+        assert [await streams.anext_turn(r) for _ in range(3)] == [1, 2, 3]
+
+    run(redis_url, body)
+
+
+def test_prefix_index_remembers_where_blocks_went(redis_url):
+    async def body(r):
+        a = block_hashes(list(range(40)), 16, "m")
+        b = block_hashes(list(range(32)) + [99] * 20, 16, "m")
+        assert await streams.aprefix_owners(r, []) == []
+        assert await streams.aprefix_owners(r, b) == [None, None, None]
+        await streams.aremember_prefix(r, a, "w1")
+        await streams.aremember_prefix(r, b[2:], "w2")
+        owners = await streams.aprefix_owners(r, b)
+        assert owners == ["w1", "w1", "w2"] and prefix_overlap(owners) == {"w1": 2}
+        assert 0 < await r.ttl(keys.prefix_block(a[0])) <= streams.PREFIX_TTL_S
+
+    run(redis_url, body)

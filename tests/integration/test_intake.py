@@ -1,0 +1,242 @@
+"""gpu_worker.serve.intake against a real Redis, no engine: its reader threads run as in a worker, the test
+plays the main thread (it sets the Room and takes Jobs from the inbox) and the rest of the fleet (gateways
+enqueueing, workers that died with requests pending)."""
+
+from __future__ import annotations
+
+import queue
+import time
+
+import pytest
+
+from gpu_worker.serve.intake import Cancel, Intake, Room
+from gpu_worker.serve.request_tracker import Job
+from services.redis_server import RedisServer
+from shared import keys, streams
+from shared.messages import DeadLetter, GenerationRequest, OutputChunk, WorkerStatus
+from shared.sampling_params import SamplingParams
+from shared.settings import Settings
+
+pytestmark = pytest.mark.integration
+
+ME = "w-me"
+QUIET_S = 0.6  # several read turns of the intake: long enough to see it leave something alone
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    with RedisServer() as srv:
+        yield srv.url
+
+
+@pytest.fixture
+def r(redis_url):
+    client = streams.connect(redis_url)
+    client.flushall()
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def start_intake(r):
+    """start_intake(room, **settings) -> the running Intake (stopped after the test) and its inbox."""
+    started: list[Intake] = []
+
+    def start(room: Room, **settings) -> tuple[Intake, queue.Queue]:
+        inbox: queue.Queue = queue.Queue()
+        cfg = Settings(worker_id=ME, heartbeat_s=0.2, **settings)
+        intake = Intake(r, cfg, ME, inbox, lambda: room).start()
+        started.append(intake)
+        return intake, inbox
+
+    yield start
+    for intake in started:
+        intake.stop()
+    time.sleep(1.1)  # the cancel reader blocks up to 1 s: let it see the stop before the next test flushes
+
+
+def request(rid: str, prompt_len: int = 3, max_tokens: int = 4) -> GenerationRequest:
+    return GenerationRequest(request_id=rid, prompt_token_ids=list(range(5, 5 + prompt_len)),
+                             sampling_params=SamplingParams(max_tokens=max_tokens).to_dict())
+
+
+def roomy(**kw) -> Room:
+    """A worker with nothing running and plenty of free blocks (every field can be overridden)."""
+    return Room(**{"own_backlog": True, "spare": True, "total_blocks": 64, "available_blocks": 60,
+                   "block_size": 16, "idle": True, **kw})
+
+
+def next_job(inbox: queue.Queue, timeout_s: float = 5.0) -> Job:
+    item = inbox.get(timeout=timeout_s)
+    assert isinstance(item, Job), item
+    return item
+
+
+def deliver_to(r, consumer: str, stream: str, n: int = 1) -> list[streams.Delivery]:
+    """`consumer` (a worker about to die) reads n entries of `stream`: they are pending on it."""
+    return streams.read_requests(r, consumer, {stream: ">"}, count=n)
+
+
+def final_chunks(r, rid: str) -> list[OutputChunk]:
+    return [c for c in streams.read_all_chunks(r, rid) if c.final]
+
+
+def wait_for(predicate, timeout_s: float = 5.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_reads_its_own_stream_and_the_shared_one_only_with_room(r, start_intake):
+    streams.ensure_group(r, keys.REQ_ANY)
+    streams.enqueue(r, request("own-1"), ME)
+    streams.enqueue(r, request("shared-1"), None)
+    room = roomy(spare=False, idle=False)
+    intake, inbox = start_intake(room)
+
+    job = next_job(inbox)
+    assert (job.request_id, job.stream, job.deliveries) == ("own-1", keys.req_stream(ME), 1)
+    time.sleep(QUIET_S)
+    assert inbox.empty(), "no spare room: the shared stream is left to others"
+
+    room.accounted, room.spare, room.available_blocks = intake.handed, True, 2  # reserve_blocks 2: 0 to spare
+    time.sleep(QUIET_S)
+    assert inbox.empty(), "the shared head (1 block) does not fit what this busy worker has free"
+    assert streams.shared_head(r) is not None
+
+    room.available_blocks = 60
+    job = next_job(inbox)
+    assert (job.request_id, job.stream, job.deliveries) == ("shared-1", keys.REQ_ANY, 1)
+    assert streams.shared_head(r) is None
+
+
+def test_claims_back_what_it_left_pending_before_a_restart(r, start_intake):
+    streams.ensure_group(r, keys.req_stream(ME))
+    streams.enqueue(r, request("before-restart"), ME)
+    deliver_to(r, ME, keys.req_stream(ME))
+    _, inbox = start_intake(roomy(spare=False))
+    job = next_job(inbox)
+    assert (job.request_id, job.deliveries) == ("before-restart", 2)
+
+
+def test_takes_over_a_dead_workers_pending_requests(r, start_intake):
+    """A worker whose status expired left two requests pending on its stream (one half answered) and one
+    on the shared stream; a live worker's pending request is not touched."""
+    dead, live = "w-dead", "w-live"
+    for stream in (keys.req_stream(dead), keys.req_stream(live), keys.REQ_ANY):
+        streams.ensure_group(r, stream)
+    streams.enqueue(r, request("dead-own-1"), dead)
+    streams.enqueue(r, request("dead-own-2"), dead)
+    streams.enqueue(r, request("dead-shared"), None)
+    streams.enqueue(r, request("live-own"), live)
+    deliver_to(r, dead, keys.req_stream(dead), 2)
+    deliver_to(r, dead, keys.REQ_ANY)
+    deliver_to(r, live, keys.req_stream(live))
+    streams.publish(r, dead, output_ttl_s=60, chunks=[
+        OutputChunk(request_id="dead-own-1", seq=0, token_ids=[11], text="a"),
+        OutputChunk(request_id="dead-own-1", seq=1, token_ids=[12, 13], text="bc")])
+    r.sadd(keys.WORKERS, dead)
+    streams.publish(r, live, output_ttl_s=60, status_ttl_s=60, status=WorkerStatus(
+        worker_id=live, model="m", max_model_len=1024, block_size=16, total_blocks=64, free_blocks=64))
+
+    time.sleep(1.1)  # past the claim's minimum idle time
+    room = roomy()
+    intake, inbox = start_intake(room)
+    jobs = {}
+    while len(jobs) < 3:
+        job = next_job(inbox)
+        jobs[job.request_id] = job
+        room.accounted = intake.handed  # the main thread took it: the intake may look again
+    assert {rid: (j.stream, j.deliveries) for rid, j in jobs.items()} == {
+        "dead-own-1": (keys.req_stream(dead), 2), "dead-own-2": (keys.req_stream(dead), 2),
+        "dead-shared": (keys.REQ_ANY, 2)}
+    resumed = jobs["dead-own-1"]
+    assert (resumed.sent_tokens, resumed.next_seq) == ([[11, 12, 13]], 2)
+    assert not jobs["dead-own-2"].resumed
+
+    mine = r.xpending_range(keys.req_stream(dead), keys.GROUP, "-", "+", 10, consumername=ME)
+    assert sorted(p["message_id"] for p in mine) == sorted(j.entry_id for j in jobs.values()
+                                                           if j.stream == keys.req_stream(dead))
+    assert [p["times_delivered"] for p in mine] == [2, 2]
+    assert len(r.xpending_range(keys.req_stream(live), keys.GROUP, "-", "+", 10, consumername=live)) == 1
+    time.sleep(QUIET_S)
+    assert inbox.empty(), "the live worker's request stays with it"
+
+
+def test_prunes_a_dead_worker_once_it_is_drained(r, start_intake):
+    dead = "w-gone"
+    streams.ensure_group(r, keys.req_stream(dead))
+    streams.ensure_group(r, keys.REQ_ANY)
+    streams.enqueue(r, request("left-behind", max_tokens=4).model_copy(update={"kv_blocks": 1}), dead)
+    deliver_to(r, dead, keys.req_stream(dead))
+    streams.enqueue(r, request("on-shared"), None)
+    deliver_to(r, dead, keys.REQ_ANY)  # makes it a consumer of the shared stream's group
+    r.sadd(keys.WORKERS, dead)
+    time.sleep(1.1)
+    room = roomy()
+    intake, inbox = start_intake(room)
+    taken = [next_job(inbox)]
+    room.accounted = intake.handed
+    taken.append(next_job(inbox))
+    room.accounted = intake.handed
+    time.sleep(QUIET_S)  # a few scans: the entry on its own stream is taken but not yet acked
+    assert r.sismember(keys.WORKERS, dead)
+
+    for job in taken:
+        streams.ack_and_delete(r, streams.Ack(job.stream, job.entry_id))
+    wait_for(lambda: not r.sismember(keys.WORKERS, dead), what="the drained dead worker to be forgotten")
+    assert not r.exists(keys.req_stream(dead), keys.reserved(dead))
+    assert dead not in {c["name"] for c in r.xinfo_consumers(keys.REQ_ANY, keys.GROUP)}
+
+
+def test_dead_letters_a_request_past_max_deliveries(r, start_intake):
+    dead, rid = "w-crashy", "poison"
+    streams.ensure_group(r, keys.req_stream(dead))
+    entry = streams.enqueue(r, request(rid), dead)
+    deliver_to(r, dead, keys.req_stream(dead))
+    r.sadd(keys.WORKERS, dead)
+    time.sleep(1.1)
+    _, inbox = start_intake(roomy(), max_deliveries=1)
+
+    [chunk] = wait_for(lambda: final_chunks(r, rid), what="the dead-letter chunk")
+    assert chunk.error.kind == "dead_letter" and "delivered 2 times (max_deliveries 1)" in chunk.error.message
+    letters = [DeadLetter.model_validate_json(f[keys.FIELD]) for _, f in r.xrange(keys.DEAD)]
+    assert [(d.request.request_id, d.deliveries, d.worker_id) for d in letters] == [(rid, 2, ME)]
+    assert r.xrange(keys.req_stream(dead), entry, entry) == []  # acked and deleted with the final chunk
+    assert r.xpending(keys.req_stream(dead), keys.GROUP)["pending"] == 0
+    assert inbox.empty()
+
+
+def test_a_cancel_that_beat_the_request_closes_it_without_the_engine(r, start_intake):
+    streams.cancel(r, "too-late")
+    streams.enqueue(r, request("too-late"), ME)
+    _, inbox = start_intake(roomy())
+    [chunk] = wait_for(lambda: final_chunks(r, "too-late"), what="the abort chunk")
+    assert (chunk.seq, chunk.finish_reason, chunk.worker_id) == (0, "abort", ME)
+    assert r.xlen(keys.req_stream(ME)) == 0 and r.xpending(keys.req_stream(ME), keys.GROUP)["pending"] == 0
+    time.sleep(QUIET_S)
+    assert inbox.empty(), "neither the request nor the cancel written before start reaches the main thread"
+
+
+def test_cancels_written_after_start_reach_the_main_thread(r, start_intake):
+    _, inbox = start_intake(roomy())
+    time.sleep(0.2)
+    streams.cancel(r, "a")
+    streams.cancel(r, "b")
+    assert [inbox.get(timeout=5), inbox.get(timeout=5)] == [Cancel("a"), Cancel("b")]
+
+
+def test_a_request_too_big_for_this_cache_goes_to_a_worker_that_holds_it(r, start_intake):
+    big = "w-big"
+    streams.publish(r, big, output_ttl_s=60, status_ttl_s=60, status=WorkerStatus(
+        worker_id=big, model="m", max_model_len=4096, block_size=16, total_blocks=512, free_blocks=500))
+    entry = streams.enqueue(r, request("huge", prompt_len=100), ME)
+    _, inbox = start_intake(roomy(total_blocks=4))
+    forwarded = wait_for(lambda: r.xrange(keys.req_stream(big)), what="the forwarded request")
+    moved = streams.parse_request(forwarded[0][1])
+    assert (moved.request_id, moved.attempt) == ("huge", 1)
+    assert r.xrange(keys.req_stream(ME), entry, entry) == []
+    assert inbox.empty()

@@ -1,0 +1,167 @@
+"""gpu_worker.serve.outbox against a real Redis: its writer thread runs as in a worker; the test plays the
+main thread. Redis's MONITOR shows which commands went in one MULTI, so "the ack goes with or after the final
+chunk" is checked on the wire, not inferred."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from gpu_worker.serve.outbox import Outbox
+from services.redis_server import RedisServer
+from shared import keys, streams
+from shared.messages import GenerationRequest, OutputChunk, WorkerStatus
+from shared.settings import Settings
+
+pytestmark = pytest.mark.integration
+
+ME = "w-out"
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    with RedisServer() as srv:
+        yield srv.url
+
+
+@pytest.fixture
+def r(redis_url):
+    client = streams.connect(redis_url)
+    client.flushall()
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def outbox(r):
+    box = Outbox(r, Settings(worker_id=ME, status_ttl_s=2.0, heartbeat_s=0.3), ME).start()
+    yield box
+    box.close()
+
+
+class Monitor:
+    """The commands Redis executes meanwhile (MONITOR), as lists of words: [['MULTI'], ['XADD', ...], ...]."""
+
+    def __init__(self, r):
+        self.r, self.commands = r, []
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with self.r.monitor() as m:
+            self._ready.set()
+            for event in m.listen():
+                if event["command"] == "GET monitor-stop":
+                    return
+                self.commands.append(event["command"].split())
+
+    def __enter__(self) -> Monitor:
+        self._thread.start()
+        self._ready.wait(5)
+        time.sleep(0.1)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.r.get("monitor-stop")
+        self._thread.join(5)
+
+    def transactions(self) -> list[list[list[str]]]:
+        """The MULTI ... EXEC blocks, each as its commands."""
+        blocks, current = [], None
+        for words in self.commands:
+            if words[0] == "MULTI":
+                current = []
+            elif words[0] == "EXEC":
+                blocks.append(current)
+                current = None
+            elif current is not None:
+                current.append(words)
+        return blocks
+
+
+def chunk(rid: str, seq: int, **kw) -> OutputChunk:
+    return OutputChunk(request_id=rid, seq=seq, token_ids=[seq + 10], text=f"t{seq}", worker_id=ME, **kw)
+
+
+def status(**kw) -> WorkerStatus:
+    return WorkerStatus(**{"worker_id": ME, "model": "m", "max_model_len": 1024, "block_size": 16,
+                           "total_blocks": 64, "free_blocks": 64, **kw})
+
+
+def a_pending_entry(r, rid: str) -> streams.Ack:
+    """A request on this worker's stream, delivered to it (pending until acked)."""
+    streams.ensure_group(r, keys.req_stream(ME))
+    streams.enqueue(r, GenerationRequest(request_id=rid, prompt_token_ids=[1, 2, 3]), ME)
+    [delivery] = streams.read_requests(r, ME, {keys.req_stream(ME): ">"}, count=1)
+    return delivery.ack
+
+
+def wait_for(predicate, timeout_s: float = 5.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_chunks_in_order_and_the_ack_with_the_final_one(r, outbox):
+    ack = a_pending_entry(r, "r1")
+    with Monitor(r) as mon:
+        outbox.send([chunk("r1", 0), chunk("r1", 1)])
+        outbox.send([chunk("r1", 2)])
+        outbox.send([chunk("r1", 3, final=True, finish_reason="length")], ack)
+        wait_for(lambda: r.xpending(ack.stream, keys.GROUP)["pending"] == 0, what="the ack")
+
+    written = streams.read_all_chunks(r, "r1")
+    assert [(c.seq, c.text, c.final) for c in written] == [(0, "t0", False), (1, "t1", False), (2, "t2", False),
+                                                          (3, "t3", True)]
+    assert r.xlen(ack.stream) == 0  # acked and deleted
+    assert 0 < r.pttl(keys.out_stream("r1")) <= 3600 * 1000
+    out = keys.out_stream("r1")
+    acked_in = [block for block in mon.transactions() if ["XACK", ack.stream, keys.GROUP, ack.entry_id] in block]
+    assert len(acked_in) == 1, mon.commands
+    block = acked_in[0]
+    final_xadd = max(i for i, words in enumerate(block) if words[:2] == ["XADD", out])
+    assert block.index(["XACK", ack.stream, keys.GROUP, ack.entry_id]) > final_xadd
+    assert ["XDEL", ack.stream, ack.entry_id] in block
+    xadds = [words for b in mon.transactions() for words in b if words[:2] == ["XADD", out]]
+    assert len(xadds) == 4, "each chunk written once"
+
+
+def test_status_published_with_its_ttl_and_refreshed_by_the_heartbeat(r, outbox):
+    outbox.set_status(status(free_blocks=40))
+    raw = wait_for(lambda: r.get(keys.status(ME)), what="the status")
+    first = WorkerStatus.model_validate_json(raw)
+    assert first.free_blocks == 40
+    assert 0 < r.pttl(keys.status(ME)) <= 2000
+    assert r.sismember(keys.WORKERS, ME)
+    later = wait_for(lambda: (s := WorkerStatus.model_validate_json(r.get(keys.status(ME)))).heartbeat
+                     > first.heartbeat and s, what="a heartbeat")
+    assert later.free_blocks == 40  # unchanged state, published again so it does not expire
+
+    outbox.close()
+    assert r.get(keys.status(ME)) is None, "closing removes the status: others take over at once"
+
+
+def test_reservations_of_taken_requests_go_with_the_status_that_counts_them(r, outbox):
+    r.hset(keys.reserved(ME), mapping={"taken-1": 3, "taken-2": 2, "still-queued": 5})
+    with Monitor(r) as mon:
+        outbox.set_status(status(free_blocks=59), taken=["taken-1", "taken-2"])
+        wait_for(lambda: r.hlen(keys.reserved(ME)) == 1, what="the reservations to go")
+    assert r.hgetall(keys.reserved(ME)) == {"still-queued": "5"}
+    [block] = [b for b in mon.transactions() if any(w[0] == "HDEL" for w in b)]
+    assert [w[:2] for w in block] == [["SET", keys.status(ME)], ["SADD", keys.WORKERS], ["HDEL", keys.reserved(ME)]]
+    assert sorted(block[2][2:]) == ["taken-1", "taken-2"]
+    assert WorkerStatus.model_validate_json(r.get(keys.status(ME))).free_blocks == 59
+
+
+def test_a_hand_back_requeues_on_the_shared_stream_and_acks_the_entry(r, outbox):
+    ack = a_pending_entry(r, "back")
+    outbox.hand_back(GenerationRequest(request_id="back", prompt_token_ids=[1, 2, 3], attempt=1), ack)
+    wait_for(lambda: r.xlen(keys.REQ_ANY) == 1, what="the requeued request")
+    [(_, fields)] = r.xrange(keys.REQ_ANY)
+    assert streams.parse_request(fields).attempt == 1
+    assert r.xlen(ack.stream) == 0 and r.xpending(ack.stream, keys.GROUP)["pending"] == 0
