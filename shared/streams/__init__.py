@@ -1,0 +1,84 @@
+"""Every Redis command kvfleet sends lives in this package, as a named operation; no other module imports
+redis (tests/unit/test_layering.py keeps it so). Callers use the names below (`streams.aread_fleet(r)`,
+`streams.publish(r, ...)`) and catch RedisError / CONNECTION_ERRORS from here.
+
+  client    connect / connect_async, the Lua-script runner (each atomic step is one LuaScript), error types
+  requests  enqueue (routed with its reservation, or the bounded shared stream) and cancels
+  output    numbered output chunks: written by workers, read back once each by gateways and services
+  fleet     live workers, reservations and the snapshot; the round-robin turn; the prefix index
+  jobs      job records: a request id placed by services enters the fleet at most once
+  worker    a worker's intake (group reads, takeover, dead letters, cancels) and outbox (one MULTI a flush)
+
+Key names come from shared.keys; messages are shared.messages' pydantic models, as JSON in one field.
+"""
+
+from shared.streams.client import (  # noqa: F401
+    CONNECTION_ERRORS,
+    Client,
+    LuaScript,
+    RedisError,
+    arun_script,
+    connect,
+    connect_async,
+    run_script,
+)
+from shared.streams.fleet import (  # noqa: F401
+    PREFIX_TTL_S,
+    afleet_snapshot,
+    anext_turn,
+    aping,
+    aprefix_owners,
+    aread_fleet,
+    aremember_prefix,
+)
+from shared.streams.jobs import (  # noqa: F401
+    JOB_SCAN_PAGE,
+    aclaim_job,
+    afinish_job,
+    aget_job,
+    areplace_job,
+    arequest_in_fleet,
+)
+from shared.streams.output import (  # noqa: F401
+    ChunkDeduper,
+    OutputTimeout,
+    add_chunk_commands,
+    aiter_output,
+    aoutput_exists,
+    iter_output,
+    output_exists,
+    read_all_chunks,
+)
+from shared.streams.requests import (  # noqa: F401
+    CANCEL_MARK_TTL_S,
+    CANCEL_STREAM_MAXLEN,
+    acancel,
+    aenqueue,
+    aenqueue_routed,
+    aenqueue_shared,
+    cancel,
+    cancel_commands,
+    enqueue,
+    enqueue_commands,
+    parse_request,
+)
+from shared.streams.worker import (  # noqa: F401
+    DEAD_LETTER_MAXLEN,
+    Ack,
+    Delivery,
+    ack_and_delete,
+    ack_commands,
+    cancel_cursor,
+    claim_pending,
+    dead_letter,
+    ensure_group,
+    forward,
+    is_cancelled,
+    other_workers,
+    prune_dead_worker,
+    publish,
+    read_cancels,
+    read_requests,
+    remove_status,
+    shared_head,
+)

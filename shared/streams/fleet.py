@@ -1,0 +1,86 @@
+"""Fleet reads: live workers, their reservations and the streams (what the gateway routes on and what
+/v1/fleet, `kvfleet status` / `top` and the fleet gauges show), the round-robin turn, and the prefix index."""
+
+from __future__ import annotations
+
+import time
+
+import redis
+import redis.asyncio as aioredis
+
+from shared import fleet_state, keys
+from shared.fleet_state import FleetSnapshot, FleetView, StreamInfo
+from shared.messages import WorkerStatus
+
+# ---- fleet reads ----------------------------------------------------------------------------------
+# What the gateway routes on, and what GET /v1/fleet, `kvfleet status` / `top` and the gateway's fleet
+# gauges show (shaped by shared.fleet_state). Read afresh for each request, so gateway replicas agree
+# without talking to each other.
+
+async def aping(r: aioredis.Redis) -> None:
+    """Raises (a RedisError) unless Redis answers."""
+    await r.ping()
+
+
+async def aread_fleet(r: aioredis.Redis) -> FleetView:
+    """Every worker ever seen: the live ones (status present) with the blocks reserved on them, the dead ones."""
+    members = sorted(await r.smembers(keys.WORKERS))
+    if not members:
+        return FleetView()
+    pipe = r.pipeline(transaction=False)
+    for w in members:
+        pipe.get(keys.status(w))
+        pipe.hvals(keys.reserved(w))
+    replies = await pipe.execute()
+    view = FleetView()
+    for w, raw, reserved in zip(members, replies[0::2], replies[1::2], strict=True):
+        if raw is None:
+            view.dead.append(w)
+            continue
+        view.live.append(WorkerStatus.model_validate_json(raw))
+        view.reservations[w] = sum(int(v) for v in reserved)
+    return view
+
+
+async def _astream_info(r: aioredis.Redis, stream: str) -> StreamInfo:
+    pipe = r.pipeline(transaction=False)
+    pipe.xlen(stream)
+    pipe.xinfo_groups(stream)
+    try:
+        length, groups = await pipe.execute()
+    except redis.ResponseError:  # no such stream
+        return {"length": 0, "pending": 0}
+    return {"length": length, "pending": sum(g.get("pending", 0) for g in groups)}
+
+
+async def afleet_snapshot(r: aioredis.Redis) -> FleetSnapshot:
+    """The fleet at a glance: workers, request streams with their pending counts, dead letters."""
+    view = await aread_fleet(r)
+    infos = {name: await _astream_info(r, name) for name in fleet_state.snapshot_streams(view)}
+    return fleet_state.snapshot(view, infos, await r.xlen(keys.DEAD), time.time())
+
+
+async def anext_turn(r: aioredis.Redis) -> int:
+    """The next round-robin turn, counted in Redis so that gateway replicas share one rotation."""
+    return await r.incr(keys.ROUND_ROBIN)
+
+
+# ---- prefix index ---------------------------------------------------------------------------------
+# The `prefix` routing policy's approximate view of each worker's prefix cache: the worker each prompt block
+# (by its chained hash, shared.blocks.block_hashes) was last routed to, shared by gateway replicas, with a TTL.
+
+PREFIX_TTL_S = 600
+
+
+async def aprefix_owners(r: aioredis.Redis, hashes: list[str]) -> list[str | None]:
+    """The worker each block was last routed to; None where none was (or its entry expired)."""
+    return await r.mget([keys.prefix_block(h) for h in hashes]) if hashes else []
+
+
+async def aremember_prefix(r: aioredis.Redis, hashes: list[str], worker_id: str, *,
+                           ttl_s: float = PREFIX_TTL_S) -> None:
+    """These blocks were just routed to `worker_id`."""
+    pipe = r.pipeline(transaction=False)
+    for h in hashes:
+        pipe.set(keys.prefix_block(h), worker_id, ex=int(ttl_s))
+    await pipe.execute()

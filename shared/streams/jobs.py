@@ -1,0 +1,82 @@
+"""Job records of request ids placed by services (Celery, the client, batch files): each id enters the fleet
+at most once (services.job_record holds the protocol)."""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+
+from shared import keys
+from shared.streams.client import LuaScript, arun_script
+from shared.streams.output import aoutput_exists
+from shared.streams.requests import parse_request
+
+# ---- job records ----------------------------------------------------------------------------------
+# kvfleet:job:{request} as JSON text, and the fleet's streams searched for a request. services.job_record
+# owns the protocol (the record's states and who may move it on); these are its atomic steps.
+
+JOB_SCAN_PAGE = 500
+
+# KEYS[1] record; ARGV: our placing record, now, lease seconds, ttl ms -> {1 fresh | 2 taken over | 0 held, old}
+_CLAIM_JOB = LuaScript("""
+local cur = redis.call('GET', KEYS[1])
+if cur then
+  local ok, rec = pcall(cjson.decode, cur)
+  if not (ok and rec.state == 'placing' and tonumber(ARGV[2]) - tonumber(rec.since) > tonumber(ARGV[3])) then
+    return {0, cur}
+  end
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[4])
+if cur then return {2, cur} end
+return {1, ''}
+""")
+
+# KEYS[1] record; ARGV: expected value, new value ('' deletes), ttl ms -> 1 replaced | 0 not ours any more
+_REPLACE_JOB = LuaScript("""
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if ARGV[2] == '' then redis.call('DEL', KEYS[1]) else redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) end
+return 1
+""")
+
+
+async def aclaim_job(r: aioredis.Redis, request_id: str, lease: str, *, now: float, lease_s: float,
+                     ttl_s: float) -> tuple[int, str]:
+    """Write `lease` as the request's record unless one is there that is not a placing record older than
+    `lease_s`, atomically: (1, "") the id was free, (2, old) a stale lease was taken over, (0, current) held."""
+    outcome, old = await arun_script(r, _CLAIM_JOB, [keys.job(request_id)],
+                                     [lease, now, lease_s, int(ttl_s * 1000)])
+    return int(outcome), old
+
+
+async def areplace_job(r: aioredis.Redis, request_id: str, expected: str, new: str, *, ttl_s: float = 0.0) -> bool:
+    """Compare and set: the record becomes `new` ("" deletes it) only if it still is `expected`."""
+    return bool(await arun_script(r, _REPLACE_JOB, [keys.job(request_id)], [expected, new, int(ttl_s * 1000)]))
+
+
+async def aget_job(r: aioredis.Redis, request_id: str) -> str | None:
+    return await r.get(keys.job(request_id))
+
+
+async def afinish_job(r: aioredis.Redis, request_id: str, record: str, *, ttl_s: float,
+                      output_ttl_s: float) -> None:
+    """Store the finished record, and let the output stream expire in `output_ttl_s`, in one MULTI."""
+    pipe = r.pipeline(transaction=True)
+    pipe.set(keys.job(request_id), record, px=int(ttl_s * 1000))
+    pipe.pexpire(keys.out_stream(request_id), int(output_ttl_s * 1000))
+    await pipe.execute()
+
+
+async def arequest_in_fleet(r: aioredis.Redis, request_id: str) -> bool:
+    """Was the request enqueued? Its entry stays in a request stream until the worker writes its final chunk
+    (the ack and XDEL go in the same MULTI as that chunk), so: look in the streams first, then for output."""
+    names = [keys.REQ_ANY] + [keys.req_stream(w) for w in sorted(await r.smembers(keys.WORKERS))]
+    for name in names:
+        start = "-"
+        while True:
+            entries = await r.xrange(name, min=start, max="+", count=JOB_SCAN_PAGE)
+            for _entry_id, fields in entries:
+                if request_id in fields.get(keys.FIELD, "") and parse_request(fields).request_id == request_id:
+                    return True
+            if len(entries) < JOB_SCAN_PAGE:
+                break
+            start = "(" + entries[-1][0]
+    return await aoutput_exists(r, request_id)

@@ -1,0 +1,114 @@
+"""Requests into the fleet: the atomic route-reserve-enqueue on a worker's stream, the shared stream with its
+bound, and cancels (a marker, so a cancel that beats its request to a worker still counts, and a stream every
+worker reads)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+import redis.asyncio as aioredis
+
+from shared import keys
+from shared.messages import GenerationRequest
+from shared.streams.client import LuaScript, arun_script
+
+CANCEL_STREAM_MAXLEN = 10_000
+CANCEL_MARK_TTL_S = 3600
+
+
+# ---- requests -------------------------------------------------------------------------------------
+
+# Atomic "reserve and enqueue on a worker, if it still has the room the router saw": the status and the
+# reservations are re-read inside Redis, so concurrent gateways never over-commit a worker.
+_ENQUEUE_ROUTED = LuaScript("""
+local blocks, min_headroom = tonumber(ARGV[2]), tonumber(ARGV[3])
+if min_headroom >= 0 then
+  local raw = redis.call('GET', KEYS[1])
+  if not raw then return false end
+  local s = cjson.decode(raw)
+  local reserved = 0
+  for _, v in ipairs(redis.call('HVALS', KEYS[2])) do reserved = reserved + tonumber(v) end
+  if s['free_blocks'] - s['promised_blocks'] - reserved - blocks < min_headroom then return false end
+end
+if blocks > 0 then
+  redis.call('HSET', KEYS[2], ARGV[1], blocks)
+  redis.call('PEXPIRE', KEYS[2], ARGV[4])
+end
+return redis.call('XADD', KEYS[3], '*', ARGV[6], ARGV[5])
+""")
+
+# Atomic "enqueue on the shared stream unless more than `bound` requests already wait there untaken".
+_ENQUEUE_SHARED = LuaScript("""
+local bound = tonumber(ARGV[1])
+if bound >= 0 then
+  local waiting = redis.call('XLEN', KEYS[1])
+  local pending = redis.pcall('XPENDING', KEYS[1], ARGV[2])
+  if type(pending) == 'table' and pending['err'] == nil then waiting = waiting - pending[1] end
+  if waiting >= bound then return false end
+end
+return redis.call('XADD', KEYS[1], '*', ARGV[4], ARGV[3])
+""")
+
+
+def enqueue_commands(pipe: Any, request: GenerationRequest, worker_id: str | None,
+                     *, reservation_ttl_s: float = 30.0) -> None:
+    """Queue on `pipe` (sync or async pipeline): the reservation of the request's blocks on the chosen
+    worker, then the XADD to its stream (kvfleet:req:any when `worker_id` is None). No capacity checks."""
+    if worker_id is not None and request.kv_blocks > 0:
+        pipe.hset(keys.reserved(worker_id), request.request_id, request.kv_blocks)
+        pipe.pexpire(keys.reserved(worker_id), int(reservation_ttl_s * 1000))
+    stream = keys.REQ_ANY if worker_id is None else keys.req_stream(worker_id)
+    pipe.xadd(stream, {keys.FIELD: request.model_dump_json()})
+
+
+def enqueue(r: redis.Redis, request: GenerationRequest, worker_id: str | None, **kw: Any) -> str:
+    pipe = r.pipeline(transaction=True)
+    enqueue_commands(pipe, request, worker_id, **kw)
+    return pipe.execute()[-1]
+
+
+async def aenqueue(r: aioredis.Redis, request: GenerationRequest, worker_id: str | None, **kw: Any) -> str:
+    pipe = r.pipeline(transaction=True)
+    enqueue_commands(pipe, request, worker_id, **kw)
+    return (await pipe.execute())[-1]
+
+
+async def aenqueue_routed(r: aioredis.Redis, request: GenerationRequest, worker_id: str, *,
+                          min_headroom: int | None, reservation_ttl_s: float = 30.0) -> str | None:
+    """Reserve `request.kv_blocks` on the worker and enqueue there, atomically; with `min_headroom` set, only
+    if the worker's free blocks less queued and reserved ones still leave that many after this request.
+    None: it no longer fits (route again)."""
+    return await arun_script(
+        r, _ENQUEUE_ROUTED, [keys.status(worker_id), keys.reserved(worker_id), keys.req_stream(worker_id)],
+        [request.request_id, request.kv_blocks, -1 if min_headroom is None else min_headroom,
+         int(reservation_ttl_s * 1000), request.model_dump_json(), keys.FIELD])
+
+
+async def aenqueue_shared(r: aioredis.Redis, request: GenerationRequest, *, bound: int | None) -> str | None:
+    """Enqueue on kvfleet:req:any, atomically refusing (None) when `bound` requests already wait untaken."""
+    return await arun_script(r, _ENQUEUE_SHARED, [keys.REQ_ANY],
+                             [-1 if bound is None else bound, keys.GROUP, request.model_dump_json(), keys.FIELD])
+
+
+def parse_request(fields: dict[str, str]) -> GenerationRequest:
+    return GenerationRequest.model_validate_json(fields[keys.FIELD])
+
+
+# ---- cancels --------------------------------------------------------------------------------------
+
+def cancel_commands(pipe: Any, request_id: str) -> None:
+    pipe.set(keys.cancelled(request_id), 1, ex=CANCEL_MARK_TTL_S)
+    pipe.xadd(keys.CANCEL, {keys.FIELD: request_id}, maxlen=CANCEL_STREAM_MAXLEN, approximate=True)
+
+
+def cancel(r: redis.Redis, request_id: str) -> None:
+    pipe = r.pipeline(transaction=False)
+    cancel_commands(pipe, request_id)
+    pipe.execute()
+
+
+async def acancel(r: aioredis.Redis, request_id: str) -> None:
+    pipe = r.pipeline(transaction=False)
+    cancel_commands(pipe, request_id)
+    await pipe.execute()
