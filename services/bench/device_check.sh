@@ -2,13 +2,13 @@
 # GPU check for kernels/: the kernel tests compiled on CUDA (not interpreted), then the decode-attention
 # benchmark. One short run (about 3-5 minutes on an H100/H200). Needs python3 with torch, triton, pytest and
 # pytest-timeout (the device image has them; nothing is installed). Run from the repository root:
-#     bash kernels/device_check.sh
+#     bash services/bench/device_check.sh
 # Results go to $OUT (default /tmp/kvfleet-device-check): env.txt, kernel_tests.log, bench.log, bench.json,
 # bench_splits.log, bench_splits.json. Exit status: nonzero if the tests or the bench failed.
 set -uo pipefail
 OUT=${OUT:-/tmp/kvfleet-device-check}
 mkdir -p "$OUT"
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 unset TRITON_INTERPRET
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TRITON_DEFAULT_FP_FUSION=1
 PY=${PYTHON:-python3}
