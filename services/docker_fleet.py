@@ -130,15 +130,24 @@ def docker_host() -> str:
     return kwargs_from_env().get("base_url", DEFAULT_DOCKER_HOST)
 
 
-def start_docker_fleet(args: argparse.Namespace) -> int:
-    """Run the fleet of `kvfleet up --docker` until Ctrl-C / SIGTERM; returns the exit status."""
-    specs = fleet_container_specs(
+def specs_from_args(args: argparse.Namespace) -> list[ContainerSpec]:
+    """The containers for `kvfleet up --docker ...`: the flags as services.launcher parses them (the worker
+    flags it passes through arrive as strings)."""
+    num_kv_blocks = getattr(args, "num_kv_blocks", None)
+    drain_timeout = getattr(args, "drain_timeout", None)
+    return fleet_container_specs(
         workers=getattr(args, "workers", 2), model=getattr(args, "model", None) or "smollm2",
         port=getattr(args, "port", GATEWAY_PORT), device=getattr(args, "device", None) or "cpu",
         redis_url=getattr(args, "redis_url", None), routing=getattr(args, "routing", None) or "free_blocks",
-        api_keys=getattr(args, "api_key", None) or (), drain_timeout=getattr(args, "drain_timeout", None) or 30,
-        dtype=getattr(args, "dtype", None), num_kv_blocks=getattr(args, "num_kv_blocks", None),
+        api_keys=getattr(args, "api_keys", None) or (),
+        drain_timeout=30 if drain_timeout is None else round(float(drain_timeout)),
+        dtype=getattr(args, "dtype", None), num_kv_blocks=None if num_kv_blocks is None else int(num_kv_blocks),
         kv_cache_memory=getattr(args, "kv_cache_memory", None), gpu_ids=getattr(args, "gpu_ids", None) or ("0",))
+
+
+def start_docker_fleet(args: argparse.Namespace) -> int:
+    """Run the fleet of `kvfleet up --docker` until Ctrl-C / SIGTERM; returns the exit status."""
+    specs = specs_from_args(args)
     try:
         client = docker.from_env()
         client.ping()

@@ -1,6 +1,12 @@
 """Start a whole fleet on this machine (`kvfleet up`): a private Redis (unless --redis-url is given), the
-gateway and N workers as child processes. Prints where the API is. Ctrl-C or SIGTERM stops every child (by
-PID: SIGTERM, then SIGKILL after a grace period) and the private Redis, leaving nothing running.
+gateway and N workers as child processes. Prints where the API is.
+
+It supervises them: a child that exits (a worker or the gateway) is started again with the same command (same
+worker id, same port) after a backoff (services.supervisor: 1 s doubling to 30 s), and the launcher prints why
+it ended; the rest of the fleet keeps serving meanwhile. A child in a crash loop (it exits again after 5
+restarts within 60 s) stays down, with a message saying so. A private Redis that dies is started again once on
+the same port; if that fails the fleet stops. Otherwise only Ctrl-C or SIGTERM stops the fleet: every child by
+PID (SIGTERM, so workers drain; SIGKILL after a grace period), then the private Redis, leaving nothing running.
 """
 
 from __future__ import annotations
@@ -10,9 +16,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections import deque
+from typing import IO
 
 from services.redis_server import RedisServer
+from services.supervisor import ChildRestarts, RestartPolicy, exit_reason
 from shared.settings import Settings, child_env, is_set, redacted_url
 
 # worker flags passed through as they are: (flag, dest)
@@ -21,6 +31,9 @@ WORKER_FLAGS = [("--num-kv-blocks", "num_kv_blocks"), ("--kv-cache-memory", "kv_
                 ("--max-num-batched-tokens", "max_num_batched_tokens"), ("--max-model-len", "max_model_len"),
                 ("--scheduling-policy", "scheduling_policy"), ("--dtype", "dtype"), ("--device", "device"),
                 ("--drain-timeout", "drain_timeout"), ("--log-memory-usage", "log_memory_usage")]
+STDERR_TAIL_LINES = 5  # of a child's stderr, printed with the reason it exited
+# The private Redis holds no data worth a wait: restart it at once, but only once within a minute.
+REDIS_POLICY = RestartPolicy(first_delay_s=0.0, max_restarts=1)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -47,12 +60,13 @@ def _child_env(settings: Settings) -> dict[str, str]:
     return env
 
 
-def fleet_commands(args: argparse.Namespace, settings: Settings, private: bool) -> list[list[str]]:
+def fleet_commands(args: argparse.Namespace, settings: Settings, private: bool) -> list[tuple[str, list[str]]]:
+    """(name, command) of each child: the gateway, then the workers (named by their worker id)."""
     cli = [sys.executable, "-m", "services.cli"]
     gateway = cli + ["gateway", "--host", args.host, "--port", str(args.port), "--model", settings.model]
     if args.routing:
         gateway += ["--routing", args.routing]
-    cmds = [gateway]
+    cmds = [("gateway", gateway)]
     for i in range(args.workers):
         wid = f"w{i}" if private else f"{os.uname().nodename}-{args.port}-w{i}"
         cmd = cli + ["worker", "--model", settings.model, "--worker-id", wid]
@@ -63,24 +77,122 @@ def fleet_commands(args: argparse.Namespace, settings: Settings, private: bool) 
             cmd.append("--no-enable-prefix-caching")
         if args.metrics_port_base is not None:
             cmd += ["--metrics-port", str(args.metrics_port_base + i)]
-        cmds.append(cmd)
+        cmds.append((wid, cmd))
     return cmds
 
 
-def _wait_ready(url: str, procs: list[subprocess.Popen], timeout_s: float, stopping: list) -> bool:
+def _relay(pipe: IO[bytes], tail: deque[str]) -> None:
+    """Copy a child's stderr to ours line by line, keeping its last lines. Reads to the end even when ours is
+    gone (a closed pipe), so the child never blocks on a full one."""
+    copy = True
+    for line in iter(pipe.readline, b""):
+        tail.append(line.decode(errors="replace"))
+        try:
+            if copy and hasattr(sys.stderr, "buffer"):
+                sys.stderr.buffer.write(line)
+                sys.stderr.buffer.flush()
+            elif copy:
+                sys.stderr.write(tail[-1])
+        except (OSError, ValueError):  # our stderr is closed: keep the tail, drop the copy
+            copy = False
+    pipe.close()
+
+
+class Child:
+    """One process of the fleet: started again with the same command (and worker id) when it exits. It learns
+    how often it was restarted from KVFLEET_RESTARTS (a worker publishes it in its status)."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], restarts: ChildRestarts):
+        self.name, self.cmd, self.env, self.restarts = name, cmd, env, restarts
+        self.proc: subprocess.Popen | None = None  # None while it waits for its restart, or stays down
+        self.pid = 0
+        self.tail: deque[str] = deque(maxlen=STDERR_TAIL_LINES)
+        self._relay: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.restarts.started()
+        self.tail = deque(maxlen=STDERR_TAIL_LINES)  # a fresh one: the last run's reader may still be finishing
+        env = dict(self.env, KVFLEET_RESTARTS=str(self.restarts.restarts))
+        self.proc = subprocess.Popen(self.cmd, env=env, stderr=subprocess.PIPE, start_new_session=True)
+        self.pid = self.proc.pid
+        self._relay = threading.Thread(target=_relay, args=(self.proc.stderr, self.tail), daemon=True,
+                                       name=f"stderr-{self.name}")
+        self._relay.start()
+
+    def poll(self) -> int | None:
+        """Its return code if it exited since the last look (once its last stderr lines are in), else None."""
+        if self.proc is None or self.proc.poll() is None:
+            return None
+        code = self.proc.returncode
+        self.proc = None
+        self.join()
+        return code
+
+    def join(self) -> None:
+        if self._relay is not None:
+            self._relay.join(timeout=1.0)
+
+
+def _wait_ready(url: str, children: list[Child], timeout_s: float, stopping: list) -> str | None:
+    """None once the gateway answers `url`; else why not (a child exited, or the time ran out)."""
     import httpx
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and not stopping:
-        if any(p.poll() is not None for p in procs):
-            return False
+        for c in children:
+            if (code := c.poll()) is not None:
+                return f"{c.name} (pid {c.pid}) {exit_reason(code, c.tail)}"
         try:
             if httpx.get(url, timeout=2).status_code == 200:
-                return True
+                return None
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    return False
+    return "stopped" if stopping else f"no answer from {url} within --startup-timeout {timeout_s:g}s"
+
+
+def _note_exit(c: Child, code: int) -> None:
+    reason = exit_reason(code, c.tail)
+    delay = c.restarts.exited()
+    if delay is not None:
+        say(f"{c.name} (pid {c.pid}) {reason}; starting it again in {delay:g}s with the same command "
+            "(the rest of the fleet keeps serving)", err=True)
+        return
+    p = c.restarts.policy
+    say(f"{c.name} (pid {c.pid}) {reason}.\nkvfleet: {c.name} is in a crash loop: started again "
+        f"{c.restarts.recent_restarts()} times within {p.window_s:g}s, it exited each time ({c.restarts.exits} "
+        "exits in all). It stays down; the rest of the fleet keeps running. Find the cause in its log above, fix "
+        "it, then restart the fleet (Ctrl-C, then `kvfleet up` again).", err=True)
+
+
+def _keep_redis(server: RedisServer, record: ChildRestarts) -> bool:
+    """Start the private Redis again (once, on the same port) if it died; False when it cannot be kept."""
+    if server.proc is None or server.proc.poll() is None:
+        return True
+    pid, port = server.proc.pid, server.port
+    reason = exit_reason(server.proc.returncode, server.log_tail().splitlines()[-STDERR_TAIL_LINES:])
+    if record.exited() is None:
+        say(f"the private Redis (pid {pid}) {reason}, again within {record.policy.window_s:g}s of its restart; "
+            "stopping the fleet. Find the cause (memory? a signal from outside?), or give a Redis you run "
+            "yourself with --redis-url.", err=True)
+        return False
+    say(f"the private Redis (pid {pid}) {reason}; starting it again on port {port} (what it held is lost: "
+        "requests in flight fail)", err=True)
+    server.stop()
+    server.port = port
+    try:
+        server.start()
+    except RuntimeError as e:
+        say(f"cannot start the private Redis again: {e}; stopping the fleet", err=True)
+        return False
+    if server.port != port:
+        server.stop()
+        say(f"port {port} of the private Redis was taken meanwhile, and its clients know only that port; "
+            "stopping the fleet", err=True)
+        return False
+    record.started()
+    say(f"private Redis running again at {server.url} (pid {server.proc.pid})")
+    return True
 
 
 def stop_all(procs: list[subprocess.Popen], grace_s: float) -> None:
@@ -96,6 +208,10 @@ def stop_all(procs: list[subprocess.Popen], grace_s: float) -> None:
             p.wait()
 
 
+def say(message: str, err: bool = False) -> None:
+    print(f"kvfleet: {message}", file=sys.stderr if err else sys.stdout, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.docker:
         from services.docker_fleet import start_docker_fleet
@@ -108,40 +224,47 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
     signal.signal(signal.SIGINT, lambda *_: stopping.append(1))
     redis_server = None
-    procs: list[subprocess.Popen] = []
+    children: list[Child] = []
     code = 0
     try:
         if args.redis_url is None and not is_set("redis_url"):
             redis_server = RedisServer().start()
             settings = settings.with_overrides(redis_url=redis_server.url)
-            print(f"kvfleet: private Redis at {redis_server.url} (pid {redis_server.proc.pid})", flush=True)
+            say(f"private Redis at {redis_server.url} (pid {redis_server.proc.pid})")
         env = _child_env(settings)
-        for cmd in fleet_commands(args, settings, private=redis_server is not None):
-            procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
-        print(f"kvfleet: starting gateway (pid {procs[0].pid}) and {args.workers} worker(s) "
-              f"({', '.join(str(p.pid) for p in procs[1:])}) serving {settings.model}; Redis "
-              f"{redacted_url(settings.redis_url)}", flush=True)
+        for name, cmd in fleet_commands(args, settings, private=redis_server is not None):
+            children.append(Child(name, cmd, env, ChildRestarts()))
+            children[-1].start()
+        say(f"starting gateway (pid {children[0].pid}) and {args.workers} worker(s) "
+            f"({', '.join(str(c.pid) for c in children[1:])}) serving {settings.model}; Redis "
+            f"{redacted_url(settings.redis_url)}")
         base = f"http://{args.host}:{args.port}"
-        if not _wait_ready(base + "/health", procs, args.startup_timeout, stopping):
-            if not stopping:
-                print("kvfleet: the fleet did not come up (see the log above)", file=sys.stderr, flush=True)
+        why = _wait_ready(base + "/health", children, args.startup_timeout, stopping)
+        if why is not None:
+            if not stopping:  # a child that dies while the fleet starts has a configuration to fix
+                say(f"the fleet did not come up: {why}", err=True)
                 code = 1
             return code
-        print(f"kvfleet: ready. OpenAI-compatible API at {base}/v1  (model {settings.model!r}; "
-              f"try: curl {base}/v1/models). Ctrl-C stops the fleet.", flush=True)
+        say(f"ready. OpenAI-compatible API at {base}/v1  (model {settings.model!r}; "
+            f"try: curl {base}/v1/models). Ctrl-C stops the fleet.")
+        redis_record = ChildRestarts(REDIS_POLICY)
         while not stopping:
-            dead = [p for p in procs if p.poll() is not None]
-            if dead:
-                print(f"kvfleet: process {dead[0].pid} exited with {dead[0].returncode}; stopping the fleet",
-                      file=sys.stderr, flush=True)
-                code = 1
-                break
-            time.sleep(0.5)
+            for c in children:
+                if (exit_code := c.poll()) is not None:
+                    _note_exit(c, exit_code)
+                elif c.restarts.due():
+                    c.start()
+                    say(f"{c.name} started again as pid {c.pid} (restart {c.restarts.restarts})")
+            if redis_server is not None and not _keep_redis(redis_server, redis_record):
+                return 1
+            time.sleep(0.2)
         return code
     finally:
-        print("kvfleet: stopping", flush=True)
+        say("stopping")
         drain = float(args.drain_timeout) if args.drain_timeout is not None else 30.0
-        stop_all(procs, grace_s=drain + 5)
+        stop_all([c.proc for c in children if c.proc is not None], grace_s=drain + 5)
+        for c in children:
+            c.join()
         if redis_server is not None:
             redis_server.stop()
-        print("kvfleet: stopped", flush=True)
+        say("stopped")

@@ -1,6 +1,6 @@
 """Show the fleet at a glance (`kvfleet status`): one frame of `kvfleet top` from a single read: each live
-worker (model, free/total and reserved KV blocks, running, waiting, TTFT, heartbeat age), dead workers,
-stream lengths, pending counts and lag, dead letters."""
+worker (model, free/total and reserved KV blocks, running, waiting, TTFT, restarts, heartbeat age), dead
+workers, stream lengths, pending counts and lag, dead letters."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """A live terminal view of the fleet (`kvfleet top`): each worker with its model, a free-KV-block bar, reserved
-blocks, running and waiting requests, tokens/s and TTFT percentiles; the request streams with their length,
-pending and lag. Refreshes every --interval seconds; q or Ctrl-C quits. `--once` prints one plain-text frame
-(for scripts). `kvfleet status` prints the same frame from a single read.
+blocks, running and waiting requests, tokens/s, TTFT percentiles and restarts (by `kvfleet up`); the request
+streams with their length, pending and lag. Refreshes every --interval seconds; q or Ctrl-C quits. `--once`
+prints one plain-text frame (for scripts). `kvfleet status` prints the same frame from a single read.
 
 Everything comes from Redis (the workers' statuses and the streams: shared.streams.afleet_snapshot); tokens/s
 is the change of each worker's generated-token count between two reads.
@@ -75,12 +75,13 @@ def _model(name: str) -> str:
     return name if len(name) <= MODEL_WIDTH else "…" + name[-(MODEL_WIDTH - 1):]
 
 
-def render(now: Sample, prev: Sample | None, width: int = 140) -> list[str]:
+def render(now: Sample, prev: Sample | None, width: int = 150) -> list[str]:
     """One frame as lines (no colors): the curses view, --once and `kvfleet status` print the same. Without
     `prev` (one read) tokens/s shows "-"."""
     snap = now.snap
     lines = [f"{'WORKER':<20} {'MODEL':<{MODEL_WIDTH}} {'FREE KV BLOCKS':<{BAR_WIDTH + 2}} {'FREE/TOTAL':>11} "
-             f"{'RESV':>5} {'RUN':>4} {'WAIT':>4} {'TOK/S':>7} {'TTFT p50/p95/p99 ms':>20} {'PREEMPT':>7} {'HB':>5}"]
+             f"{'RESV':>5} {'RUN':>4} {'WAIT':>4} {'TOK/S':>7} {'TTFT p50/p95/p99 ms':>20} {'PREEMPT':>7} "
+             f"{'RESTARTS':>8} {'HB':>5}"]
     total_tps = 0.0
     for w in sorted(snap["workers"], key=lambda w: w["worker_id"]):
         tps = tokens_per_s(now, prev, w["worker_id"])
@@ -91,6 +92,7 @@ def render(now: Sample, prev: Sample | None, width: int = 140) -> list[str]:
                      f"{bar(w['free_blocks'], w['total_blocks'])} {w['free_blocks']:>5}/{w['total_blocks']:<5} "
                      f"{w['reserved_blocks']:>5} {w['running']:>4} {w['waiting']:>4} "
                      f"{'-' if tps is None else f'{tps:.1f}':>7} {ttft:>20} {w['num_preemptions']:>7} "
+                     f"{w.get('restarts', 0):>8} "
                      f"{w['heartbeat_age_s']:>4.1f}s{flag}")
     if not snap["workers"]:
         lines.append("(no live worker)")

@@ -7,11 +7,13 @@ import argparse
 import pytest
 from deploy_checks import check_command, flag_values
 
+from services.cli import build_parser
 from services.docker_fleet import (
     GATEWAY_IMAGE,
     REDIS_IMAGE,
     WORKER_IMAGES,
     fleet_container_specs,
+    specs_from_args,
     start_docker_fleet,
 )
 
@@ -39,6 +41,27 @@ def test_default_fleet_specs():
         assert "KVFLEET_API_KEYS" not in w.environment
     kwargs = workers[0].run_kwargs()
     assert kwargs["stop_signal"] == "SIGTERM" and kwargs["detach"] is True and "device_requests" not in kwargs
+
+
+def test_up_docker_flags_reach_the_containers():
+    """`kvfleet up --docker ...` parsed as the CLI parses it: the keys reach the gateway (only), the worker
+    flags (strings in the launcher's parser) the workers."""
+    args = build_parser().parse_args(["up", "--docker", "--workers", "3", "--port", "8124", "--api-key", "sk-1",
+                                      "--api-key", "sk-2", "--drain-timeout", "12.5", "--num-kv-blocks", "256",
+                                      "--routing", "prefix"])
+    redis, gateway, *workers = specs_from_args(args)
+    assert gateway.environment["KVFLEET_API_KEYS"] == "sk-1,sk-2"
+    assert "sk-1" not in " ".join(gateway.command)  # secrets travel in the environment, not argv
+    assert flag_values(gateway.command)["--routing"] == "prefix"
+    assert gateway.ports == {"8000/tcp": ("127.0.0.1", 8124)}
+    assert len(workers) == 3
+    for w in workers:
+        assert "KVFLEET_API_KEYS" not in w.environment
+        flags = flag_values(w.command)
+        assert (flags["--num-kv-blocks"], flags["--drain-timeout"]) == ("256", "12")
+        assert w.stop_timeout > 12
+    open_fleet = specs_from_args(build_parser().parse_args(["up", "--docker"]))
+    assert "KVFLEET_API_KEYS" not in open_fleet[1].environment
 
 
 def test_gpu_fleet_spreads_workers_over_gpus_and_external_redis():

@@ -1,5 +1,5 @@
 """services/top.py: the frame it draws, for `kvfleet top` and `kvfleet status` (free-block bars, reserved blocks,
-tokens/s from two reads, TTFT, stream lag)."""
+tokens/s from two reads, TTFT, restarts, stream lag)."""
 
 from __future__ import annotations
 
@@ -53,3 +53,11 @@ def test_frame_lists_workers_streams_and_ttft():
     assert "30.0 tokens/s" in text
     assert all(len(line) <= 60 for line in render(now, prev, width=60))
     assert "(no live worker)" in render(Sample(snap(), 1.0), None)
+
+
+def test_frame_shows_restarts_per_worker():
+    lines = render(Sample(snap(worker("w0", 8, 16, 0, restarts=3, draining=True), worker("w1", 8, 16, 0)), 1.0), None)
+    at = lines[0].index("RESTARTS")
+    column = [line[at:at + len("RESTARTS")] for line in lines[1:3]]
+    assert column == ["       3", "       0"]  # right-aligned under the header; a status without the field: 0
+    assert lines[1].endswith("s draining")
