@@ -28,7 +28,7 @@ from gateway.openai_api import (
 from gateway.placement import Submitted
 from gateway.relay import chunk_error
 from gateway.tokenizer import token_strings
-from shared.messages import OutputChunk, Usage
+from shared.messages import LOGPROB_FLOOR, OutputChunk, Usage
 
 
 def usage_info(usage: Usage | None) -> UsageInfo | None:
@@ -63,7 +63,7 @@ def chat_logprobs(tok: Any, token_ids: list[int], lps: list[dict[int, float]], t
         ranked = _ranked(lp)[:top_n]
         tops = [TopLogprob(token=ts, logprob=v, bytes=list(ts.encode()))
                 for ts, (_, v) in zip(token_strings(tok, [k for k, _ in ranked]), ranked, strict=True)]
-        out.content.append(TokenLogprob(token=s, logprob=lp.get(t, float("-inf")), bytes=list(s.encode()),
+        out.content.append(TokenLogprob(token=s, logprob=lp.get(t, LOGPROB_FLOOR), bytes=list(s.encode()),
                                         top_logprobs=tops))
     return out
 

@@ -14,7 +14,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("services.generate_cmd", "generate text offline with the engine (no fleet)"),
     "bench": ("services.bench.command", "benchmarks: `kvfleet bench throughput` against the baselines"),
-    "worker": ("gpu_worker.serve.worker", "run one engine worker that serves its Redis stream"),
+    "worker": ("gpu_worker.serve.worker_cmd", "run one engine worker that serves its Redis stream"),
     "gateway": ("gateway.server", "run the OpenAI-compatible HTTP gateway"),
     "up": ("services.launcher", "start a whole fleet on this machine: Redis, gateway, N workers"),
     "status": ("services.status_cmd", "show the fleet at a glance"),

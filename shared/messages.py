@@ -8,19 +8,25 @@ DeadLetter         worker -> kvfleet:dead
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from shared.sampling_params import SamplingParams
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "error"]  # "error": the request failed (the chunk's `error` says why)
 # What went wrong, when a chunk carries an error: the gateway maps it to an HTTP status.
 ErrorKind = Literal["invalid_request", "dead_letter", "internal"]
 
 
+SCHEMA_VERSION = 1  # of GenerationRequest: a worker dead-letters a request of a version it does not speak
+LOGPROB_FLOOR = -9999.0  # stands for -inf and NaN logprobs (OpenAI's value for "very unlikely"): JSON has no inf
+
+
 class GenerationRequest(BaseModel):
+    v: int = SCHEMA_VERSION
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: dict[str, Any] = Field(default_factory=dict)  # SamplingParams.to_dict()
@@ -67,6 +73,15 @@ class OutputChunk(BaseModel):
     worker_id: str = ""
 
 
+    @field_validator("logprobs")
+    @classmethod
+    def _finite_logprobs(cls, v: list[dict[int, float]] | None) -> list[dict[int, float]] | None:
+        """-inf / NaN would be written as null and make the chunk unreadable: LOGPROB_FLOOR instead."""
+        if v is None or all(math.isfinite(x) for d in v for x in d.values()):
+            return v
+        return [{t: x if math.isfinite(x) else (0.0 if x > 0 else LOGPROB_FLOOR) for t, x in d.items()} for d in v]
+
+
 class WorkerStatus(BaseModel):
     worker_id: str
     model: str
@@ -92,6 +107,7 @@ class WorkerStatus(BaseModel):
     started_at: float = 0.0
     heartbeat: float = Field(default_factory=time.time)
     draining: bool = False
+    restarts: int = 0  # times its supervisor (`kvfleet up`) started it again after it exited
 
     def available_blocks(self) -> int:
         """Free blocks not already promised to requests this worker holds."""
@@ -105,8 +121,9 @@ class WorkerStatus(BaseModel):
 
 
 class DeadLetter(BaseModel):
-    request: GenerationRequest
+    request: GenerationRequest | None = None  # None: the entry could not be read as one (see `raw`)
     reason: str
     deliveries: int
     worker_id: str
     time: float = Field(default_factory=time.time)
+    raw: str | None = None  # a malformed entry's fields as received (JSON), when `request` is None

@@ -6,6 +6,12 @@ Tokens a request already had (resumed after a takeover, or recomputed after pree
 
 A request with n > 1 runs as n sequences with ids f"{request_id}-{i}" (one scheduler group: they share the
 prompt's blocks) and comes back as one RequestOutput with n CompletionOutputs.
+
+A failure that belongs to one request fails that request alone: its output is final with finish_reason
+"error" and `error` set, its blocks are freed, and every other request of the step carries on as if nothing
+happened. The forward and the sampler are isolated by gpu_worker.engine.isolation (bisection, row by row);
+detokenizing, stop checks and output building run per request. add_request rejects what this model cannot
+run (InvalidRequest: a token id outside the vocabulary, top_k above it).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -21,7 +28,9 @@ from gpu_worker.core.config import CacheConfig, SchedulerConfig
 from gpu_worker.core.policies import SchedulingPolicy
 from gpu_worker.core.request import Request
 from gpu_worker.core.scheduler import RequestRejected, Scheduler, SchedulerStats
+from gpu_worker.engine import isolation
 from gpu_worker.engine.detokenizer import IncrementalDetokenizer
+from gpu_worker.engine.isolation import EngineFault
 from gpu_worker.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from gpu_worker.engine.sampler import Sampler, SamplingRow
 from gpu_worker.executor.model_loader import load_model_files
@@ -32,7 +41,11 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-__all__ = ["LLMEngine", "RequestRejected"]
+__all__ = ["EngineFault", "InvalidRequest", "LLMEngine", "RequestRejected"]
+
+
+class InvalidRequest(RequestRejected):
+    """A request no worker of this model can run (a field out of range): fail it, never hand it on."""
 
 
 @dataclass
@@ -119,10 +132,7 @@ class LLMEngine:
         per sample, the tokens already sent before a worker died; they are recomputed, not sampled again."""
         if request_id in self._groups:
             raise RequestRejected(f"request id {request_id!r} is already running")
-        vocab = self.runner.vocab_size
-        if prompt_token_ids and not all(0 <= t < vocab for t in prompt_token_ids):
-            bad = next(t for t in prompt_token_ids if not 0 <= t < vocab)
-            raise RequestRejected(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        self._check(prompt_token_ids, params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         resume = resume_output_token_ids or []
         group = _Group(request_id, prompt, list(prompt_token_ids), metrics=RequestMetrics(arrival))
@@ -137,6 +147,23 @@ class LLMEngine:
         self._groups[request_id] = group
         for s in group.seqs:
             self._seq_owner[s.request.request_id] = (group, s)
+
+    def _check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """What the engine needs beyond SamplingParams' own checks: token ids in this model's vocabulary and
+        top_k up to it (the producer may have skipped the gateway's validation)."""
+        vocab = self.runner.vocab_size
+
+        def outside(ids: Any) -> Any:
+            return next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+
+        if (bad := outside(prompt_token_ids)) is not None:
+            raise InvalidRequest(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        if (bad := outside(params.stop_token_ids)) is not None:
+            raise InvalidRequest(f"stop_token_ids: {bad!r} is outside the vocabulary [0, {vocab})")
+        if (bad := outside(params.logit_bias or {})) is not None:  # SamplingParams made the keys ints
+            raise InvalidRequest(f"logit_bias: key {bad!r} is outside the vocabulary [0, {vocab})")
+        if not isinstance(params.top_k, int) or not 0 <= params.top_k <= vocab:
+            raise InvalidRequest(f"top_k must be -1 (off) or in [1, {vocab}] (the vocabulary), got {params.top_k!r}")
 
     def _make_sequence(self, group: _Group, index: int, params: SamplingParams, priority: int, arrival: float,
                        resumed: list[int]) -> _Sequence:
@@ -184,6 +211,8 @@ class LLMEngine:
 
     # ---- one step ----------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step. A request whose forward, sampling, detokenizing or output fails ends here with
+        finish_reason "error"; EngineFault when the forward fails for every request (the worker is broken)."""
         sched = self.scheduler.schedule()
         now = time.monotonic()
         sampling: list[_Sequence] = []
@@ -194,43 +223,91 @@ class LLMEngine:
                 group.metrics.num_cached_tokens = s.request.num_cached_tokens
             if seq.sample:
                 sampling.append(s)
+        failed: dict[str, str] = {}  # group request id -> why it failed
         sampled: dict[str, int] = {}
         logprobs: dict[str, dict[int, float] | None] = {}
+        logits = None
         if sched.seqs or sched.blocks_to_copy:
-            logits = self.runner.execute(sched)  # [len(sampling), V]
+            logits, culprits = isolation.execute(self.runner.execute, sched)  # [len(sampling) - culprits, V]
+            for rid in culprits:
+                failed.setdefault(self._seq_owner[rid][0].request_id, f"the model failed on it: {culprits[rid]}")
+            sampling = [s for s in sampling if s.request.request_id not in culprits]
         if sampling:
             rows = [SamplingRow(s.request.sampling_params, s.request.prompt_token_ids, s.request.output_token_ids,
                                 s.banned_ids if s.request.num_output_tokens < s.request.sampling_params.min_tokens
                                 else [], s.generator) for s in sampling]
-            out = self.sampler(logits, rows)
-            for s, tok, lp in zip(sampling, out.token_ids, out.logprobs, strict=True):
-                sampled[s.request.request_id] = tok
-                logprobs[s.request.request_id] = lp
+            out, row_errors = isolation.sample(self.sampler, logits, rows)
+            for i, (s, tok, lp) in enumerate(zip(sampling, out.token_ids, out.logprobs, strict=True)):
+                if i in row_errors:
+                    failed.setdefault(self._seq_owner[s.request.request_id][0].request_id,
+                                      f"sampling failed: {row_errors[i]}")
+                else:
+                    sampled[s.request.request_id] = tok
+                    logprobs[s.request.request_id] = lp
+        for rid in failed:  # before update_from_output, which skips what is no longer running
+            self._abort_seqs(self._groups[rid])
         finished = self.scheduler.update_from_output(sched, sampled)
         now = time.monotonic()
         touched: dict[str, _Group] = {}
         for s in sampling:
-            self._process_new_tokens(s, logprobs[s.request.request_id])
             group = self._seq_owner[s.request.request_id][0]
             touched[group.request_id] = group
+            if group.request_id in failed:
+                continue
+            try:
+                self._process_new_tokens(s, logprobs.get(s.request.request_id))
+            except Exception as e:  # noqa: BLE001 (this request's detokenizer or stop check)
+                failed[group.request_id] = f"detokenizing failed: {isolation.describe(e)}"
+                self._abort_seqs(group)
+                continue
             if group.metrics.first_token_time is None and s.request.num_output_tokens > 0:
                 group.metrics.first_token_time = now
         for request in finished:
             owner = self._seq_owner.get(request.request_id)
             if owner is not None:
                 touched[owner[0].request_id] = owner[0]
+        for rid in failed:
+            touched[rid] = self._groups[rid]
         outputs = []
         for group in touched.values():
             if group.request_id not in self._groups:
                 continue  # aborted during the step
-            done = group.finished
-            if done:
-                group.metrics.finished_time = now
-                del self._groups[group.request_id]
-                for s in group.seqs:
-                    del self._seq_owner[s.request.request_id]
-            outputs.append(self._output(group, done))
+            if group.request_id not in failed:
+                try:
+                    outputs.append(self._finish_step(group, now))
+                    continue
+                except Exception as e:  # noqa: BLE001 (this request's output)
+                    failed[group.request_id] = f"building its output failed: {isolation.describe(e)}"
+            outputs.append(self._fail(group, failed[group.request_id], now))
         return outputs
+
+    def _finish_step(self, group: _Group, now: float) -> RequestOutput:
+        output = self._output(group, group.finished)
+        if output.finished:
+            group.metrics.finished_time = now
+            output.metrics = dataclasses.replace(group.metrics)
+            self._forget(group)
+        return output
+
+    def _abort_seqs(self, group: _Group) -> None:
+        for s in group.seqs:
+            self.scheduler.abort_request(s.request.request_id)
+
+    def _forget(self, group: _Group) -> None:
+        del self._groups[group.request_id]
+        for s in group.seqs:
+            self._seq_owner.pop(s.request.request_id, None)
+
+    def _fail(self, group: _Group, error: str, now: float) -> RequestOutput:
+        """End a request whose own work failed: blocks freed, a final output with finish_reason "error"."""
+        log.error("request %s failed: %s", group.request_id, error)
+        self._abort_seqs(group)
+        self._forget(group)
+        group.metrics.finished_time = now
+        outs = [CompletionOutput(index=s.index, text="", token_ids=[], logprobs=None, finish_reason="error",
+                                 cumulative_logprob=s.cumulative_logprob) for s in group.seqs]
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, True,
+                             dataclasses.replace(group.metrics), error=error)
 
     def _process_new_tokens(self, s: _Sequence, logprob: dict[int, float] | None) -> None:
         request = s.request

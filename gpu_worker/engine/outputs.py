@@ -15,7 +15,7 @@ class CompletionOutput:
     text: str  # new text (held-back text that could begin a stop string comes in a later output)
     token_ids: list[int]  # new token ids
     logprobs: list[dict[int, float]] | None  # one per new token: chosen + top-N; None if not asked
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running; stays once set
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running; stays once set
     stop_reason: int | str | None = None  # the stop token id or stop string; None for eos or length
     cumulative_logprob: float | None = None  # over all the sample's tokens so far
 
@@ -44,6 +44,7 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     metrics: RequestMetrics | None = None
+    error: str | None = None  # why the request failed (its samples' finish_reason is then "error")
 
 
 class OutputAccumulator:
@@ -59,6 +60,7 @@ class OutputAccumulator:
         if self._output is None:
             self._output = RequestOutput(delta.request_id, delta.prompt, delta.prompt_token_ids)
         self._output.finished, self._output.metrics = delta.finished, delta.metrics
+        self._output.error = delta.error or self._output.error
         for d in delta.outputs:
             c = self._samples.get(d.index)
             if c is None:

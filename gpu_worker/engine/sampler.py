@@ -1,10 +1,14 @@
 """The sampler: logits of one step -> one token per row, vLLM's semantics.
 
-Order: min_tokens masking (eos / stop ids) -> repetition penalty (prompt + output) -> presence and
+Order: logit_bias -> min_tokens masking (eos / stop ids) -> repetition penalty (prompt + output) -> presence and
 frequency penalties (output) -> greedy argmax, or temperature -> min-p -> top-k -> top-p -> a draw.
 Each seeded request draws from its own torch.Generator (one exponential race over the vocabulary per
 token), so its tokens do not depend on what else is in the batch. Logprobs are vLLM's default "raw"
 logprobs: log_softmax of the model's logits before any processing.
+
+A row's parameters become tensors first (`_Plan`), before the logits or any generator is touched: a row
+whose parameters cannot be used makes the call raise with everything unchanged, so the engine can sample
+the rows again one by one and fail only that row's request (gpu_worker.engine.isolation).
 """
 
 from __future__ import annotations
@@ -33,31 +37,67 @@ class SamplerOutput:
     logprobs: list[dict[int, float] | None]  # chosen + top-N raw logprobs, None where not requested
 
 
+class _Penalties:
+    """The penalty tensors of the rows that use one; `apply` changes the logits in place."""
+
+    def __init__(self, rows: list[SamplingRow], vocab: int, device: torch.device):
+        self.rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+        if self.rep:
+            self.seen = torch.zeros(len(self.rep), vocab, dtype=torch.bool, device=device)  # [R, V]
+            for j, i in enumerate(self.rep):
+                ids = rows[i].prompt_token_ids + rows[i].output_token_ids
+                self.seen[j, torch.tensor(ids, dtype=torch.long, device=device)] = True
+            self.rep_idx = torch.tensor(self.rep, device=device)
+            self.penalty = torch.tensor([rows[i].params.repetition_penalty for i in self.rep],
+                                        device=device)[:, None]  # [R, 1]
+        self.pf = [i for i, r in enumerate(rows)
+                   if (r.params.presence_penalty or r.params.frequency_penalty) and r.output_token_ids]
+        if self.pf:
+            self.counts = torch.zeros(len(self.pf), vocab, device=device)  # [R, V]
+            for j, i in enumerate(self.pf):
+                ids = torch.tensor(rows[i].output_token_ids, dtype=torch.long, device=device)
+                self.counts[j].index_add_(0, ids, torch.ones(len(ids), device=device))
+            self.pf_idx = torch.tensor(self.pf, device=device)
+            self.freq = torch.tensor([rows[i].params.frequency_penalty for i in self.pf], device=device)[:, None]
+            self.pres = torch.tensor([rows[i].params.presence_penalty for i in self.pf], device=device)[:, None]
+
+    def apply(self, logits: torch.Tensor) -> None:
+        if self.rep:
+            sub = logits[self.rep_idx]
+            sub = torch.where(self.seen, torch.where(sub > 0, sub / self.penalty, sub * self.penalty), sub)
+            logits[self.rep_idx] = sub
+        if self.pf:
+            logits[self.pf_idx] -= self.freq * self.counts + self.pres * (self.counts > 0).float()
+
+
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     """In place, only on the rows that use a penalty."""
-    rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
-    if rep:
-        idx = torch.tensor(rep, device=logits.device)
-        seen = torch.zeros(len(rep), logits.shape[1], dtype=torch.bool, device=logits.device)  # [R, V]
-        for j, i in enumerate(rep):
-            ids = rows[i].prompt_token_ids + rows[i].output_token_ids
-            seen[j, torch.tensor(ids, dtype=torch.long, device=logits.device)] = True
-        penalty = torch.tensor([rows[i].params.repetition_penalty for i in rep],
-                               device=logits.device)[:, None]  # [R, 1]
-        sub = logits[idx]
-        sub = torch.where(seen, torch.where(sub > 0, sub / penalty, sub * penalty), sub)
-        logits[idx] = sub
-    pf = [i for i, r in enumerate(rows)
-          if (r.params.presence_penalty or r.params.frequency_penalty) and r.output_token_ids]
-    if pf:
-        idx = torch.tensor(pf, device=logits.device)
-        counts = torch.zeros(len(pf), logits.shape[1], device=logits.device)  # [R, V]
-        for j, i in enumerate(pf):
-            ids = torch.tensor(rows[i].output_token_ids, dtype=torch.long, device=logits.device)
-            counts[j].index_add_(0, ids, torch.ones(len(ids), device=logits.device))
-        freq = torch.tensor([rows[i].params.frequency_penalty for i in pf], device=logits.device)[:, None]
-        pres = torch.tensor([rows[i].params.presence_penalty for i in pf], device=logits.device)[:, None]
-        logits[idx] -= freq * counts + pres * (counts > 0).float()
+    _Penalties(rows, logits.shape[1], logits.device).apply(logits)
+
+
+class _Plan:
+    """Every per-row tensor one call needs, built from the rows' parameters before anything is changed."""
+
+    def __init__(self, rows: list[SamplingRow], vocab: int, device: torch.device):
+        self.want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        self.want_idx = torch.tensor(self.want, dtype=torch.long, device=device)
+        self.top_n = max((rows[i].params.logprobs for i in self.want), default=0)
+        banned = [(i, t) for i, r in enumerate(rows) for t in r.banned_token_ids if 0 <= t < vocab]
+        self.banned = (torch.tensor([i for i, _ in banned], dtype=torch.long, device=device),
+                       torch.tensor([t for _, t in banned], dtype=torch.long, device=device)) if banned else None
+        bias = [(i, t, b) for i, r in enumerate(rows) for t, b in (r.params.logit_bias or {}).items() if 0 <= t < vocab]
+        self.bias = ((torch.tensor([i for i, _, _ in bias], dtype=torch.long, device=device),
+                      torch.tensor([t for _, t, _ in bias], dtype=torch.long, device=device)),
+                     torch.tensor([b for _, _, b in bias], dtype=torch.float32, device=device)) if bias else None
+        self.penalties = _Penalties(rows, vocab, device)
+        self.rand = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if self.rand:
+            params = [rows[i].params for i in self.rand]
+            self.rand_idx = torch.tensor(self.rand, device=device)
+            self.temp = torch.tensor([p.temperature for p in params], device=device)[:, None]  # [R, 1]
+            self.top_k = torch.tensor([p.top_k for p in params], device=device)
+            self.top_p = torch.tensor([p.top_p for p in params], device=device)
+            self.min_p = torch.tensor([p.min_p for p in params], device=device)
 
 
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -105,38 +145,31 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """logits: [N, V] float32, one row per SamplingRow; the sampler owns it (modified in place)."""
-        device = logits.device
-        want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-        want_idx = torch.tensor(want, device=device)
-        raw_logprobs = logits[want_idx].log_softmax(dim=-1) if want else None  # [W, V], before processing
-        banned = [(i, t) for i, r in enumerate(rows) for t in r.banned_token_ids if t < logits.shape[1]]
-        if banned:
-            r_idx, t_idx = zip(*banned, strict=True)
-            logits[list(r_idx), list(t_idx)] = float("-inf")
-        apply_penalties(logits, rows)
+        """logits: [N, V] float32, one row per SamplingRow; the sampler owns it (modified in place). Raises
+        with `logits` and every generator untouched when a row's parameters cannot be turned into tensors."""
+        plan = _Plan(rows, logits.shape[1], logits.device)
+        raw_logprobs = logits[plan.want_idx].log_softmax(dim=-1) if plan.want else None  # [W, V], raw
+        if plan.bias is not None:
+            where, values = plan.bias
+            logits.index_put_(where, values, accumulate=True)
+        if plan.banned is not None:
+            logits[plan.banned] = float("-inf")
+        plan.penalties.apply(logits)
 
         tokens = logits.argmax(dim=-1)  # [N]: greedy rows keep this
-        rand = [i for i, r in enumerate(rows) if not r.params.greedy]
-        if rand:
-            idx = torch.tensor(rand, device=device)
-            params = [rows[i].params for i in rand]
-            temp = torch.tensor([p.temperature for p in params], device=device)[:, None]
-            sub = filter_logits(logits[idx] / temp,
-                                torch.tensor([p.top_k for p in params], device=device),
-                                torch.tensor([p.top_p for p in params], device=device),
-                                torch.tensor([p.min_p for p in params], device=device))
-            tokens[idx] = _draw(sub.softmax(dim=-1), [rows[i] for i in rand], self.generator)
+        if plan.rand:
+            sub = filter_logits(logits[plan.rand_idx] / plan.temp, plan.top_k, plan.top_p, plan.min_p)
+            tokens[plan.rand_idx] = _draw(sub.softmax(dim=-1), [rows[i] for i in plan.rand], self.generator)
 
         token_list = tokens.tolist()
         logprobs: list[dict[int, float] | None] = [None] * len(rows)
         if raw_logprobs is not None:
-            chosen = raw_logprobs.gather(1, tokens[want_idx][:, None])[:, 0].tolist()
-            top_n = max(rows[i].params.logprobs for i in want)
+            chosen = raw_logprobs.gather(1, tokens[plan.want_idx][:, None])[:, 0].tolist()
+            top_n = plan.top_n
             top_vals, top_ids = raw_logprobs.topk(top_n, dim=-1) if top_n else (raw_logprobs[:, :0],
                                                                               raw_logprobs[:, :0].long())
             top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-            for j, i in enumerate(want):
+            for j, i in enumerate(plan.want):
                 n = rows[i].params.logprobs
                 entry = {token_list[i]: chosen[j]}
                 for tid, val in zip(top_ids[j][:n], top_vals[j][:n], strict=True):

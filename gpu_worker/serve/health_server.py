@@ -23,7 +23,10 @@ class HealthServer:
                 if path == "/metrics":
                     self._send(200, generate_latest(server.registry), CONTENT_TYPE_LATEST)
                 elif path in ("/livez", "/readyz", "/health"):
-                    ok, reason = (server.live if path == "/livez" else server.ready)()
+                    try:
+                        ok, reason = (server.live if path == "/livez" else server.ready)()
+                    except Exception as e:  # noqa: BLE001 (a probe that cannot tell is a failed probe)
+                        ok, reason = False, f"health check failed: {type(e).__name__}: {e}"
                     self._send(200 if ok else 503, (reason or ("ok" if ok else "not ready")).encode() + b"\n",
                                "text/plain; charset=utf-8")
                 else:

@@ -13,11 +13,16 @@ Requests come from, in order of preference:
        is idle); else it stays, in order, for a worker with more room;
      - new entries on dead workers' own streams.
 A request delivered more than `max_deliveries` times goes to kvfleet:dead and its reader gets an error; one
-its whole cache cannot hold is forwarded to the live worker with room that can.
+its whole cache cannot hold is forwarded to the live worker with room that can. So does an entry that cannot
+be read (bad JSON, a missing field, a schema version other than shared.messages.SCHEMA_VERSION) or whose
+sampling parameters are invalid (the worker trusts no producer): dead-lettered with the reason and acked, so
+it never blocks the stream. The threads survive any error: logged with its traceback, retried after a
+backoff; `dead_threads()` lets the worker notice one that died anyway.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
@@ -29,13 +34,14 @@ from typing import Any
 from gpu_worker.serve.request_tracker import Job, RequestTracker
 from shared import keys, streams, telemetry
 from shared.blocks import request_blocks
-from shared.messages import ChunkError, DeadLetter, GenerationRequest
+from shared.messages import SCHEMA_VERSION, ChunkError, DeadLetter, ErrorKind, GenerationRequest
 from shared.settings import Settings
 
 log = logging.getLogger("kvfleet.worker")
 
 CLAIM_MIN_IDLE_MS = 1000
 READ_BLOCK_MS = 200
+MAX_BACKOFF_S = 5.0  # a reader thread that keeps failing waits up to this long between tries
 SPARE_READ_BLOCK_MS = 50  # with room to spare, look at the shared stream this often
 
 
@@ -85,14 +91,30 @@ class Intake:
     def stop(self) -> None:
         self._stop.set()
 
-    # ---- requests ----------------------------------------------------------------------------
-    def _requests(self) -> None:
+    def dead_threads(self) -> list[str]:
+        """Reader threads that ended although the intake was not stopped (the worker is then deaf)."""
+        return [t.name for t in self._threads if t.ident is not None and not t.is_alive() and not self._stop.is_set()]
+
+    def _survive(self, turn: Callable[[], Any], what: str) -> None:
+        """Run `turn` until stopped; an error is logged (with its traceback unless Redis is away) and the
+        next turn waits, doubling from 0.1 s up to MAX_BACKOFF_S while the errors go on."""
+        failures = 0
         while not self._stop.is_set():
             try:
-                self._read_once()
+                turn()
+                failures = 0
             except streams.RedisError as e:
-                log.warning("redis read failed (%s); retrying", e)
-                time.sleep(0.5)
+                failures += 1
+                log.warning("redis %s failed (%s); retrying", what, e)
+            except Exception:  # noqa: BLE001 (a reader thread must not die)
+                failures += 1
+                log.exception("unexpected error in the %s thread (%d in a row); carrying on", what, failures)
+            if failures:
+                self._stop.wait(min(0.1 * 2 ** (failures - 1), MAX_BACKOFF_S))
+
+    # ---- requests ----------------------------------------------------------------------------
+    def _requests(self) -> None:
+        self._survive(self._read_once, "request read")
 
     def _spare(self) -> bool:
         room = self.room()
@@ -135,8 +157,8 @@ class Intake:
             need = request_blocks(len(request.prompt_token_ids),
                                   min(params.max_tokens or 1, self.settings.route_max_output_tokens),
                                   params.n, room.block_size)
-        except ValueError:
-            need = 0  # malformed: take it, so _take drops it
+        except (KeyError, TypeError, ValueError):
+            need = 0  # malformed: take it, so _take dead-letters it
         if not room.idle and need > room.available_blocks - self.settings.reserve_blocks:
             return False
         taken = streams.read_requests(self.r, self.worker_id, {keys.REQ_ANY: ">"}, count=1)
@@ -171,13 +193,43 @@ class Intake:
         return len(claimed)
 
     def _take(self, d: streams.Delivery) -> None:
+        """Hand one delivery to the main thread, or close it here. An error that is not Redis's is this
+        entry's fault: it is dead-lettered, so it cannot stop the reader or the stream."""
         try:
             request = streams.parse_request(d.fields)
-        except ValueError as e:
-            log.error("dropping malformed entry %s on %s: %s", d.entry_id, d.stream, e)
-            streams.ack_and_delete(self.r, d.ack)
+        except (KeyError, TypeError, ValueError) as e:
+            self._drop_malformed(d, f"malformed request entry: {type(e).__name__}: {e}")
             return
         job = Job(request=request, stream=d.stream, entry_id=d.entry_id, deliveries=d.deliveries)
+        try:
+            self._take_job(job, d)
+        except streams.RedisError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            log.exception("request %s cannot be taken", job.request_id)
+            kind: ErrorKind = "invalid_request" if isinstance(e, TypeError | ValueError) else "internal"
+            self._dead_letter(job, f"{type(e).__name__}: {e}", kind=kind)
+
+    def _drop_malformed(self, d: streams.Delivery, reason: str) -> None:
+        log.error("entry %s on %s -> %s: %s", d.entry_id, d.stream, keys.DEAD, reason)
+        raw = json.dumps(d.fields)[:65536]
+        streams.dead_letter(self.r, DeadLetter(reason=reason, deliveries=d.deliveries, worker_id=self.worker_id,
+                                               raw=raw))
+        streams.ack_and_delete(self.r, d.ack)
+        if self.metrics is not None:
+            self.metrics.dead_letters.inc()
+
+    def _take_job(self, job: Job, d: streams.Delivery) -> None:
+        request = job.request
+        if request.v != SCHEMA_VERSION:
+            self._dead_letter(job, f"schema version v={request.v}; this worker reads v={SCHEMA_VERSION}",
+                              kind="invalid_request")
+            return
+        try:
+            request.params()
+        except (TypeError, ValueError) as e:
+            self._dead_letter(job, f"invalid sampling_params: {e}", kind="invalid_request")
+            return
         if d.deliveries > 1 or request.attempt > 0:
             job.resume_from(streams.read_all_chunks(self.r, request.request_id))
         if job.done:
@@ -219,11 +271,12 @@ class Intake:
         streams.publish(self.r, self.worker_id, output_ttl_s=self.settings.output_ttl_s, chunks=[chunk],
                         acks=[streams.Ack(job.stream, job.entry_id)])
 
-    def _dead_letter(self, job: Job, reason: str) -> None:
+    def _dead_letter(self, job: Job, reason: str, kind: ErrorKind = "dead_letter") -> None:
         log.error("request %s -> %s: %s", job.request_id, keys.DEAD, reason)
         letter = DeadLetter(request=job.request, reason=reason, deliveries=job.deliveries, worker_id=self.worker_id)
         streams.dead_letter(self.r, letter)
-        self._finish(job, error=ChunkError(kind="dead_letter", message=f"request failed: {reason}"))
+        message = reason if kind == "invalid_request" else f"request failed: {reason}"
+        self._finish(job, error=ChunkError(kind=kind, message=message))
         if self.metrics is not None:
             self.metrics.dead_letters.inc()
         span = telemetry.start_span("kvfleet.dead_letter", context=telemetry.extract(job.request.trace_context),
@@ -234,16 +287,12 @@ class Intake:
 
     # ---- cancels -----------------------------------------------------------------------------
     def _cancels(self) -> None:
-        last = self._cancel_from
-        while not self._stop.is_set():
-            try:
-                last, request_ids = streams.read_cancels(self.r, last)
-            except streams.RedisError as e:
-                log.warning("redis cancel read failed (%s); retrying", e)
-                time.sleep(0.5)
-                continue
-            for request_id in request_ids:
-                self.inbox.put(Cancel(request_id))
+        self._survive(self._read_cancels_once, "cancel read")
+
+    def _read_cancels_once(self) -> None:
+        self._cancel_from, request_ids = streams.read_cancels(self.r, self._cancel_from)
+        for request_id in request_ids:
+            self.inbox.put(Cancel(request_id))
 
 
 def requeue(request: GenerationRequest) -> GenerationRequest:

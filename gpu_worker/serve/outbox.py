@@ -5,11 +5,15 @@ In one MULTI per flush, in order: output chunks (XADD + expiry), acks of finishe
 after their final chunk), hand-backs, and the status (SET with a TTL, plus HDEL of the reservations it now
 accounts for). The status goes out when it changes, at most `status_max_hz` times a second, and every
 `heartbeat_s` regardless (from this thread, so a long engine step does not make the worker look dead).
-A failed flush is retried: nothing queued here is dropped while Redis is away.
+A failed flush is retried: nothing queued here is dropped while Redis is away. Dead letters (requests the
+engine failed) go to kvfleet:dead just before the flush that carries their final chunk and ack. The thread
+survives any error: one that is not Redis's is logged with its traceback and the batch is written piece by
+piece, dropping (and logging) only what cannot be written at all; `alive` tells the worker it still runs.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -17,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from shared import streams
-from shared.messages import GenerationRequest, OutputChunk, WorkerStatus
+from shared.messages import DeadLetter, GenerationRequest, OutputChunk, WorkerStatus
 from shared.settings import Settings
 
 log = logging.getLogger("kvfleet.worker")
@@ -37,9 +41,7 @@ class _Batch:
     acks: list[streams.Ack] = field(default_factory=list)
     handbacks: list[HandBack] = field(default_factory=list)
     taken: list[str] = field(default_factory=list)  # request ids whose reservation the status now covers
-
-    def __bool__(self) -> bool:
-        return bool(self.chunks or self.acks or self.handbacks or self.taken)
+    dead_letters: list[DeadLetter] = field(default_factory=list)
 
 
 class Outbox:
@@ -58,8 +60,15 @@ class Outbox:
         self._thread.start()
         return self
 
-    def send(self, chunks: list[OutputChunk], ack: streams.Ack | None = None) -> None:
-        self._q.put(_Batch(chunks=list(chunks), acks=[ack] if ack else []))
+    @property
+    def alive(self) -> bool:
+        """The writer thread runs (or was never started, or was closed)."""
+        return self._thread.ident is None or self._thread.is_alive() or self._stop.is_set()
+
+    def send(self, chunks: list[OutputChunk], ack: streams.Ack | None = None,
+             dead_letter: DeadLetter | None = None) -> None:
+        self._q.put(_Batch(chunks=list(chunks), acks=[ack] if ack else [],
+                           dead_letters=[dead_letter] if dead_letter else []))
 
     def hand_back(self, request: GenerationRequest, ack: streams.Ack) -> None:
         self._q.put(_Batch(handbacks=[HandBack(request, ack)]))
@@ -83,24 +92,38 @@ class Outbox:
 
     # ---- writer thread -----------------------------------------------------------------------
     def _run(self) -> None:
-        pending = _Batch()
+        pending, failures = _Batch(), 0
         while True:
-            timeout = max(0.0, self._last_pub + self.settings.heartbeat_s - time.monotonic())
-            if self._status is not None and not self._status.same_state(self._published):
-                timeout = max(0.0, self._last_pub + 1.0 / self.settings.status_max_hz - time.monotonic())
             try:
-                self._merge(pending, self._q.get(timeout=timeout))
-                while True:
-                    self._merge(pending, self._q.get_nowait())
-            except queue.Empty:
-                pass
-            ok = self._flush(pending)
-            if ok:
-                pending = _Batch(taken=pending.taken)  # reservations wait for the next status
-            if self._stop.is_set() and self._q.empty() and ok:
+                pending, done = self._turn(pending)
+                failures = 0
+            except Exception:  # noqa: BLE001 (the writer must not die)
+                failures += 1
+                log.exception("unexpected error in the outbox thread (%d in a row); carrying on", failures)
+                time.sleep(min(0.1 * 2 ** (failures - 1), 5.0))
+                continue
+            if done:
                 return
-            if not ok:
-                time.sleep(0.2)
+
+    def _turn(self, pending: _Batch) -> tuple[_Batch, bool]:
+        """Gather what was queued and flush it: (what is still to write, whether the thread should end)."""
+        timeout = max(0.0, self._last_pub + self.settings.heartbeat_s - time.monotonic())
+        if self._status is not None and not self._status.same_state(self._published):
+            timeout = max(0.0, self._last_pub + 1.0 / self.settings.status_max_hz - time.monotonic())
+        try:
+            self._merge(pending, self._q.get(timeout=timeout))
+            while True:
+                self._merge(pending, self._q.get_nowait())
+        except queue.Empty:
+            pass
+        ok = self._flush(pending)
+        if ok:
+            pending = _Batch(taken=pending.taken)  # reservations wait for the next status
+        if self._stop.is_set() and self._q.empty() and ok:
+            return pending, True
+        if not ok:
+            time.sleep(0.2)
+        return pending, False
 
     @staticmethod
     def _merge(into: _Batch, item: _Batch | None) -> None:
@@ -110,6 +133,7 @@ class Outbox:
         into.acks += item.acks
         into.handbacks += item.handbacks
         into.taken += item.taken
+        into.dead_letters += item.dead_letters
 
     def _status_due(self, now: float) -> bool:
         if self._status is None:
@@ -124,17 +148,16 @@ class Outbox:
         which this clears when the status that covers it went out."""
         now = time.monotonic()
         status_due = self._status_due(now)
-        if not (batch.chunks or batch.acks or batch.handbacks) and not status_due:
+        if not (batch.chunks or batch.acks or batch.handbacks or batch.dead_letters) and not status_due:
             return True
         status = self._status
         if status_due and status is not None:
             status = status.model_copy(update={"heartbeat": time.time()})
         try:
-            streams.publish(self.r, self.worker_id, output_ttl_s=self.settings.output_ttl_s, chunks=batch.chunks,
-                            requeued=[hb.request for hb in batch.handbacks],
-                            acks=batch.acks + [hb.ack for hb in batch.handbacks],
-                            status=status if status_due else None, status_ttl_s=self.settings.status_ttl_s,
-                            taken=batch.taken)
+            while batch.dead_letters:  # before the final chunk and the ack: a retry does not write them twice
+                streams.dead_letter(self.r, batch.dead_letters[0])
+                batch.dead_letters.pop(0)
+            self._publish(batch, status if status_due else None)
         except streams.RedisError as e:
             self.healthy = False
             log.warning("redis write failed (%s); retrying", e)
@@ -144,3 +167,27 @@ class Outbox:
             self._published, self._last_pub = status, now
             batch.taken = []
         return True
+
+    def _publish(self, batch: _Batch, status: WorkerStatus | None) -> None:
+        """One MULTI; if it fails with an error that is not Redis's (something in the batch cannot be
+        written), each chunk alone, dropping only those that cannot be written, then the rest."""
+        publish = functools.partial(streams.publish, self.r, self.worker_id, output_ttl_s=self.settings.output_ttl_s,
+                                    status_ttl_s=self.settings.status_ttl_s)
+        rest = dict(requeued=[hb.request for hb in batch.handbacks], status=status, taken=batch.taken,
+                    acks=batch.acks + [hb.ack for hb in batch.handbacks])
+        try:
+            publish(chunks=batch.chunks, **rest)
+            return
+        except streams.RedisError:
+            raise
+        except Exception:  # noqa: BLE001
+            log.exception("writing %d chunk(s) failed; writing them one by one", len(batch.chunks))
+        for chunk in batch.chunks:
+            try:
+                publish(chunks=[chunk])
+            except streams.RedisError:
+                raise
+            except Exception:  # noqa: BLE001
+                log.exception("dropping output chunk %d of %s: it cannot be written", chunk.seq, chunk.request_id)
+        batch.chunks = []  # written or dropped: a retry of the rest must not write them again
+        publish(**rest)

@@ -64,7 +64,10 @@ class RequestTracker:
         self.started: set[str] = set()  # requests with output from this worker's engine
 
     def add(self, job: Job) -> None:
-        n = job.request.params().n
+        try:
+            n = job.request.params().n
+        except (TypeError, ValueError):  # invalid parameters: it gets only its final (error) chunk
+            n = 1
         if not job.sent_tokens:
             job.sent_tokens, job.finished = [[] for _ in range(n)], [False] * n
         self.jobs[job.request_id] = job
@@ -102,7 +105,7 @@ class RequestTracker:
 
     def chunks_for(self, output: RequestOutput) -> list[OutputChunk]:
         """Numbered chunks for one delta RequestOutput (gpu_worker.engine.outputs): one per choice with news;
-        the last one is final when the request finished."""
+        the last one is final when the request finished (with the error when the engine failed it)."""
         job = self.jobs[output.request_id]
         self.started.add(job.request_id)
         chunks = []
@@ -119,10 +122,11 @@ class RequestTracker:
                                      finish_reason=finish, stop_reason=comp.stop_reason))
         if output.finished:
             usage = self.usage(job, output)
+            error = None if output.error is None else ChunkError(kind="internal", message=output.error)
             if chunks:
-                chunks[-1].final, chunks[-1].usage = True, usage
+                chunks[-1].final, chunks[-1].usage, chunks[-1].error = True, usage, error
             else:
-                chunks.append(self.chunk(job, final=True, usage=usage))
+                chunks.append(self.chunk(job, final=True, usage=usage, error=error))
         return chunks
 
     def usage(self, job: Job, output: RequestOutput) -> Usage:
@@ -134,7 +138,9 @@ class RequestTracker:
 
     def final_chunk(self, job: Job, *, finish_reason: str | None = None, error: ChunkError | None = None
                     ) -> OutputChunk:
-        """The closing chunk of a request that ends outside the engine (cancelled, rejected, dead letter)."""
+        """The closing chunk of a request that ends outside the engine (cancelled, rejected, dead letter); with
+        an error its finish_reason is "error"."""
+        finish_reason = finish_reason or ("error" if error is not None else None)
         prompt = len(job.request.prompt_token_ids)
         completion = sum(len(t) for t in job.sent_tokens)
         usage = Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)

@@ -4,11 +4,16 @@ The engine runs in the main thread; two reader threads (gpu_worker.serve.intake)
 through a queue, and one writer thread (gpu_worker.serve.outbox) writes output chunks, acks and the status.
 SIGTERM drains: take nothing new, hand back what has not started, finish the rest within --drain-timeout,
 leave what is still unfinished pending (another worker claims it and continues), and exit.
+
+Faults stay local. A request the engine fails (finish_reason "error") or cannot take gets its error chunk and
+goes to kvfleet:dead; the rest carry on. The main loop survives unexpected errors (logged, retried after a
+backoff); it ends with exit status 1, so the supervisor restarts the worker and others take over what it
+held, only when the engine is broken (EngineFault), errors come MAX_TICK_FAILURES times in a row, or a
+reader or writer thread died. Until then, and after, /readyz says why it is not ready.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import queue
@@ -18,18 +23,19 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from gpu_worker.core.policies import policy_class
 from gpu_worker.serve.intake import Cancel, Intake, Room, requeue
 from gpu_worker.serve.metrics import WorkerMetrics
 from gpu_worker.serve.outbox import Outbox
 from gpu_worker.serve.request_telemetry import RequestTelemetry
 from gpu_worker.serve.request_tracker import Job, RequestTracker
-from shared import keys, streams, telemetry
-from shared.messages import ChunkError, WorkerStatus
-from shared.settings import Settings, hf_offline, redacted_url
+from shared import keys, streams
+from shared.messages import ChunkError, DeadLetter, ErrorKind, WorkerStatus
+from shared.settings import Settings, redacted_url
 from shared.streams import Ack
 
 log = logging.getLogger("kvfleet.worker")
+
+MAX_TICK_FAILURES = 5  # main-loop errors in a row after which the worker gives up (exit 1, restarted)
 
 
 class Worker:
@@ -49,6 +55,8 @@ class Worker:
         self.num_finished = 0
         self.jobs_seen = 0  # jobs taken from the inbox (the intake compares it with the jobs it handed over)
         self.outbox: Outbox | None = None
+        self.intake: Intake | None = None
+        self.broken: str | None = None  # why the worker stopped serving (it is then not ready, not live)
         self.last_tick = time.monotonic()
         self.started_at = time.time()
         self.last_stats: Any = None  # the scheduler's stats at the last tick (metrics read it at scrape time)
@@ -67,13 +75,40 @@ class Worker:
             signal.signal(sig, self._on_signal)
         log.info("worker %s serving %s on %s", self.worker_id, self.model_name, redacted_url(self.settings.redis_url))
         try:
-            while not self.stopped:
-                self.tick()
+            self._loop()
         finally:
             self.intake.stop()
             self.outbox.close()
         log.info("worker %s stopped", self.worker_id)
-        return 0
+        return 1 if self.broken else 0
+
+    def _loop(self) -> None:
+        from gpu_worker.engine.isolation import EngineFault
+
+        failures = 0
+        while not self.stopped and not self.broken:
+            try:
+                self.tick()
+                failures = 0
+            except EngineFault as e:
+                self._give_up(f"the engine is broken: {e}")
+            except Exception as e:  # noqa: BLE001 (the main loop must not die)
+                failures += 1
+                log.exception("unexpected error in the main loop (%d in a row)", failures)
+                if failures >= MAX_TICK_FAILURES:
+                    self._give_up(f"{failures} main-loop errors in a row, the last: {type(e).__name__}: {e}")
+                time.sleep(min(0.1 * 2 ** (failures - 1), 5.0))
+            if dead := self._dead_threads():
+                self._give_up(f"thread(s) {', '.join(dead)} died")
+
+    def _give_up(self, reason: str) -> None:
+        log.critical("worker %s stops serving: %s; what it holds stays pending for another worker",
+                     self.worker_id, reason)
+        self.broken = reason
+
+    def _dead_threads(self) -> list[str]:
+        dead = self.intake.dead_threads() if self.intake is not None else []
+        return dead + ([] if self.outbox is None or self.outbox.alive else ["kvfleet-outbox"])
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         if self.draining:  # second signal: stop now
@@ -116,7 +151,7 @@ class Worker:
             pass
 
     def _add(self, job: Job) -> None:
-        from gpu_worker.core.scheduler import RequestRejected
+        from gpu_worker.engine.llm_engine import InvalidRequest, RequestRejected
 
         rid = job.request_id
         if rid in self.tracker:  # the same request enqueued twice: its output stream is already being written
@@ -135,14 +170,22 @@ class Worker:
                 rid, req.prompt_token_ids, req.params(), priority=req.priority, prompt=req.prompt,
                 resume_output_token_ids=job.resume_token_ids(),
                 arrival_time=time.monotonic() - max(0.0, time.time() - req.arrival_time))
-        except (RequestRejected, ValueError) as e:
-            if isinstance(e, RequestRejected) and job.stream != keys.req_stream(self.worker_id) \
-                    and req.attempt + 1 < self.settings.max_deliveries:
+        except InvalidRequest as e:
+            self._fail(job, str(e), kind="invalid_request")
+            return
+        except RequestRejected as e:  # it does not fit this worker
+            if job.stream != keys.req_stream(self.worker_id) and req.attempt + 1 < self.settings.max_deliveries:
                 self.tracker.pop(rid)  # another worker may have the room this one lacks
                 self.telemetry.ended(rid, f"handed back: {e}")
                 self.outbox.hand_back(requeue(req), Ack(job.stream, job.entry_id))
                 return
             self._close(job, error=ChunkError(kind="invalid_request", message=str(e)))
+            return
+        except Exception as e:  # noqa: BLE001 (this request's fault, whatever it is)
+            log.exception("request %s could not be added", rid)
+            self.engine.abort_request(rid)
+            self._fail(job, f"{type(e).__name__}: {e}",
+                       kind="invalid_request" if isinstance(e, TypeError | ValueError) else "internal")
             return
         self.taken.append(rid)
 
@@ -156,25 +199,43 @@ class Worker:
         self.engine.abort_request(request_id)
         self._close(job, finish_reason="abort")
 
-    def _close(self, job: Job, **final: Any) -> None:
+    def _close(self, job: Job, dead_letter: DeadLetter | None = None, **final: Any) -> None:
         self.tracker.pop(job.request_id)
         error = final.get("error")
         self.telemetry.ended(job.request_id, final.get("finish_reason") or "error",
                              error=error.message if error else None)
-        self.outbox.send([self.tracker.final_chunk(job, **final)], Ack(job.stream, job.entry_id))
+        self.outbox.send([self.tracker.final_chunk(job, **final)], Ack(job.stream, job.entry_id), dead_letter)
+
+    def _dead_letter(self, job: Job, reason: str) -> DeadLetter:
+        log.error("request %s -> %s: %s", job.request_id, keys.DEAD, reason)
+        self.metrics.dead_letters.inc()
+        return DeadLetter(request=job.request, reason=reason, deliveries=job.deliveries, worker_id=self.worker_id)
+
+    def _fail(self, job: Job, reason: str, kind: ErrorKind = "internal") -> None:
+        """Close a request that failed here: its error chunk, and a dead letter (no other worker gets it)."""
+        message = reason if kind == "invalid_request" else f"request failed: {reason}"
+        self._close(job, self._dead_letter(job, reason), error=ChunkError(kind=kind, message=message),
+                    finish_reason="error")
 
     # ---- output ------------------------------------------------------------------------------
     def _emit(self, output: Any) -> None:
         job = self.tracker.jobs.get(output.request_id)
         if job is None:
             return  # aborted meanwhile
-        first = output.request_id not in self.tracker.started
-        chunks = self.tracker.chunks_for(output)
-        self.telemetry.output(job, output, chunks, first=first)
+        try:
+            first = output.request_id not in self.tracker.started
+            chunks = self.tracker.chunks_for(output)
+            self.telemetry.output(job, output, chunks, first=first)
+        except Exception as e:  # noqa: BLE001 (this request's output: it alone fails)
+            log.exception("the output of request %s could not be sent", job.request_id)
+            self.engine.abort_request(job.request_id)
+            self._fail(job, f"its output could not be built: {type(e).__name__}: {e}")
+            return
         if output.finished:
-            self.num_finished += 1
+            self.num_finished += output.error is None
             self.tracker.pop(job.request_id)
-            self.outbox.send(chunks, Ack(job.stream, job.entry_id))
+            letter = self._dead_letter(job, output.error) if output.error is not None else None
+            self.outbox.send(chunks, Ack(job.stream, job.entry_id), letter)
         elif chunks:
             self.outbox.send(chunks)
 
@@ -205,7 +266,8 @@ class Worker:
             promised_blocks=self.tracker.promised_blocks(self.engine.block_size,
                                                          self.settings.route_max_output_tokens), running=stats.num_running, waiting=stats.num_waiting,
             num_preemptions=stats.num_preemptions, num_finished=self.num_finished, pid=os.getpid(), host=socket.gethostname(),
-            started_at=self.started_at, draining=self.draining, **self.metrics.recent())
+            started_at=self.started_at, draining=self.draining, restarts=self.settings.restarts,
+            **self.metrics.recent())
 
     def _compute_room(self) -> Room:
         s, backlog = self.status, self.status.waiting + self.inbox.qsize()
@@ -217,90 +279,16 @@ class Worker:
                     idle=not self.tracker.jobs and backlog == 0)
 
     def live(self) -> tuple[bool, str]:
+        if self.broken:
+            return False, self.broken
         stalled = time.monotonic() - self.last_tick
         return (stalled < 300, f"main loop last ran {stalled:.1f}s ago")
 
     def ready(self) -> tuple[bool, str]:
+        if self.broken or (dead := self._dead_threads()):
+            return False, self.broken or f"thread(s) {', '.join(dead)} died"
         if self.draining:
             return False, "draining"
         if self.outbox is None or not self.outbox.healthy:
             return False, "redis unreachable"
         return True, "ok"
-
-
-def _scheduling_policy(spec: str) -> str:
-    """--scheduling-policy: a user's class is imported while the flags are parsed, so a wrong name fails at once."""
-    try:
-        policy_class(spec)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return spec
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--redis-url", help="Redis URL (redis://, rediss://, with password); env KVFLEET_REDIS_URL")
-    p.add_argument("--model", help="HF directory, .gguf file or the default alias; env KVFLEET_MODEL")
-    p.add_argument("--served-model-name", help="the name clients use (default: the engine's model name)")
-    p.add_argument("--worker-id", help="stable id (its stream is kvfleet:req:ID); default host-pid")
-    p.add_argument("--num-kv-blocks", type=int, help="KV cache size in blocks")
-    p.add_argument("--kv-cache-memory", help="KV cache size in memory, e.g. 2GiB (instead of --num-kv-blocks)")
-    p.add_argument("--block-size", type=int, default=16, help='tokens per KV-cache block')
-    p.add_argument("--max-num-seqs", type=int, default=128, help='most sequences in one batch')
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help='token budget of one engine step (prefill chunks + decodes)')
-    p.add_argument("--max-model-len", type=int, help="context window (default: the model's)")
-    p.add_argument("--scheduling-policy", type=_scheduling_policy, default="fcfs", metavar="POLICY",
-                   help="which waiting request is admitted next and which running one is preempted first: fcfs "
-                        "(first come, first served), priority (lower value first), sjf (fewest tokens first, with "
-                        "aging) or package.module:Class (a gpu_worker.core.policies.SchedulingPolicy subclass)")
-    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false", help='turn off automatic prefix caching')
-    p.add_argument("--dtype", default="float32", help='weights and KV cache dtype: float32, bfloat16 or float16')
-    p.add_argument("--device", default="cpu", help='cpu or cuda')
-    p.add_argument("--seed", type=int, default=0, help='seed for requests that give none')
-    p.add_argument("--log-memory-usage", type=float, default=0.0, metavar="SECONDS",
-                   help="log the KV cache's blocks used / free / cached, fragmentation and preemptions every "
-                        "SECONDS (0: off)")
-    p.add_argument("--metrics-port", type=int, help="serve /livez, /readyz, /metrics on this port")
-    p.add_argument("--metrics-host", help="address for --metrics-port (default 127.0.0.1; 0.0.0.0 in pods; env "
-                                          "KVFLEET_METRICS_HOST)")
-    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish requests on SIGTERM")
-    p.add_argument("--status-ttl", type=float, help="seconds a status lives without a heartbeat")
-    p.add_argument("--max-deliveries", type=int, help="deliveries before a request goes to kvfleet:dead")
-
-
-def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    hf_offline()
-    telemetry.setup_tracing("kvfleet-worker")
-    settings = Settings.from_env(redis_url=args.redis_url, model=args.model, worker_id=args.worker_id,
-                                 status_ttl_s=args.status_ttl, max_deliveries=args.max_deliveries,
-                                 metrics_host=args.metrics_host)
-    keys.validate_worker_id(settings.worker_id)
-    from gpu_worker.engine.llm_engine import LLMEngine
-    from shared.models import resolve_model
-
-    worker: Worker | None = None  # the probes answer while the model loads: alive, not ready
-    health = None
-    if args.metrics_port is not None:
-        from gpu_worker.serve.health_server import HealthServer
-
-        health = HealthServer(args.metrics_port, lambda: worker.live() if worker else (True, "loading the model"),
-                              lambda: worker.ready() if worker else (False, "loading the model"),
-                              host=settings.metrics_host).start()
-    try:
-        engine = LLMEngine.from_model(
-            settings.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-            num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
-            scheduling_policy=args.scheduling_policy, seed=args.seed,
-            log_memory_usage_s=args.log_memory_usage)
-        worker = Worker(engine, settings, model_name=args.served_model_name or engine.model_name,
-                        model_path=str(resolve_model(settings.model)), drain_timeout_s=args.drain_timeout,
-                        max_backlog=args.max_num_seqs)
-        if health:
-            health.registry = worker.metrics.registry
-        return worker.run()
-    finally:
-        if health:
-            health.stop()
-        telemetry.shutdown()

@@ -1,0 +1,94 @@
+"""`kvfleet worker`: run one engine worker that serves its Redis stream (gpu_worker.serve.worker).
+
+SIGTERM drains: take nothing new, hand back what has not started, finish the rest within --drain-timeout,
+leave what is still unfinished pending (another worker claims it and continues), and exit. Exit status 1:
+the worker stopped serving because of a fault (see gpu_worker.serve.worker); its supervisor restarts it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from gpu_worker.core.policies import policy_class
+from gpu_worker.serve.worker import Worker
+from shared import keys, telemetry
+from shared.settings import Settings, hf_offline
+
+
+def _scheduling_policy(spec: str) -> str:
+    """--scheduling-policy: a user's class is imported while the flags are parsed, so a wrong name fails at once."""
+    try:
+        policy_class(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return spec
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--redis-url", help="Redis URL (redis://, rediss://, with password); env KVFLEET_REDIS_URL")
+    p.add_argument("--model", help="HF directory, .gguf file or the default alias; env KVFLEET_MODEL")
+    p.add_argument("--served-model-name", help="the name clients use (default: the engine's model name)")
+    p.add_argument("--worker-id", help="stable id (its stream is kvfleet:req:ID); default host-pid")
+    p.add_argument("--num-kv-blocks", type=int, help="KV cache size in blocks")
+    p.add_argument("--kv-cache-memory", help="KV cache size in memory, e.g. 2GiB (instead of --num-kv-blocks)")
+    p.add_argument("--block-size", type=int, default=16, help='tokens per KV-cache block')
+    p.add_argument("--max-num-seqs", type=int, default=128, help='most sequences in one batch')
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help='token budget of one engine step (prefill chunks + decodes)')
+    p.add_argument("--max-model-len", type=int, help="context window (default: the model's)")
+    p.add_argument("--scheduling-policy", type=_scheduling_policy, default="fcfs", metavar="POLICY",
+                   help="which waiting request is admitted next and which running one is preempted first: fcfs "
+                        "(first come, first served), priority (lower value first), sjf (fewest tokens first, with "
+                        "aging) or package.module:Class (a gpu_worker.core.policies.SchedulingPolicy subclass)")
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false", help='turn off automatic prefix caching')
+    p.add_argument("--dtype", default="float32", help='weights and KV cache dtype: float32, bfloat16 or float16')
+    p.add_argument("--device", default="cpu", help='cpu or cuda')
+    p.add_argument("--seed", type=int, default=0, help='seed for requests that give none')
+    p.add_argument("--log-memory-usage", type=float, default=0.0, metavar="SECONDS",
+                   help="log the KV cache's blocks used / free / cached, fragmentation and preemptions every "
+                        "SECONDS (0: off)")
+    p.add_argument("--metrics-port", type=int, help="serve /livez, /readyz, /metrics on this port")
+    p.add_argument("--metrics-host", help="address for --metrics-port (default 127.0.0.1; 0.0.0.0 in pods; env "
+                                          "KVFLEET_METRICS_HOST)")
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish requests on SIGTERM")
+    p.add_argument("--status-ttl", type=float, help="seconds a status lives without a heartbeat")
+    p.add_argument("--max-deliveries", type=int, help="deliveries before a request goes to kvfleet:dead")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    hf_offline()
+    telemetry.setup_tracing("kvfleet-worker")
+    settings = Settings.from_env(redis_url=args.redis_url, model=args.model, worker_id=args.worker_id,
+                                 status_ttl_s=args.status_ttl, max_deliveries=args.max_deliveries,
+                                 metrics_host=args.metrics_host)
+    keys.validate_worker_id(settings.worker_id)
+    from gpu_worker.engine.llm_engine import LLMEngine
+    from shared.models import resolve_model
+
+    worker: Worker | None = None  # the probes answer while the model loads: alive, not ready
+    health = None
+    if args.metrics_port is not None:
+        from gpu_worker.serve.health_server import HealthServer
+
+        health = HealthServer(args.metrics_port, lambda: worker.live() if worker else (True, "loading the model"),
+                              lambda: worker.ready() if worker else (False, "loading the model"),
+                              host=settings.metrics_host).start()
+    try:
+        engine = LLMEngine.from_model(
+            settings.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+            num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
+            scheduling_policy=args.scheduling_policy, seed=args.seed,
+            log_memory_usage_s=args.log_memory_usage)
+        worker = Worker(engine, settings, model_name=args.served_model_name or engine.model_name,
+                        model_path=str(resolve_model(settings.model)), drain_timeout_s=args.drain_timeout,
+                        max_backlog=args.max_num_seqs)
+        if health:
+            health.registry = worker.metrics.registry
+        return worker.run()
+    finally:
+        if health:
+            health.stop()
+        telemetry.shutdown()
