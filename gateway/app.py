@@ -15,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway import responses
 from gateway.errors import APIError, install_handlers
-from gateway.middleware import Instrumentation
+from gateway.middleware import BodyLimit, Instrumentation
 from gateway.openai_api import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from gateway.placement import routing_header, submit, target_for
 from gateway.prompts import prepare
@@ -35,7 +35,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 def create_app(settings: Settings) -> FastAPI:
     if settings.routing not in POLICIES:
         raise ValueError(f"routing policy must be one of {POLICIES}, got {settings.routing!r}")
-    state = GatewayState(settings=settings, redis=None, tokenizers=Tokenizers())
+    state = GatewayState(settings=settings, redis=None, tokenizers=Tokenizers(settings.tokenizer_threads))
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -46,12 +46,14 @@ def create_app(settings: Settings) -> FastAPI:
             state.tokenizers.preload(settings.model)
         yield
         await state.redis.aclose()
+        state.tokenizers.close()
         telemetry.flush()  # the last requests' spans: uvicorn ends the process by re-raising SIGTERM
 
     app = FastAPI(title="kvfleet gateway", lifespan=lifespan)
     app.state.kvfleet = state
     install_handlers(app)
-    app.add_middleware(Instrumentation, metrics=state.metrics)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(Instrumentation, metrics=state.metrics)  # outermost: it counts the 413s too
 
     def authorized(request: Request) -> None:
         if not settings.api_keys:
@@ -80,7 +82,7 @@ def create_app(settings: Settings) -> FastAPI:
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(body: CompletionRequest, request: Request) -> Response:
         target = await target_for(state, body.model)
-        batch = await submit(state, target, prepare(target, body), id_prefix="cmpl")
+        batch = await submit(state, target, await state.tokenizers.run(prepare, target, body), id_prefix="cmpl")
         headers = routing_header(batch)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -103,7 +105,7 @@ def create_app(settings: Settings) -> FastAPI:
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         target = await target_for(state, body.model)
-        prepared = prepare(target, body)
+        prepared = await state.tokenizers.run(prepare, target, body)
         batch = await submit(state, target, prepared, id_prefix="chatcmpl")
         sub, top, headers = batch.subs[0], prepared.logprobs, routing_header(batch)
         if body.stream:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -15,12 +16,15 @@ from shared import streams
 log = logging.getLogger("kvfleet.gateway")
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-         429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
+         409: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+         503: "service_unavailable", 504: "timeout"}
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|list|dict|[a-z-]+\[.*\])$")  # pydantic's union-member locs
 
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
                  type: str | None = None, headers: dict[str, str] | None = None):
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")  # a lone surrogate cannot be sent
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or TYPES.get(status, "server_error")
@@ -43,14 +47,30 @@ def param_of(message: str) -> str | None:
     return first if first.isidentifier() else None
 
 
+def error_path(loc: Any, at: str = "") -> str | None:
+    """A pydantic error location as a JSON path: ("body", "messages", 0, "content") -> "messages[0].content";
+    `at` (a validator's own sub-path, gateway.openai_api.invalid) is appended. Union-member tags are left out."""
+    path = ""
+    for p in loc:
+        if p == "body" and not path or isinstance(p, str) and _UNION_TAG.match(p):
+            continue
+        path += f"[{p}]" if isinstance(p, int) else f".{p}" if path else str(p)
+    if at:
+        path += at if at[0] in ".[" or not path else f".{at}"
+    return path or None
+
+
 def validation_error(exc: Any) -> tuple[str | None, str]:
-    """(field, message) of the first error of a pydantic ValidationError (or FastAPI's RequestValidationError),
-    named as the 400s name it: ("temperature", "temperature: Input should be ... , got 5.0")."""
-    errors = exc.errors()
-    err = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    param = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or None
+    """(field, message) of a pydantic ValidationError (or FastAPI's RequestValidationError), named as the 400s
+    name it: ("temperature", "temperature: Input should be ... , got 5.0"). Of several errors (a value that
+    matches no member of a union) the one that went deepest."""
+    errors = exc.errors() or [{"loc": (), "msg": "invalid request"}]
+    paths = [error_path(e.get("loc", ()), (e.get("ctx") or {}).get("at", "")) for e in errors]
+    i = max(range(len(errors)), key=lambda j: (len(paths[j] or ""), -j))
+    err, param = errors[i], paths[i]
     detail = err.get("msg", "invalid value")
-    if "input" in err and err.get("type") != "missing" and not isinstance(err["input"], dict | list):
+    if "input" in err and err.get("type") not in ("missing", "invalid_value") and not isinstance(err["input"],
+                                                                                                  dict | list):
         detail += f", got {err['input']!r}"
     return param, f"{param}: {detail}" if param else detail
 
@@ -69,6 +89,10 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        cause = exc.__cause__  # FastAPI's 400 "There was an error parsing the body" keeps the reason here
+        if isinstance(cause, UnicodeDecodeError):
+            return APIError(400, f"the request body is not valid UTF-8 (byte {cause.start} of the body): send "
+                                 "JSON encoded as UTF-8", code="invalid_utf8").response()
         return APIError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None)).response()
 
     @app.exception_handler(streams.RedisError)

@@ -1,44 +1,130 @@
 """OpenAI-shaped request and response models (/v1/completions, /v1/chat/completions, /v1/models), with
-vLLM's extra sampling fields (top_k, min_p, priority, ...). Field limits live here, so a bad value gets a
-400 that names the field and the limit."""
+vLLM's extra sampling fields (top_k, min_p, priority, ...). Field limits live here (the numbers in
+shared.sampling_params), so a bad value gets a 400 that names the field and the limit; gateway.prompts checks
+what needs the model (top_k, stop_token_ids and logit_bias keys against the vocabulary)."""
 
 from __future__ import annotations
 
+import re
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
-from shared.sampling_params import SamplingParams
+from shared.sampling_params import (
+    INT32_MAX,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_STOP,
+    MAX_STOP_LEN,
+    MAX_STOP_TOKEN_IDS,
+    SEED_MAX,
+    SEED_MIN,
+    SamplingParams,
+)
+
+PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1  # a signed 32-bit integer; lower runs first
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def invalid(param: str, message: str) -> PydanticCustomError:
+    """A validation error for `param`, a path below the field it is raised in ("[1].type"), or a whole path
+    when raised for the body: gateway.errors.validation_error puts it together."""
+    return PydanticCustomError("invalid_value", "{message}", {"message": message, "at": param})
+
+
+def lone_surrogate_path(value: Any) -> str | None:
+    """The path ("messages[0].content") of the first string (or key) in a JSON value that holds a lone UTF-16
+    surrogate ("\\ud800" in JSON): no tokenizer or encoder can take one. Iterative: any nesting depth."""
+    todo: list[tuple[str, Any]] = [("", value)]
+    while todo:
+        path, v = todo.pop()
+        if isinstance(v, str):
+            if _SURROGATE.search(v):
+                return path
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                sub = f"{path}.{k}" if path else str(k)
+                if isinstance(k, str) and _SURROGATE.search(k):
+                    return sub
+                todo.append((sub, item))
+        elif isinstance(v, list):
+            todo.extend((f"{path}[{i}]", item) for i, item in enumerate(v))
+    return None
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+
+
 class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    n: int = Field(1, ge=1, le=64)
+    n: int = Field(1, ge=1, le=MAX_N)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)
+    top_k: int = Field(0, ge=-1, le=INT32_MAX, description="-1 or 0: off; else at most the vocabulary size")
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX, description="a signed 64-bit integer")
+    stop: str | list[str] | None = Field(
+        None, description=f"up to {MAX_STOP} strings of 1 to {MAX_STOP_LEN} characters")
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    logit_bias: dict[str, float] | None = Field(
+        None, description=f"token id -> bias in [-100, 100] added to its logit before sampling, up to {MAX_LOGIT_BIAS} ids")
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    priority: int = 0
+    priority: int = Field(0, ge=PRIORITY_MIN, le=PRIORITY_MAX,
+                          description="a signed 32-bit integer; under the worker's priority scheduling policy "
+                                      "lower values run first (ignored by fcfs and sjf)")
     user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_lone_surrogates(cls, data: Any) -> Any:
+        path = lone_surrogate_path(data)
+        if path is not None:
+            raise invalid(path, "contains a lone UTF-16 surrogate (such as \\ud800), which is not valid "
+                                "Unicode text")
+        return data
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_limits(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        strings = [stop] if isinstance(stop, str) else stop or []
+        if len(strings) > MAX_STOP:
+            raise invalid("", f"at most {MAX_STOP} stop strings, got {len(strings)}")
+        for i, s in enumerate(strings):
+            at = f"[{i}]" if isinstance(stop, list) else ""
+            if not 1 <= len(s) <= MAX_STOP_LEN:
+                raise invalid(at, f"a stop string must have 1 to {MAX_STOP_LEN} characters, got {len(s)}")
+        return stop
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias_limits(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        if bias is None:
+            return None
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise invalid("", f"at most {MAX_LOGIT_BIAS} token ids, got {len(bias)}")
+        for key, value in bias.items():
+            if not key.isdigit() or int(key) > INT32_MAX:
+                raise invalid(f".{key}", f"keys must be token ids (integers >= 0 as strings), got {key!r}")
+            if not -100 <= value <= 100:
+                raise invalid(f".{key}", f"a bias must be in [-100, 100], got {value!r}")
+        return bias
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
@@ -47,27 +133,59 @@ class _SamplingFields(BaseModel):
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None)
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=20)
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    max_tokens: int | None = Field(16, ge=1, le=INT32_MAX)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    best_of: int | None = Field(None, ge=1, le=MAX_N, description="only best_of == n (kvfleet does not rank)")
     echo: bool = False
+
+    @model_validator(mode="after")
+    def _best_of_is_n(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of != self.n:
+            raise invalid("best_of", f"must equal n ({self.n}): kvfleet returns every sequence it samples and "
+                                     f"does not rank candidates, got {self.best_of}")
+        return self
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[TextPart] | None = None
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _parts(cls, content: Any) -> Any:
+        """Content parts: only text ones (this gateway serves text models), each {"type": "text", "text": str}."""
+        if not isinstance(content, list):
+            return content
+        for i, part in enumerate(content):
+            if not isinstance(part, dict):
+                raise invalid(f"[{i}]", f"a content part must be an object like {{\"type\": \"text\", "
+                                        f"\"text\": \"...\"}}, got {type(part).__name__}")
+            if part.get("type") != "text":
+                raise invalid(f"[{i}].type", f"unsupported content part type {part.get('type')!r}: this model "
+                                             "reads only \"text\" parts")
+            if not isinstance(part.get("text"), str):
+                raise invalid(f"[{i}].text", f"a text part needs a string `text`, got "
+                                             f"{type(part.get('text')).__name__}")
+        return content
 
     def as_template_input(self) -> dict[str, Any]:
         content = self.content
-        if isinstance(content, list):  # content parts: keep the text ones
-            content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
+        if isinstance(content, list):
+            content = "".join(p.text for p in content)
         msg = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
         if self.name:
             msg["name"] = self.name
@@ -76,10 +194,10 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
 # ---- responses -------------------------------------------------------------------------------------

@@ -163,16 +163,18 @@ async def place(state: GatewayState, planned: Planned) -> Submitted:
 
 async def _route_and_enqueue(r: Any, settings: Settings, planned: Planned) -> Placement:
     """Among the live workers that serve the request, route, reserve and enqueue, routing again (up to
-    MAX_ROUTE_TRIES) when the worker filled up meanwhile; when none can take it, the shared stream; 429
-    (with Retry-After) when that is over its bound. The Lua checks in shared.streams keep gateway replicas
-    from over-committing a worker."""
+    MAX_ROUTE_TRIES, without the workers that refused) when the worker filled up meanwhile or has
+    `worker_queue_bound` requests waiting (every policy); when none can take it, the shared stream; 429 (with
+    Retry-After) when that is over its bound. The Lua checks in shared.streams keep gateway replicas from
+    over-committing a worker."""
     request, policy, routing_blocks = planned.request, settings.routing, planned.routing_blocks
     checks_room = policy in ("free_blocks", "prefix")
+    refused: set[str] = set()
     for _ in range(MAX_ROUTE_TRIES):
         with t.span("kvfleet.route", attributes={t.KVFLEET_ROUTING_POLICY: policy,
                                                  t.KVFLEET_KV_BLOCKS: routing_blocks}) as span:
             view = await streams.aread_fleet(r)
-            candidates = view.serving(planned.serves)
+            candidates = [w for w in view.serving(planned.serves) if w.worker_id not in refused]
             hashes: list[str] = []
             overlap: dict[str, int] = {}
             turn = 0
@@ -191,11 +193,12 @@ async def _route_and_enqueue(r: Any, settings: Settings, planned: Planned) -> Pl
         with enqueue_span(request, keys.req_stream(worker)):
             entry_id = await streams.aenqueue_routed(
                 r, request, worker, min_headroom=settings.reserve_blocks if checks_room else None,
-                reservation_ttl_s=settings.reservation_ttl_s)
+                queue_bound=settings.worker_queue_bound, reservation_ttl_s=settings.reservation_ttl_s)
         if entry_id is not None:
             if hashes:
                 await streams.aremember_prefix(r, hashes, worker)
             return Placement(worker, entry_id, policy)
+        refused.add(worker)
     request.kv_blocks = 0
     with enqueue_span(request, keys.REQ_ANY) as span:
         entry_id = await streams.aenqueue_shared(r, request, bound=settings.queue_bound)
@@ -203,8 +206,9 @@ async def _route_and_enqueue(r: Any, settings: Settings, planned: Planned) -> Pl
             t.set_error(span, "shared queue full")
     if entry_id is None:
         raise APIError(
-            429, f"the fleet is full: no worker has {routing_blocks} free KV blocks for this request and "
-                 f"{settings.queue_bound} requests already wait in the shared queue; retry later",
+            429, f"the fleet is full: no worker can take this request now ({routing_blocks} free KV blocks, "
+                 f"fewer than {settings.worker_queue_bound} requests waiting) and {settings.queue_bound} requests "
+                 "already wait in the shared queue; retry later",
             code="fleet_overloaded", headers={"Retry-After": str(settings.retry_after_s)})
     return Placement(None, entry_id, policy)
 

@@ -95,10 +95,28 @@ def make_params(build: Any) -> SamplingParams:
         raise bad_request(str(e), param_of(str(e)), "invalid_value") from None
 
 
+def check_vocab(body: CompletionRequest | ChatCompletionRequest, vocab: int) -> None:
+    """The fields that name tokens or count them, against the model's vocabulary: 400 naming the field."""
+    if body.top_k > vocab:
+        raise bad_request(f"top_k: must be -1 or 0 (off) or in [1, {vocab}] (the model's vocabulary size), got "
+                          f"{body.top_k}", "top_k", "invalid_value")
+    for i, t in enumerate(body.stop_token_ids or []):
+        if t >= vocab:
+            raise bad_request(f"stop_token_ids[{i}]: token ids must be in [0, {vocab}) (the model's vocabulary), "
+                              f"got {t}", f"stop_token_ids[{i}]", "invalid_value")
+    for key in body.logit_bias or {}:
+        if int(key) >= vocab:
+            raise bad_request(f"logit_bias.{key}: token ids must be in [0, {vocab}) (the model's vocabulary)",
+                              f"logit_bias.{key}", "invalid_value")
+
+
 def prepare(target: Any, body: CompletionRequest | ChatCompletionRequest) -> Prepared:
-    """Tokenize, check the window, build the sampling params: what every door does before placing. 400s name
-    the field. `target`: the gateway.placement.Target the request goes to (its tokenizer and window)."""
+    """Check against the vocabulary, tokenize, check the window, build the sampling params: what every door does
+    before placing. 400s name the field. `target`: the gateway.placement.Target the request goes to (its
+    tokenizer and window). It tokenizes: callers on an event loop run it in the tokenizer threads
+    (gateway.tokenizer.Tokenizers.run)."""
     tok = target.tokenizer
+    check_vocab(body, len(tok))
     if isinstance(body, ChatCompletionRequest):
         try:
             ids = chat_ids(tok, [m.as_template_input() for m in body.messages])

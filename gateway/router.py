@@ -11,7 +11,8 @@ Policies
                 use there (Dynamo's KV-aware cost), using `prefix_overlap[w]` cached prompt blocks.
   least_loaded  fewest running + waiting (+ reserved) requests; ignores free blocks.
   round_robin   turn by turn; ignores free blocks.
-Every policy skips draining workers and workers whose whole cache cannot hold the request.
+Every policy skips draining workers and workers whose whole cache cannot hold the request; and whatever the
+policy, gateway.placement skips a worker that has `worker_queue_bound` requests waiting (the enqueue refuses).
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
 """The gateway's tokenizers: only the tokenizer of each served model (never its weights), loaded once in a
-thread, so the gateway knows a prompt's length in tokens (and KV blocks) before it routes."""
+thread, so the gateway knows a prompt's length in tokens (and KV blocks) before it routes. Tokenizing runs
+in a few threads of its own (`tokenizer_threads`), never on the event loop: a flood of huge prompts waits
+for those threads while the loop keeps relaying other requests' tokens."""
 
 from __future__ import annotations
 
@@ -7,10 +9,13 @@ import asyncio
 import functools
 import logging
 import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 log = logging.getLogger("kvfleet.gateway")
+T = TypeVar("T")
 
 
 def load_tokenizer(model: str) -> Any:
@@ -47,10 +52,21 @@ def resolved_path(name: str) -> str | None:
 
 
 class Tokenizers:
-    """model path -> tokenizer, each loaded once (concurrent callers share the load)."""
+    """model path -> tokenizer, each loaded once (concurrent callers share the load); and the threads that
+    tokenize (`run`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, threads: int = 4) -> None:
+        if threads < 1:
+            raise ValueError(f"tokenizer_threads must be at least 1, got {threads}")
         self._loads: dict[str, asyncio.Task] = {}
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvfleet-tokenize")
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) in a tokenizer thread (at most `threads` at once; the rest wait in line)."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def preload(self, model: str) -> None:
         self._task(model)
@@ -72,9 +88,14 @@ def prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
 
 def chat_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
     """The tokenizer's chat template with the assistant's turn opened."""
+    from jinja2 import TemplateError
+
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template: use /v1/completions")
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    try:
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except TemplateError as e:  # the template's own checks ("roles must alternate ...")
+        raise ValueError(f"the model's chat template refused these messages: {e}") from None
     ids = out["input_ids"] if not isinstance(out, list) else out
     return list(ids)
 

@@ -9,7 +9,8 @@ batch goes on. A full fleet (429) or no live worker (503) is retried with backof
 
 Resumable: a rerun skips the custom_ids already in OUTPUT (a line torn by a kill is cut off and redone). A
 line that was in flight when a run died attaches to its request in the fleet instead of generating it again:
-request ids derive from OUTPUT's path and the custom_id.
+request ids derive from OUTPUT's path and the custom_id. A line edited meanwhile (same custom_id, another body)
+gets a 409 (request_id_conflict), never the first body's result.
 """
 
 from __future__ import annotations

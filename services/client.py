@@ -13,7 +13,8 @@ fleet's Redis streams (routed by free KV blocks, exactly as the gateway does) an
 Parameters are the HTTP API's (max_tokens, temperature, top_p, stop, seed, n, logprobs, priority, ...).
 submit() raises InvalidRequest (bad field, named) or FleetUnavailable (429 / 503: retry later); result()
 raises GenerationFailed when the fleet fails the request. Pass request_id= to make a resubmission attach to
-the request already in the fleet instead of generating it again.
+the request already in the fleet instead of generating it again; the same id with another request raises
+InvalidRequest (409, code request_id_conflict).
 """
 
 from __future__ import annotations

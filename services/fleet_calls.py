@@ -11,6 +11,8 @@ same id (a redelivered Celery task, a rerun batch file) attaches to the request 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -64,6 +66,7 @@ class Call:
     info: CallInfo
     result: dict[str, Any] | None = None  # the finished body, once known
     parts: list[Call] = field(default_factory=list)  # a completion of several prompts: one call each
+    request_hash: str = ""  # request_hash() of the body, kept in its job record
 
 
 def check_params(model_cls: type, body: dict[str, Any]) -> None:
@@ -78,6 +81,23 @@ def check_params(model_cls: type, body: dict[str, Any]) -> None:
                              "stream", 400, "stream", "invalid_value")
 
 
+def request_hash(kind: str, body: Any) -> str:
+    """The request as validated (every field, defaults filled in, the model resolved), canonical JSON, hashed:
+    what a request id stands for. Hashing the body, not its token ids, lets an attempt compare without
+    tokenizing, so a finished request's result is returned without loading a tokenizer."""
+    canonical = json.dumps([kind, body.model_dump(mode="json")], sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode("utf-8", "backslashreplace")).hexdigest()
+
+
+def check_same_request(request_id: str, rec: job_record.Record, wanted: str) -> None:
+    """409 (InvalidRequest) when `request_id` is already used by a request with another body: never attach to
+    it or return its result."""
+    if not rec.same_request(wanted):
+        raise InvalidRequest(f"request_id: {request_id!r} is already used by a different request (another prompt "
+                             "or other parameters); use a new id for a new request", 409, "request_id",
+                             "request_id_conflict")
+
+
 class FleetCaller:
     """Owns an asyncio Redis client and the tokenizers (each loaded once): use it from one event loop."""
 
@@ -85,10 +105,12 @@ class FleetCaller:
         self.settings = settings
         self.redis = redis if redis is not None else streams.connect_async(settings.redis_url,
                                                                            health_check_interval=30)
-        self.gateway = GatewayState(settings=settings, redis=self.redis, tokenizers=Tokenizers())
+        self.gateway = GatewayState(settings=settings, redis=self.redis,
+                                    tokenizers=Tokenizers(settings.tokenizer_threads))
 
     async def aclose(self) -> None:
         await self.redis.aclose()
+        self.gateway.tokenizers.close()
 
     async def call(self, kind: str, body: dict[str, Any], request_id: str | None = None) -> dict[str, Any]:
         return await self.result(await self.submit(kind, body, request_id))
@@ -110,23 +132,24 @@ class FleetCaller:
         except ValidationError as e:
             raise from_validation_error(e) from None
         rid = request_id or f"{prefix}-{uuid.uuid4().hex}"
+        digest = request_hash(kind, parsed)
         parts = part_ids(rid, prompt_count(parsed.prompt) if kind == "completion" else 1)
         attrs = {telemetry.GEN_AI_SYSTEM: telemetry.SYSTEM, telemetry.GEN_AI_OPERATION_NAME: OPERATIONS[prefix],
                  telemetry.GEN_AI_REQUEST_MODEL: parsed.model, telemetry.KVFLEET_REQUEST_ID: rid}
         with telemetry.span("kvfleet.submit", attributes=attrs):
             try:
                 records = [await job_record.get(self.redis, part) for part in parts]
-                calls: list[Call | None] = [_attached(part, rec) if rec is not None and rec.state != "placing"
+                calls: list[Call | None] = [_attached(part, rec, digest) if rec is not None and rec.state != "placing"
                                             else None for part, rec in zip(parts, records, strict=True)]
                 if any(c is None for c in calls):
                     planned, info = await self._prepare(kind, parsed, parts)
                     for i, p in enumerate(planned):
                         if calls[i] is None:
-                            calls[i] = await self._place_once(p, info(p))
+                            calls[i] = await self._place_once(p, info(p), digest)
             except APIError as e:
                 raise from_api_error(e) from None
         done = [c for c in calls if c is not None]
-        return done[0] if len(done) == 1 else Call(rid, done[0].info, parts=done)
+        return done[0] if len(done) == 1 else Call(rid, done[0].info, parts=done, request_hash=digest)
 
     async def result(self, call: Call) -> dict[str, Any]:
         """The whole response body (OpenAI's shape, JSON-serialisable), stored in the job record."""
@@ -153,7 +176,7 @@ class FleetCaller:
                                    "cancelled", 504, None, "timeout") from None
         call.result = body.model_dump(mode="json")
         await job_record.finish(self.redis, call.request_id, asdict(info), call.result, ttl_s=s.job_ttl_s,
-                                output_ttl_s=s.output_ttl_after_read_s)
+                                output_ttl_s=s.output_ttl_after_read_s, request_hash=call.request_hash)
         return call.result
 
     async def cancel(self, request_id: str) -> None:
@@ -169,7 +192,7 @@ class FleetCaller:
         """What the gateway's endpoints do before placing (gateway.prompts.prepare, then build_request), under
         the given request ids; and a function giving each planned request its CallInfo."""
         target = await target_for(self.gateway, body.model)
-        prepared = prepare(target, body)
+        prepared = await self.gateway.tokenizers.run(prepare, target, body)
         planned = [build_request(self.settings, target, p, priority=prepared.priority, request_id=part)
                    for p, part in zip(prepared.prompts, parts, strict=True)]
         tokenizer = (target.workers[0].model_path if target.workers else "") or self.settings.model
@@ -181,13 +204,15 @@ class FleetCaller:
 
         return planned, info
 
-    async def _place_once(self, planned: Planned, info: CallInfo) -> Call:
+    async def _place_once(self, planned: Planned, info: CallInfo, digest: str) -> Call:
         """Claim the id, enqueue, mark it enqueued: inside the admission lock, so the lease only ever spans a few
-        Redis round trips. Another attempt's lease: wait for it, then attach (or claim again if it died)."""
+        Redis round trips. Another attempt's lease: wait for it, then attach (or claim again if it died). A
+        request id already used by another request (`digest` differs): 409."""
         r, s, rid = self.redis, self.settings, planned.request.request_id
         while True:
             async with self.gateway.admission:
-                claimed = await job_record.claim(r, rid, ttl_s=s.job_ttl_s, lease_s=s.job_lease_s)
+                claimed = await job_record.claim(r, rid, ttl_s=s.job_ttl_s, lease_s=s.job_lease_s,
+                                                 request_hash=digest)
                 if claimed.outcome is not Claim.HELD:
                     if claimed.outcome is Claim.FRESH or not await streams.arequest_in_fleet(r, rid):
                         try:
@@ -195,13 +220,16 @@ class FleetCaller:
                         except APIError:  # refused before anything was enqueued (429): a retry may place it
                             await job_record.release(r, rid, claimed.lease)
                             raise
+                    elif claimed.held is not None and not claimed.held.same_request(digest):
+                        await job_record.release(r, rid, claimed.lease)  # the dead attempt enqueued another body
+                        check_same_request(rid, claimed.held, digest)
                     await job_record.promote(r, rid, claimed.lease, asdict(info), ttl_s=s.job_ttl_s)
-                    return Call(rid, info)
+                    return Call(rid, info, request_hash=digest)
             rec = claimed.held
             if rec.state == "placing":
                 rec = await job_record.wait_placed(r, rid, lease_s=s.job_lease_s)
             if rec is not None:
-                return _attached(rid, rec)
+                return _attached(rid, rec, digest)
 
     async def _submitted(self, call: Call) -> Submitted:
         """The gateway's view of a placed request, as its response renderers take it."""
@@ -213,6 +241,8 @@ class FleetCaller:
                          Placement(None, "", ""))
 
 
-def _attached(rid: str, rec: job_record.Record) -> Call:
+def _attached(rid: str, rec: job_record.Record, digest: str) -> Call:
+    """The call a job record stands for, if it is this request (`digest`: its request_hash); else 409."""
     assert rec.call is not None, f"job record {rid} in state {rec.state} has no call"
-    return Call(rid, CallInfo(**rec.call), rec.result if rec.state == "done" else None)
+    check_same_request(rid, rec, digest)
+    return Call(rid, CallInfo(**rec.call), rec.result if rec.state == "done" else None, request_hash=digest)

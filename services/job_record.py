@@ -1,13 +1,15 @@
 """The job record: what makes a request id enter the fleet at most once, however often its caller retries
 (a Celery task redelivered after its worker died, a batch file rerun after a kill).
 
-kvfleet:job:{request_id} holds JSON {state, since, owner, call, result}, kept `job_ttl_s`:
+kvfleet:job:{request_id} holds JSON {state, since, owner, call, result, request_hash}, kept `job_ttl_s`:
   placing   an attempt holds the lease: it is routing and enqueuing the request right now
   enqueued  the request is in the fleet; `call` says how to render its output (attach to its output stream)
   done      `result` is the finished response body (returned as is; the fleet is not asked again)
 A placing lease older than `lease_s` (placing is a few Redis round trips) belongs to an attempt that died while placing: the next attempt takes
 it over and first looks for the request in the fleet's streams (it may have been enqueued just before the
 death) before enqueuing it. Claim, promotion and release are atomic (Lua compare-and-set in shared.streams).
+Every state carries `request_hash` (services.fleet_calls.request_hash): an attempt whose request differs is
+refused (409) instead of attaching to another request or returning its result.
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ class Record:
     owner: str = ""
     call: dict[str, Any] | None = None  # how to render the output (services.fleet_calls.CallInfo)
     result: dict[str, Any] | None = None
+    request_hash: str = ""  # what the id stands for ("": a record written before hashes were kept)
+
+    def same_request(self, request_hash: str) -> bool:
+        return not self.request_hash or self.request_hash == request_hash
 
     def dumps(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -51,16 +57,17 @@ class Claim(enum.Enum):
 class Claimed:
     outcome: Claim
     lease: str  # the placing record we wrote ("" when HELD): promote/release compare against it
-    held: Record | None = None
+    held: Record | None = None  # HELD: the record there; TAKEN_OVER: the dead attempt's lease
 
 
-async def claim(r: Any, request_id: str, *, ttl_s: float, lease_s: float = LEASE_S) -> Claimed:
-    lease = Record(state="placing", since=time.time(), owner=uuid.uuid4().hex).dumps()
+async def claim(r: Any, request_id: str, *, ttl_s: float, lease_s: float = LEASE_S,
+                request_hash: str = "") -> Claimed:
+    lease = Record(state="placing", since=time.time(), owner=uuid.uuid4().hex, request_hash=request_hash).dumps()
     outcome, old = await streams.aclaim_job(r, request_id, lease, now=time.time(), lease_s=lease_s, ttl_s=ttl_s)
     outcome = Claim(outcome)
     if outcome is Claim.HELD:
         return Claimed(outcome, "", Record.loads(old))
-    return Claimed(outcome, lease)
+    return Claimed(outcome, lease, Record.loads(old) if old else None)
 
 
 async def get(r: Any, request_id: str) -> Record | None:
@@ -70,7 +77,9 @@ async def get(r: Any, request_id: str) -> Record | None:
 
 async def promote(r: Any, request_id: str, lease: str, call: dict[str, Any], *, ttl_s: float) -> bool:
     """placing -> enqueued, if the lease is still ours."""
-    new = Record(state="enqueued", since=time.time(), owner=Record.loads(lease).owner, call=call).dumps()
+    mine = Record.loads(lease)
+    new = Record(state="enqueued", since=time.time(), owner=mine.owner, call=call,
+                 request_hash=mine.request_hash).dumps()
     return await streams.areplace_job(r, request_id, lease, new, ttl_s=ttl_s)
 
 
@@ -80,9 +89,9 @@ async def release(r: Any, request_id: str, lease: str) -> None:
 
 
 async def finish(r: Any, request_id: str, call: dict[str, Any], result: dict[str, Any], *, ttl_s: float,
-                 output_ttl_s: float) -> None:
+                 output_ttl_s: float, request_hash: str = "") -> None:
     """Store the finished body; the output stream is no longer needed past `output_ttl_s`."""
-    rec = Record(state="done", since=time.time(), call=call, result=result)
+    rec = Record(state="done", since=time.time(), call=call, result=result, request_hash=request_hash)
     await streams.afinish_job(r, request_id, rec.dumps(), ttl_s=ttl_s, output_ttl_s=output_ttl_s)
 
 

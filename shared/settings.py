@@ -31,6 +31,12 @@ class Settings:
     routing: str = "free_blocks"
     # Requests that no worker fits go to the shared stream; past this many waiting there, answer 429.
     queue_bound: int = 64
+    # Every routing policy: a worker with this many requests waiting (in its stream, not yet taken, plus taken
+    # and not yet running) gets no more; the request goes elsewhere, or to the shared stream (then 429).
+    worker_queue_bound: int = 64
+    # A request body larger than this gets 413 before it is parsed or its API key checked.
+    max_body_bytes: int = 4 * 1024 * 1024
+    tokenizer_threads: int = 4  # the gateway tokenizes in this many threads, never on its event loop
     retry_after_s: int = 1
     # A worker's status lives this long unless refreshed; heartbeats come every heartbeat_s.
     status_ttl_s: float = 5.0
@@ -47,6 +53,7 @@ class Settings:
     request_timeout_s: float = 600.0  # no chunk for this long: the gateway cancels and answers 504
     queue_when_no_workers: bool = False  # scale-to-zero: queue in the shared stream instead of 503
     metrics_host: str = "127.0.0.1"  # where a worker serves /livez, /readyz, /metrics (0.0.0.0 in pods)
+    restarts: int = 0  # times `kvfleet up` started this process again after it exited (a worker publishes it)
     # ---- backend services (Celery app, Python client, batch files) ----
     celery_broker_url: str = ""  # "" = redis_url (the fleet's Redis)
     celery_result_backend: str = ""  # "" = the broker URL

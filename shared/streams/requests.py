@@ -20,11 +20,20 @@ CANCEL_MARK_TTL_S = 3600
 # ---- requests -------------------------------------------------------------------------------------
 
 # Atomic "reserve and enqueue on a worker, if it still has the room the router saw": the status and the
-# reservations are re-read inside Redis, so concurrent gateways never over-commit a worker.
+# reservations are re-read inside Redis, so concurrent gateways never over-commit a worker. Whatever the
+# policy, a worker with `queue_bound` requests waiting (entries of its stream no consumer took yet, plus those
+# it took and has not started: its status' `waiting`) takes no more, so no stream grows without bound.
 _ENQUEUE_ROUTED = LuaScript("""
-local blocks, min_headroom = tonumber(ARGV[2]), tonumber(ARGV[3])
+local blocks, min_headroom, queue_bound = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[7])
+local raw = redis.call('GET', KEYS[1])
+if queue_bound >= 0 then
+  local waiting = redis.call('XLEN', KEYS[3])
+  local pending = redis.pcall('XPENDING', KEYS[3], ARGV[8])
+  if type(pending) == 'table' and pending['err'] == nil then waiting = waiting - pending[1] end
+  if raw then waiting = waiting + (tonumber(cjson.decode(raw)['waiting']) or 0) end
+  if waiting >= queue_bound then return false end
+end
 if min_headroom >= 0 then
-  local raw = redis.call('GET', KEYS[1])
   if not raw then return false end
   local s = cjson.decode(raw)
   local reserved = 0
@@ -75,14 +84,17 @@ async def aenqueue(r: aioredis.Redis, request: GenerationRequest, worker_id: str
 
 
 async def aenqueue_routed(r: aioredis.Redis, request: GenerationRequest, worker_id: str, *,
-                          min_headroom: int | None, reservation_ttl_s: float = 30.0) -> str | None:
+                          min_headroom: int | None, queue_bound: int | None = None,
+                          reservation_ttl_s: float = 30.0) -> str | None:
     """Reserve `request.kv_blocks` on the worker and enqueue there, atomically; with `min_headroom` set, only
-    if the worker's free blocks less queued and reserved ones still leave that many after this request.
-    None: it no longer fits (route again)."""
+    if the worker's free blocks less queued and reserved ones still leave that many after this request; with
+    `queue_bound` set, only while fewer requests than that wait for the worker (untaken in its stream, or
+    taken and not started). None: it cannot take it now (route elsewhere)."""
     return await arun_script(
         r, _ENQUEUE_ROUTED, [keys.status(worker_id), keys.reserved(worker_id), keys.req_stream(worker_id)],
         [request.request_id, request.kv_blocks, -1 if min_headroom is None else min_headroom,
-         int(reservation_ttl_s * 1000), request.model_dump_json(), keys.FIELD])
+         int(reservation_ttl_s * 1000), request.model_dump_json(), keys.FIELD,
+         -1 if queue_bound is None else queue_bound, keys.GROUP])
 
 
 async def aenqueue_shared(r: aioredis.Redis, request: GenerationRequest, *, bound: int | None) -> str | None:

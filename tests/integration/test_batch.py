@@ -133,3 +133,30 @@ def test_errors_are_recorded_per_line_and_the_batch_goes_on(fleet, tmp_path, cap
     assert kvfleet(["batch", str(inp), str(out), "--redis-url", env, "--no-progress"]) == 0
     assert "batch: ran 0 request(s), 0 failed; skipped 7" in capsys.readouterr().out
     assert len(read_output(out)) == 7
+
+
+def test_a_changed_line_under_a_used_custom_id_gets_409_not_the_first_result(fleet, tmp_path):
+    """A line answered in the fleet by a run that died before writing it, then edited before the rerun: the rerun
+    records a 409 for it instead of the first body's result."""
+    from services.fleet_calls import FleetCaller
+
+    model = os.path.basename(fleet.model)
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    settings = Settings.from_env(redis_url=fleet.redis.url)
+
+    async def first_run():
+        caller = FleetCaller(settings)
+        try:
+            return await caller.call("completion", line("q1", model, 0)["body"], request_id_for(out, "q1"))
+        finally:
+            await caller.aclose()
+
+    assert asyncio.run(first_run())["object"] == "text_completion"
+    inp.write_text(json.dumps(line("q1", model, 2)) + "\n" + json.dumps(line("q2", model, 4)) + "\n")
+    summary = asyncio.run(run_batch(settings, inp, out, concurrency=2, progress=False))
+    assert (summary.ran, summary.failed) == (2, 1)
+    by_id = {x["custom_id"]: x for x in read_output(out)}
+    changed = by_id["q1"]
+    assert changed["response"]["status_code"] == 409 and changed["error"]["code"] == "request_id_conflict"
+    assert changed["response"]["body"]["error"]["param"] == "request_id" and "choices" not in changed["response"]["body"]
+    assert by_id["q2"]["error"] is None

@@ -98,11 +98,34 @@ def test_same_request_id_attaches_instead_of_generating_again(client, r):
     assert streams.read_all_chunks(r, "client-once-1") == chunks  # the fleet did not run it again
 
 
+def test_a_reused_request_id_with_another_body_is_refused(client, r):
+    """Same id, other body: 409 InvalidRequest while the first runs and once it is done, never its result; the
+    same body still attaches."""
+    rid = "client-reuse-1"
+    first = client.submit("Mine", max_tokens=3, ignore_eos=True, request_id=rid)
+    others = [{"prompt": "Theirs", "max_tokens": 3}, {"prompt": "Mine", "max_tokens": 4},
+              {"prompt": "Mine", "max_tokens": 3, "temperature": 0.5}, {"messages": [{"role": "user", "content": "Mine"}]}]
+    for i, other in enumerate(others):
+        if i == 1:
+            out = first.result(timeout=120)  # the rest meet the finished record
+        with pytest.raises(InvalidRequest) as exc:
+            client.submit(**({"ignore_eos": True} | other), request_id=rid)
+        assert exc.value.status_code == 409 and exc.value.param == "request_id", str(exc.value)
+        assert exc.value.code == "request_id_conflict" and "already used by a different request" in str(exc.value)
+    chunks = streams.read_all_chunks(r, rid)
+    assert client.submit("Mine", max_tokens=3, ignore_eos=True, request_id=rid).result(timeout=10) == out
+    assert streams.read_all_chunks(r, rid) == chunks
+
+
 @pytest.mark.parametrize(("kwargs", "field"), [
     ({"prompt": "x", "top_p": 0}, "top_p"),
     ({"prompt": "x", "n": 0}, "n"),
     ({"prompt": "x", "model": "gpt-17"}, "model"),
-    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ({"prompt": "x", "top_k": 2**63}, "top_k"),
+    ({"prompt": "x", "stop_token_ids": [10**6]}, "stop_token_ids[0]"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0].type"),
     ({}, "prompt"),
 ])
 def test_bad_request_raises_naming_the_field(client, kwargs, field):

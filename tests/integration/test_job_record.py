@@ -72,6 +72,29 @@ def test_release_lets_the_next_attempt_claim_and_a_stale_lease_is_taken_over(red
     run(redis_url, body)
 
 
+def test_every_state_keeps_the_request_hash(redis_url):
+    """placing -> enqueued -> done carry the hash of what the id stands for; a taken-over lease shows the dead
+    attempt's hash (its enqueued request may be another body); records without one match any request."""
+    async def body(r):
+        first = await job_record.claim(r, "j5", ttl_s=60, request_hash="h1")
+        assert (await job_record.get(r, "j5")).request_hash == "h1"
+        assert await job_record.promote(r, "j5", first.lease, {"kind": "completion"}, ttl_s=60)
+        rec = await job_record.get(r, "j5")
+        assert rec.state == "enqueued" and rec.same_request("h1") and not rec.same_request("h2")
+        await job_record.finish(r, "j5", {"kind": "completion"}, {"id": "j5"}, ttl_s=60, output_ttl_s=1,
+                                request_hash="h1")
+        held = await job_record.claim(r, "j5", ttl_s=60, request_hash="h2")
+        assert held.outcome is Claim.HELD and held.held.request_hash == "h1" and not held.held.same_request("h2")
+
+        await job_record.claim(r, "j6", ttl_s=60, request_hash="dead")
+        await asyncio.sleep(0.05)
+        taken = await job_record.claim(r, "j6", ttl_s=60, lease_s=0.01, request_hash="h2")
+        assert taken.outcome is Claim.TAKEN_OVER and taken.held.request_hash == "dead"
+        assert job_record.Record(state="done", since=0.0).same_request("anything")
+
+    run(redis_url, body)
+
+
 def test_in_fleet_finds_a_request_in_any_stream_or_by_its_output(redis_url):
     async def body(r):
         await r.sadd(keys.WORKERS, "w0", "w1")

@@ -55,6 +55,19 @@ def test_min_tokens_bans_eos_and_stop_ids():
     assert out.token_ids == [logits[0].clone().index_fill_(0, torch.tensor([3, 5]), -1e9).argmax().item(), 3]
 
 
+def test_logit_bias_adds_to_the_logits_before_sampling():
+    logits = torch.zeros(3, V)
+    logits[:, 2] = 5.0
+    pushed = SamplingParams(temperature=0, logit_bias={7: 6.0})  # 0 + 6 > 5: token 7 wins
+    banned = SamplingParams(temperature=0, logit_bias={"2": -100.0}, logprobs=0)  # the argmax is pushed out
+    plain = SamplingParams(temperature=0)
+    out = Sampler()(logits.clone(), [row(pushed), row(banned), row(plain)])
+    assert out.token_ids[0] == 7 and out.token_ids[1] != 2 and out.token_ids[2] == 2
+    assert math.isclose(out.logprobs[1][out.token_ids[1]], float(logits[1].log_softmax(-1)[0]), abs_tol=1e-6)  # raw
+    sampled = SamplingParams(temperature=1.0, logit_bias={4: 100.0})  # a draw too: e^100 outweighs the rest
+    assert Sampler()(torch.zeros(1, V), [row(sampled, seed=3)]).token_ids == [4]
+
+
 def test_penalties_match_direct_computation():
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(3, V, generator=g)

@@ -1,0 +1,216 @@
+"""Bad input is refused before any work, naming the field and the limit: the request models' bounds, the checks
+against the model's vocabulary in prepare(), SamplingParams' own bounds (the offline API and the worker), the
+body-size limit in front of the app, and the tokenizer threads."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from types import SimpleNamespace
+
+import httpx
+import pytest
+from fastapi import Body, Depends, FastAPI
+from pydantic import ValidationError
+
+from gateway.errors import APIError, install_handlers, validation_error
+from gateway.middleware import BodyLimit
+from gateway.openai_api import ChatCompletionRequest, CompletionRequest
+from gateway.prompts import prepare
+from gateway.tokenizer import Tokenizers
+from shared.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.unit
+
+BIG = 2**63  # the value that once killed a worker in torch.tensor([top_k])
+
+
+def refused(body: dict, chat: bool = False) -> tuple[str | None, str]:
+    model = ChatCompletionRequest if chat else CompletionRequest
+    with pytest.raises(ValidationError) as e:
+        model.model_validate({"model": "m"} | ({"messages": [{"role": "user", "content": "hi"}]} if chat else
+                                                {"prompt": "hi"}) | body)
+    return validation_error(e.value)
+
+
+@pytest.mark.parametrize(("field", "value", "limit"), [
+    ("top_k", BIG, "2147483647"), ("top_k", -2, "-1"), ("n", 65, "64"), ("n", 0, "1"), ("best_of", 65, "64"),
+    ("logprobs", 21, "20"), ("max_tokens", 0, "1"), ("max_tokens", BIG, "2147483647"), ("min_tokens", -1, "0"),
+    ("min_tokens", BIG, "2147483647"), ("priority", 2**31, "2147483647"), ("priority", -(2**31) - 1, "-2147483648"),
+    ("seed", 2**63, "9223372036854775807"), ("seed", -(2**63) - 1, "-9223372036854775808"),
+    ("temperature", 2.5, "2"), ("temperature", float("nan"), "2"), ("top_p", 0, "0"), ("min_p", 1.5, "1"),
+    ("presence_penalty", -3, "-2"), ("frequency_penalty", float("inf"), "2"), ("repetition_penalty", 0, "0"),
+    ("repetition_penalty", 11, "10"),
+])
+def test_each_numeric_field_has_bounds(field, value, limit):
+    param, message = refused({field: value})
+    assert param == field and limit in message, message
+
+
+@pytest.mark.parametrize(("body", "param", "words"), [
+    ({"top_logprobs": 21}, "top_logprobs", "20"),
+    ({"max_completion_tokens": BIG}, "max_completion_tokens", "2147483647"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url"}]}]},
+     "messages[0].content[1].type", "'image_url'"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages[0].content[0].text",
+     "string"),
+    ({"messages": [{"role": "user", "content": ["hi"]}]}, "messages[0].content[0]", "object"),
+    ({"messages": [{"role": "user", "content": "a \ud800 b"}]}, "messages[0].content", "surrogate"),
+])
+def test_chat_fields_and_content_parts(body, param, words):
+    got, message = refused(body, chat=True)
+    assert got == param and words in message, message
+
+
+@pytest.mark.parametrize(("body", "param", "words"), [
+    ({"stop": ["x"] * 17}, "stop", "at most 16"),
+    ({"stop": ["ok", "y" * 257]}, "stop[1]", "1 to 256 characters"),
+    ({"stop": ""}, "stop", "1 to 256"),
+    ({"stop_token_ids": [3, -1]}, "stop_token_ids[1]", "0"),
+    ({"stop_token_ids": list(range(257))}, "stop_token_ids", "256"),
+    ({"logit_bias": {"5": 101}}, "logit_bias.5", "[-100, 100]"),
+    ({"logit_bias": {"x": 1}}, "logit_bias.x", "token ids"),
+    ({"best_of": 2, "n": 1}, "best_of", "must equal n"),
+    ({"prompt": [[1, -5]]}, "prompt[0][1]", "0"),
+    ({"prompt": "\udfff"}, "prompt", "surrogate"),
+    ({"user": "ok", "stop": ["\ud83d"]}, "stop[0]", "surrogate"),
+])
+def test_completion_lists_strings_and_maps(body, param, words):
+    got, message = refused(body)
+    assert got == param and words in message, message
+
+
+def test_valid_extremes_pass():
+    body = CompletionRequest.model_validate({"model": "m", "prompt": "hi", "top_k": -1, "seed": -(2**63),
+                                             "priority": 2**31 - 1, "stop": ["s" * 256] * 16, "best_of": 3, "n": 3,
+                                             "logit_bias": {}})
+    params = body.sampling_params(16, None)
+    assert params.top_k == 0 and params.seed == -(2**63) and len(params.stop) == 16
+    assert SamplingParams(seed=2**63 - 1, n=64).seed == 2**63 - 1  # seed + choice index still fits the generator
+
+
+@pytest.mark.parametrize(("kw", "param"), [
+    ({"top_k": BIG}, "top_k"), ({"seed": 2**64}, "seed"), ({"temperature": float("nan")}, "temperature"),
+    ({"top_p": float("inf")}, "top_p"), ({"repetition_penalty": 10**400}, "repetition_penalty"),
+    ({"stop_token_ids": [BIG]}, "stop_token_ids"), ({"stop": ["x" * 257]}, "stop"), ({"n": 65}, "n"),
+    ({"max_tokens": 4, "min_tokens": 5}, "min_tokens"), ({"logprobs": 21}, "logprobs"),
+])
+def test_sampling_params_bound_every_field(kw, param):
+    """The offline API and the worker build SamplingParams too: no value reaches a tensor unbounded."""
+    with pytest.raises(ValueError, match=f"^{param}"):
+        SamplingParams(**kw)
+
+
+def test_tiny_temperatures_sample_at_the_smallest_safe_one():
+    assert SamplingParams(temperature=1e-300).temperature == 0.01 and SamplingParams(temperature=0).greedy
+
+
+# ---- prepare(): what needs the model -----------------------------------------------------------------
+
+class FakeTokenizer:
+    chat_template = "{{ messages }}"
+
+    def __len__(self) -> int:
+        return 100
+
+    def __call__(self, text: str) -> dict:
+        return {"input_ids": [ord(c) % 100 for c in text]}
+
+
+def target() -> SimpleNamespace:
+    return SimpleNamespace(tokenizer=FakeTokenizer(), workers=[object()], max_model_len=64)
+
+
+@pytest.mark.parametrize(("body", "param", "words"), [
+    ({"top_k": 101}, "top_k", "[1, 100]"),
+    ({"stop_token_ids": [5, 100]}, "stop_token_ids[1]", "[0, 100)"),
+    ({"logit_bias": {"100": 1}}, "logit_bias.100", "[0, 100)"),
+    ({"prompt": [1, 2, 100]}, "prompt", "[0, 100)"),
+    ({"max_tokens": 100}, "prompt", "maximum context length is 64"),
+    ({"max_tokens": 4, "min_tokens": 5}, "min_tokens", "<= max_tokens"),
+])
+def test_prepare_checks_against_the_vocabulary_and_window(body, param, words):
+    with pytest.raises(APIError) as e:
+        prepare(target(), CompletionRequest.model_validate({"model": "m", "prompt": "hi"} | body))
+    assert e.value.status == 400 and e.value.param == param and words in e.value.message, e.value.message
+
+
+def test_prepare_takes_the_vocabularys_edges():
+    body = CompletionRequest.model_validate({"model": "m", "prompt": [0, 99], "top_k": 100,
+                                             "stop_token_ids": [99], "max_tokens": 62})
+    (prompt,) = prepare(target(), body).prompts
+    assert prompt.token_ids == [0, 99] and prompt.params.top_k == 100 and prompt.params.stop_token_ids == [99]
+
+
+def test_logit_bias_reaches_the_sampling_params_with_int_keys():
+    body = CompletionRequest.model_validate({"model": "m", "prompt": [1], "logit_bias": {"0": -100, "99": 2.5}})
+    (prompt,) = prepare(target(), body).prompts
+    assert prompt.params.logit_bias == {0: -100, 99: 2.5}
+    wire = SamplingParams.from_dict(json.loads(json.dumps(prompt.params.to_dict())))  # keys become strings
+    assert wire.logit_bias == {0: -100, 99: 2.5}
+
+
+def test_tokenizing_runs_off_the_event_loop():
+    async def main() -> tuple[int, int]:
+        tokenizers = Tokenizers(threads=2)
+        try:
+            return threading.get_ident(), await tokenizers.run(threading.get_ident)
+        finally:
+            tokenizers.close()
+
+    loop_thread, worker_thread = asyncio.run(main())
+    assert loop_thread != worker_thread
+    with pytest.raises(ValueError, match="tokenizer_threads"):
+        Tokenizers(threads=0)
+
+
+# ---- the body limit ----------------------------------------------------------------------------------
+
+def limited_app(max_bytes: int) -> tuple[FastAPI, list[dict]]:
+    seen: list[dict] = []
+    app = FastAPI()
+    install_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=max_bytes)
+
+    def key_check() -> None:
+        raise APIError(401, "no key", code="invalid_api_key")
+
+    @app.post("/echo")
+    async def echo(body: dict = Body(...)) -> dict:
+        seen.append(body)
+        return body
+
+    @app.post("/keyed", dependencies=[Depends(key_check)])
+    async def keyed(body: dict = Body(...)) -> dict:
+        return body
+
+    return app, seen
+
+
+def test_bodies_over_the_limit_get_413_before_parsing_or_the_key_check():
+    app, seen = limited_app(1000)
+
+    async def main() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            small = await c.post("/echo", json={"a": "x" * 100})
+            big = await c.post("/keyed", json={"a": "x" * 2000})  # Content-Length over: not even the key check
+
+            async def chunks():  # no Content-Length: counted as it is read
+                for _ in range(30):
+                    yield b" " * 100
+
+            chunked = await c.post("/echo", content=chunks(), headers={"content-type": "application/json"})
+            bad_utf8 = await c.post("/echo", content=b'{"a": "\xff"}', headers={"content-type": "application/json"})
+            return [small, big, chunked, bad_utf8]
+
+    small, big, chunked, bad_utf8 = asyncio.run(main())
+    assert small.status_code == 200 and seen == [{"a": "x" * 100}]
+    for r in (big, chunked):
+        err = r.json()["error"]
+        assert r.status_code == 413 and err["code"] == "request_too_large" and "1000" in err["message"], r.text
+        assert set(err) == {"message", "type", "param", "code"}
+    assert "is 2008 bytes" in big.json()["error"]["message"]
+    assert bad_utf8.status_code == 400 and "UTF-8" in bad_utf8.json()["error"]["message"]
+    assert seen == [{"a": "x" * 100}]
