@@ -16,7 +16,7 @@ from gateway.errors import APIError, bad_request
 from gateway.metrics import GatewayMetrics
 from gateway.placement import Submitted
 from gateway.state import GatewayState
-from shared import streams
+from shared import keys, streams
 from shared import telemetry as t
 from shared.messages import OutputChunk
 
@@ -34,11 +34,16 @@ def chunk_error(chunk: OutputChunk) -> APIError:
 async def relay(state: GatewayState, sub: Submitted, disconnected: Any = None) -> AsyncIterator[OutputChunk]:
     """The request's chunks, each once, in order. Cancels the request on the worker if the consumer stops
     early (client gone), `disconnected()` turns true (checked at most every 0.25 s, between chunks), or no
-    chunk arrives within request_timeout_s (-> 504)."""
+    chunk arrives within request_timeout_s (-> 504). Redis unreachable pauses the relay for up to
+    redis_grace_s, then it goes on where it stopped; past the grace, or when Redis came back without the
+    request (restarted without its data), it ends with a 503 (an error event, then [DONE], when streaming)."""
     settings = state.settings
     finished, next_check = False, 0.0
+    where = sub.placement
+    entry = (keys.req_stream(where.worker_id) if where.worker_id else keys.REQ_ANY, where.entry_id)
     chunks = streams.aiter_output(state.redis, sub.request_id, timeout_s=settings.request_timeout_s,
-                                  expire_after_s=settings.output_ttl_after_read_s)
+                                  expire_after_s=settings.output_ttl_after_read_s, grace_s=settings.redis_grace_s,
+                                  entry=entry)
     loop = asyncio.get_running_loop()
     observer = RelayObserver(state.metrics, sub)
     try:
@@ -53,10 +58,26 @@ async def relay(state: GatewayState, sub: Submitted, disconnected: Any = None) -
     except streams.OutputTimeout:
         raise APIError(504, f"no output within {settings.request_timeout_s:g}s; the request was cancelled",
                        code="timeout") from None
+    except streams.RedisOutage as e:
+        log.warning("request %s: %s", sub.request_id, e)
+        code = "redis_lost_request" if isinstance(e, streams.OutputLost) else "redis_unavailable"
+        raise APIError(503, str(e), code=code, headers={"Retry-After": str(settings.retry_after_s)}) from None
+    except streams.RedisError as e:  # any other Redis failure: an error the client sees, never a silent end
+        log.warning("request %s: redis failed while relaying: %s", sub.request_id, e)
+        raise APIError(503, f"the request queue (Redis) failed while relaying request {sub.request_id}: "
+                            f"{type(e).__name__}: {e}; retry the request", code="redis_unavailable",
+                       headers={"Retry-After": str(settings.retry_after_s)}) from None
     finally:
         if not finished:
             log.info("cancelling %s (client gone or timed out)", sub.request_id)
-            state.spawn(streams.acancel(state.redis, sub.request_id))
+            state.spawn(_cancel(state, sub.request_id))
+
+
+async def _cancel(state: GatewayState, request_id: str) -> None:
+    try:
+        await streams.acancel(state.redis, request_id)
+    except streams.RedisError as e:  # Redis away: the worker finishes it for nobody
+        log.warning("could not cancel %s: %s", request_id, e)
 
 
 async def watch_disconnect(http_request: Any, task: asyncio.Task, interval_s: float = 0.25) -> None:

@@ -12,7 +12,9 @@ Delivery: acks_late and reject_on_worker_lost, so a task whose Celery worker die
 KVFLEET_CELERY_VISIBILITY_TIMEOUT_S with the Redis broker); the job record for its request id makes the
 second delivery attach to the first one's generation, or return its stored result, instead of generating
 again. A full fleet (429), no live worker (503) or a lost Redis connection is retried with exponential
-backoff; a bad request fails at once with InvalidRequest naming the field.
+backoff; so is the wait for output when Redis stays away past KVFLEET_REDIS_GRACE_S or came back without the
+request (streams.RedisAway / OutputLost are ConnectionErrors): the retry attaches, or places it again. A bad
+request fails at once with InvalidRequest naming the field.
 """
 
 from __future__ import annotations

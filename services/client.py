@@ -12,7 +12,9 @@ fleet's Redis streams (routed by free KV blocks, exactly as the gateway does) an
 
 Parameters are the HTTP API's (max_tokens, temperature, top_p, stop, seed, n, logprobs, priority, ...).
 submit() raises InvalidRequest (bad field, named) or FleetUnavailable (429 / 503: retry later); result()
-raises GenerationFailed when the fleet fails the request. Pass request_id= to make a resubmission attach to
+raises GenerationFailed when the fleet fails the request. Reading output rides out a Redis outage of up to
+KVFLEET_REDIS_GRACE_S and goes on where it stopped; past it, or when Redis came back without the request,
+it raises streams.RedisAway / streams.OutputLost (both ConnectionErrors, in streams.CONNECTION_ERRORS). Pass request_id= to make a resubmission attach to
 the request already in the fleet instead of generating it again; the same id with another request raises
 InvalidRequest (409, code request_id_conflict).
 """
@@ -101,7 +103,7 @@ class Handle:
             if self._gone(await streams.aoutput_exists(r, self.request_id)):
                 return
             async for chunk in streams.aiter_output(r, self.request_id, timeout_s=s.request_timeout_s,
-                                                    expire_after_s=s.output_ttl_s):
+                                                    expire_after_s=s.output_ttl_s, grace_s=s.redis_grace_s):
                 yield chunk
         finally:
             await r.aclose()
@@ -111,4 +113,5 @@ class Handle:
         s, r = self._client.settings, self._client._redis
         if self._gone(streams.output_exists(r, self.request_id)):
             return iter(())
-        return streams.iter_output(r, self.request_id, timeout_s=s.request_timeout_s, expire_after_s=s.output_ttl_s)
+        return streams.iter_output(r, self.request_id, timeout_s=s.request_timeout_s, expire_after_s=s.output_ttl_s,
+                                   grace_s=s.redis_grace_s)

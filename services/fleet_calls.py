@@ -161,7 +161,8 @@ class FleetCaller:
             return call.result
         info, s = call.info, self.settings
         chunks = streams.aiter_output(self.redis, call.request_id, timeout_s=s.request_timeout_s,
-                                      expire_after_s=s.output_ttl_s)  # job_record.finish shortens it
+                                      expire_after_s=s.output_ttl_s,  # job_record.finish shortens it
+                                      grace_s=s.redis_grace_s)  # then RedisAway/OutputLost: Celery retries
         sub = await self._submitted(call)
         try:
             if info.kind == "completion":

@@ -9,14 +9,30 @@ from typing import Any
 
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.retry import Retry
+
+# A command that meets a dropped connection reconnects and is sent again, RETRIES times, after 50 ms, 100 ms,
+# 200 ms (jittered): a blip costs nothing, while an outage surfaces within a second as a ConnectionError (the
+# gateway answers 503; the worker's threads and the output readers keep trying with their own backoff).
+RETRIES = 3
+
+
+def _retry_options(for_asyncio: bool) -> dict[str, Any]:
+    backoff = ExponentialWithJitterBackoff(base=0.05, cap=0.5)
+    retry = (AsyncRetry if for_asyncio else Retry)(backoff, RETRIES)
+    return {"retry": retry, "retry_on_error": [redis.ConnectionError, redis.TimeoutError]}
 
 
 def connect(url: str, **kwargs: Any) -> redis.Redis:
-    return redis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=5, **kwargs)
+    return redis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=5,
+                                **_retry_options(False) | kwargs)
 
 
 def connect_async(url: str, **kwargs: Any) -> aioredis.Redis:
-    return aioredis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=5, **kwargs)
+    return aioredis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=5,
+                                   **_retry_options(True) | kwargs)
 
 
 # ---- errors callers catch -------------------------------------------------------------------------
@@ -25,6 +41,12 @@ def connect_async(url: str, **kwargs: Any) -> aioredis.Redis:
 CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError)  # Redis away or too slow: worth a retry
 RedisError = redis.RedisError  # any failed command: the worker's threads log it and try again
 Client = redis.Redis  # what `connect` returns (the worker's threads share one)
+
+
+def group_missing(e: Exception) -> bool:
+    """The error says a consumer group or its stream is missing (NOGROUP; XINFO's "no such key"): Redis
+    restarted without its data, or was flushed. The worker then creates its groups again and re-registers."""
+    return isinstance(e, redis.ResponseError) and (str(e).startswith("NOGROUP") or "no such key" in str(e))
 
 
 # ---- Lua scripts ---------------------------------------------------------------------------------

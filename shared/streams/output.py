@@ -1,8 +1,12 @@
 """Output streams: a worker appends numbered chunks; the gateway, Celery tasks and the client read them back,
-each chunk once (sequence-number dedup), sync or asyncio."""
+each chunk once (sequence-number dedup), sync or asyncio. A reader rides out a Redis outage of up to its
+grace and goes on after the last entry it read; it fails with RedisAway past the grace, and with OutputLost
+when Redis came back without the request (restarted without its data), instead of waiting for its timeout."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -33,16 +37,26 @@ def read_all_chunks(r: redis.Redis, request_id: str) -> list[OutputChunk]:
 
 
 class ChunkDeduper:
-    """Drops chunks whose sequence number was already relayed (a resumed request may rewrite some)."""
+    """Drops chunks whose sequence number was already relayed (a resumed request may rewrite some), and chunks
+    from a writer that lost the request: an owner token older than one already seen."""
 
     def __init__(self) -> None:
         self.last_seq = -1
+        self.owner: tuple[int, int] = (0, 0)
 
     def accept(self, chunk: OutputChunk) -> bool:
-        if chunk.seq <= self.last_seq:
+        if chunk.seq <= self.last_seq or chunk.owner_token() < self.owner:
             return False
-        self.last_seq = chunk.seq
+        self.last_seq, self.owner = chunk.seq, chunk.owner_token()
         return True
+
+    def accept_next(self, chunk: OutputChunk) -> bool:
+        """`accept`, for a reader that saw the stream from its start: a chunk past the next sequence number
+        means chunks were lost (Redis restarted without its data while the worker went on writing)."""
+        if chunk.seq > self.last_seq + 1:
+            raise OutputLost(f"Redis lost chunks {self.last_seq + 1}..{chunk.seq - 1} of request {chunk.request_id} "
+                             "(it restarted without its data); retry the request")
+        return self.accept(chunk)
 
 
 def _parse_xread(reply: Any) -> tuple[str | None, list[OutputChunk]]:
@@ -54,14 +68,22 @@ def _parse_xread(reply: Any) -> tuple[str | None, list[OutputChunk]]:
     return last_id, chunks
 
 
+_READ_ERRORS = (redis.ConnectionError, redis.TimeoutError)
+SILENCE_CHECK_S = 5.0  # a reader that got output, then none for this long, checks that its stream still exists
+
+
 class _OutputCursor:
     """Where a reader of one output stream stands: the last entry read, the chunks already given (each is
-    given once), and when it gives up. `iter_output` and `aiter_output` differ only in how they call Redis."""
+    given once), when it gives up, and whether Redis is away. `iter_output` and `aiter_output` differ only
+    in how they call Redis and sleep."""
 
-    def __init__(self, request_id: str, timeout_s: float):
-        self.request_id, self.timeout_s = request_id, timeout_s
+    def __init__(self, request_id: str, timeout_s: float, grace_s: float, entry: tuple[str, str] | None):
+        self.request_id, self.timeout_s, self.grace_s, self.entry = request_id, timeout_s, grace_s, entry
         self.stream, self.last_id, self.dedup = keys.out_stream(request_id), "0-0", ChunkDeduper()
         self.deadline = time.monotonic() + timeout_s
+        self.down_since: float | None = None
+        self.next_silence_check = time.monotonic() + SILENCE_CHECK_S
+        self.failures = 0
 
     def streams(self) -> dict[str, str]:
         """XREAD's argument; OutputTimeout once nothing came for timeout_s."""
@@ -69,36 +91,111 @@ class _OutputCursor:
             raise OutputTimeout(f"no output for request {self.request_id} in {self.timeout_s:g}s")
         return {self.stream: self.last_id}
 
+    def failed(self, e: Exception) -> float:
+        """A read met a dropped connection: the seconds to wait before the next try (doubling from 0.05 s up
+        to 1 s); RedisAway once Redis has been away for longer than grace_s."""
+        now = time.monotonic()
+        self.down_since = self.down_since or now
+        away = now - self.down_since
+        if away >= self.grace_s:
+            raise RedisAway(f"lost the connection to Redis for more than {self.grace_s:g}s (redis_grace_s) while "
+                            f"reading the output of request {self.request_id} ({type(e).__name__}: {e}); retry the "
+                            "request once Redis is back") from e
+        self.failures += 1
+        return min(0.05 * 2 ** (self.failures - 1), 1.0, self.grace_s - away)
+
+    def should_check(self, got_reply: bool) -> bool:
+        """After a successful read, is it time to check that Redis kept the request? Once after an outage
+        (nothing new read), and every SILENCE_CHECK_S without output once some came (a FLUSHALL drops no
+        connection; a stream that had output vanishes only with Redis's data, so that check cannot misfire)."""
+        now = time.monotonic()
+        if got_reply:
+            self.next_silence_check = now + SILENCE_CHECK_S
+        if self.down_since is not None:
+            self.down_since, self.failures = None, 0
+            return not got_reply
+        if not got_reply and self.dedup.last_seq >= 0 and now >= self.next_silence_check:
+            self.next_silence_check = now + SILENCE_CHECK_S
+            return True
+        return False
+
+    def check_kept(self, output_exists: bool, entry_exists: bool) -> None:
+        """After an outage with nothing new read: OutputLost when Redis restarted without the request (its
+        output stream, seen before, is gone; or no output yet and its request entry is gone)."""
+        if output_exists or (self.dedup.last_seq < 0 and (self.entry is None or entry_exists)):
+            return
+        raise OutputLost(f"Redis lost request {self.request_id} (it restarted without its data, or was flushed); "
+                         "retry the request")
+
     def new_chunks(self, reply: Any) -> list[OutputChunk]:
         new_id, chunks = _parse_xread(reply)
         if new_id is None:
             return []
         self.last_id, self.deadline = new_id, time.monotonic() + self.timeout_s
-        return [c for c in chunks if self.dedup.accept(c)]
+        return [c for c in chunks if self.dedup.accept_next(c)]
+
+
+class RedisOutage(redis.ConnectionError):
+    """Reading a request's output failed for good because of Redis. A ConnectionError (streams.CONNECTION_ERRORS),
+    so callers that retry on those (Celery's autoretry) place the request again."""
+
+
+class RedisAway(RedisOutage):
+    """Redis stayed unreachable for longer than the reader's grace."""
+
+
+class OutputLost(RedisOutage):
+    """Redis no longer holds the request: its output or its entry vanished (a restart without persistence)."""
 
 
 def iter_output(r: redis.Redis, request_id: str, *, timeout_s: float = 600.0, block_ms: int = 1000,
-                expire_after_s: float = 120.0) -> Iterator[OutputChunk]:
+                expire_after_s: float = 120.0, grace_s: float = 15.0,
+                entry: tuple[str, str] | None = None) -> Iterator[OutputChunk]:
     """Yield the request's chunks in order, each once, until the final one; OutputTimeout when none comes
-    for `timeout_s`. After the final chunk the stream expires in `expire_after_s`."""
-    cursor = _OutputCursor(request_id, timeout_s)
+    for `timeout_s`. After the final chunk the stream expires in `expire_after_s`. A dropped connection
+    pauses the reader for up to `grace_s` (then RedisAway); once back it goes on after the last entry read,
+    or raises OutputLost if Redis lost the request (`entry`, its (request stream, entry id), lets it tell
+    before any output came); so it does when the stream it read from vanished (a FLUSHALL, checked after
+    SILENCE_CHECK_S without output)."""
+    cursor = _OutputCursor(request_id, timeout_s, grace_s, entry)
     while True:
-        for chunk in cursor.new_chunks(r.xread(cursor.streams(), block=block_ms, count=256)):
+        try:
+            reply, kept = r.xread(cursor.streams(), block=block_ms, count=256), None
+            if cursor.should_check(bool(reply)):
+                kept = bool(r.exists(cursor.stream)), bool(entry and r.xrange(entry[0], entry[1], entry[1]))
+        except _READ_ERRORS as e:
+            time.sleep(cursor.failed(e))
+            continue
+        if kept:
+            cursor.check_kept(*kept)
+        for chunk in cursor.new_chunks(reply):
             yield chunk
             if chunk.final:
-                r.pexpire(cursor.stream, int(expire_after_s * 1000))
+                with contextlib.suppress(*_READ_ERRORS):  # best effort: the stream has its own expiry
+                    r.pexpire(cursor.stream, int(expire_after_s * 1000))
                 return
 
 
 async def aiter_output(r: aioredis.Redis, request_id: str, *, timeout_s: float = 600.0, block_ms: int = 1000,
-                       expire_after_s: float = 120.0) -> AsyncIterator[OutputChunk]:
+                       expire_after_s: float = 120.0, grace_s: float = 15.0,
+                       entry: tuple[str, str] | None = None) -> AsyncIterator[OutputChunk]:
     """The asyncio twin of `iter_output`."""
-    cursor = _OutputCursor(request_id, timeout_s)
+    cursor = _OutputCursor(request_id, timeout_s, grace_s, entry)
     while True:
-        for chunk in cursor.new_chunks(await r.xread(cursor.streams(), block=block_ms, count=256)):
+        try:
+            reply, kept = await r.xread(cursor.streams(), block=block_ms, count=256), None
+            if cursor.should_check(bool(reply)):
+                kept = bool(await r.exists(cursor.stream)), bool(entry and await r.xrange(entry[0], entry[1], entry[1]))
+        except _READ_ERRORS as e:
+            await asyncio.sleep(cursor.failed(e))
+            continue
+        if kept:
+            cursor.check_kept(*kept)
+        for chunk in cursor.new_chunks(reply):
             yield chunk
             if chunk.final:
-                await r.pexpire(cursor.stream, int(expire_after_s * 1000))
+                with contextlib.suppress(*_READ_ERRORS):
+                    await r.pexpire(cursor.stream, int(expire_after_s * 1000))
                 return
 
 

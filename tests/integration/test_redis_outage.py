@@ -1,0 +1,205 @@
+"""Redis goes away and comes back (a real redis-server stopped and started on the same port), under a real
+worker and real gateways:
+- restarted WITHOUT its data while idle: the worker creates its consumer groups again and re-registers, and
+  the next request is served; during the outage new requests get 503 with Retry-After and /health (the
+  gateway's and the worker's /readyz) says not ready;
+- stopped for less than the grace and started again WITH its data (AOF): a stream in flight pauses and goes
+  on, and the client gets the whole answer, each token once, equal to an undisturbed greedy run;
+- stopped for longer than the grace: the stream ends with an OpenAI error event, then [DONE];
+- restarted without its data while a request is queued: its reader fails at once with "Redis lost".
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+
+import httpx
+import pytest
+from fleet_harness import API_KEY, Fleet
+
+from services.redis_server import RedisServer, free_port
+from shared import keys, streams
+from shared.messages import GenerationRequest
+
+pytestmark = [pytest.mark.integration]
+
+PROMPT = "Once upon a time, in a land of many rivers,"
+MAX_TOKENS = 200
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_llama_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("redis-outage")
+    f = Fleet(tiny_llama_dir, tmp, env={"KVFLEET_HEARTBEAT_S": "0.5", "KVFLEET_STATUS_TTL_S": "3"})
+    f.redis = RedisServer(password="p@ss:word", data_dir=str(tmp / "redis-data"))  # AOF, kept on stop
+    f.worker_metrics_port = free_port()
+    with f:
+        f.start_worker("w0", "--num-kv-blocks", "128", "--metrics-port", str(f.worker_metrics_port))
+        f.start_gateway()  # the default grace (15 s)
+        f.env["KVFLEET_REDIS_GRACE_S"] = "2"
+        f.short_grace = f.start_gateway()
+        f.wait_ready(workers=1)
+        yield f
+
+
+def _stop_redis(fleet: Fleet, *, keep_data: bool) -> None:
+    fleet.redis.stop()  # SIGTERM: redis-server fsyncs its AOF before it exits
+    if not keep_data:
+        shutil.rmtree(fleet.redis.data_dir)
+
+
+def _start_redis(fleet: Fleet, port: int) -> None:
+    fleet.redis.port = port
+    fleet.redis.start()
+    assert fleet.redis.port == port, "redis-server came back on another port"
+
+
+def _complete(fleet: Fleet, port: int | None = None) -> str:
+    out = fleet.client(port, timeout=60).completions.create(
+        model=fleet.model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == MAX_TOKENS
+    return out.choices[0].text
+
+
+def _sse_events(fleet: Fleet, port: int | None, started: threading.Event, events: list) -> None:
+    """Stream one greedy completion through the gateway, appending every SSE data payload to `events`."""
+    body = {"model": fleet.model, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", fleet.url(port) + "/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                started.set()
+
+
+def _ready(url: str) -> int:
+    try:
+        return httpx.get(url, timeout=2).status_code
+    except httpx.HTTPError:
+        return 0
+
+
+def test_restart_without_data_worker_regroups_and_serves(fleet):
+    reference = _complete(fleet)
+    port = fleet.redis.port
+    _stop_redis(fleet, keep_data=False)
+    try:
+        with fleet.http() as h:
+            r = h.post("/v1/completions", json={"model": fleet.model, "prompt": "hi", "max_tokens": 4}, timeout=30)
+        assert r.status_code == 503, r.text
+        assert r.headers.get("retry-after")
+        assert r.json()["error"]["code"] == "redis_unavailable"
+        assert _ready(fleet.url() + "/health") == 503
+        worker_ready = f"http://127.0.0.1:{fleet.worker_metrics_port}/readyz"
+        fleet.wait_for(lambda: _ready(worker_ready) == 503, timeout_s=15, what="the worker to say not ready")
+    finally:
+        _start_redis(fleet, port)
+    # the worker finds its groups gone, creates them again and re-registers
+    fleet.wait_for(lambda: _ready(fleet.url() + "/health") == 200, timeout_s=20, what="the worker to re-register")
+    fleet.wait_for(lambda: _ready(worker_ready) == 200, timeout_s=20, what="the worker to say ready again")
+    assert _complete(fleet) == reference
+
+
+def test_short_outage_with_aof_stream_goes_on(fleet):
+    reference = _complete(fleet)
+    port = fleet.redis.port
+    started, events = threading.Event(), []
+    reader = threading.Thread(target=_sse_events, args=(fleet, None, started, events), daemon=True)
+    reader.start()
+    assert started.wait(30), fleet.tail()
+    _stop_redis(fleet, keep_data=True)
+    time.sleep(0.5)  # what was in flight arrives
+    before = len(events)
+    time.sleep(2.5)  # 3 s away: less than the default grace (15 s)
+    assert len(events) == before, "events came while Redis was away"
+    _start_redis(fleet, port)
+    reader.join(60)
+    assert not reader.is_alive()
+    assert len(events) > before + 1, "the outage did not hit the stream mid-way"
+    assert events[-1] == "[DONE]"
+    payloads = [json.loads(e) for e in events[:-1]]
+    assert not [p for p in payloads if "error" in p], payloads
+    text = "".join(c["text"] for p in payloads for c in p["choices"])
+    usage = [p["usage"] for p in payloads if p.get("usage")]
+    assert text == reference
+    assert usage[-1]["completion_tokens"] == MAX_TOKENS
+
+
+def test_outage_past_the_grace_ends_with_an_error_event(fleet):
+    """The streaming request ends with an error event and [DONE]; a non-streaming one in flight gets a 503."""
+    port = fleet.redis.port
+    started, events, whole = threading.Event(), [], []
+    body = {"model": fleet.model, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+
+    def post() -> None:
+        with fleet.http(fleet.short_grace, timeout=60) as h:
+            whole.append(h.post("/v1/completions", json=body))
+
+    readers = [threading.Thread(target=_sse_events, args=(fleet, fleet.short_grace, started, events), daemon=True),
+               threading.Thread(target=post, daemon=True)]
+    for reader in readers:
+        reader.start()
+    assert started.wait(30), fleet.tail()
+    _stop_redis(fleet, keep_data=True)
+    try:
+        for reader in readers:
+            reader.join(20)  # the grace is 2 s
+            assert not reader.is_alive(), "a request did not end while Redis was away"
+    finally:
+        _start_redis(fleet, port)
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "redis_unavailable" and "redis_grace_s" in error["message"], error
+    assert whole[0].status_code == 503 and whole[0].headers.get("retry-after"), whole[0].text
+    assert whole[0].json()["error"]["code"] == "redis_unavailable"
+    fleet.wait_for(lambda: _ready(fleet.url() + "/health") == 200, timeout_s=20, what="the fleet to be ready")
+
+
+def test_queued_request_lost_with_the_data_fails_at_once(fleet):
+    """A request queued (no worker can take it: it is for a worker that does not exist) when Redis restarts
+    without its data: its reader says Redis lost it instead of waiting for the request timeout."""
+    r = streams.connect(fleet.redis.url)
+    request = GenerationRequest(request_id="lost-1", prompt_token_ids=[1, 2, 3], sampling_params={"max_tokens": 4})
+    entry_id = streams.enqueue(r, request, "nobody")
+    port = fleet.redis.port
+    chunks = streams.iter_output(r, "lost-1", timeout_s=60, grace_s=30, entry=(keys.req_stream("nobody"), entry_id))
+    outcome: list = []
+
+    def read() -> None:
+        try:
+            outcome.append(list(chunks))
+        except Exception as e:  # noqa: BLE001 (what the test checks)
+            outcome.append(e)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    time.sleep(0.5)
+    _stop_redis(fleet, keep_data=False)
+    time.sleep(1)
+    _start_redis(fleet, port)
+    reader.join(20)
+    r.close()
+    assert outcome and isinstance(outcome[0], streams.OutputLost), outcome
+    assert "Redis lost request lost-1" in str(outcome[0])
+    fleet.wait_for(lambda: _ready(fleet.url() + "/health") == 200, timeout_s=20, what="the fleet to be ready")
+
+
+def test_the_python_client_rides_out_a_short_outage(fleet):
+    """services.client reads the output through the same reader: a 2 s outage (with the data) costs nothing."""
+    from services.client import FleetClient
+
+    reference = _complete(fleet)
+    port = fleet.redis.port
+    with FleetClient(fleet.redis.url) as client:
+        handle = client.submit(PROMPT, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+        chunks = iter(handle)
+        first = next(chunks)
+        _stop_redis(fleet, keep_data=True)
+        time.sleep(2)
+        _start_redis(fleet, port)
+        text = first.text + "".join(c.text for c in chunks)
+    assert text == reference
