@@ -71,6 +71,13 @@ class OutputChunk(BaseModel):
     usage: Usage | None = None
     error: ChunkError | None = None
     worker_id: str = ""
+    # The owner token of the writer, with worker_id: the request's re-enqueue count and the delivery count of
+    # its stream entry when that worker took it. Readers drop chunks with a token older than one already seen.
+    attempt: int = 0
+    delivery: int = 0
+
+    def owner_token(self) -> tuple[int, int]:
+        return self.attempt, self.delivery
 
 
     @field_validator("logprobs")
@@ -120,10 +127,36 @@ class WorkerStatus(BaseModel):
         return self.model_dump(exclude={"heartbeat"}) == other.model_dump(exclude={"heartbeat"})
 
 
+DEAD_LETTER_RAW_CHARS = 4096  # of a malformed entry's fields kept in its dead letter (an entry may be any size)
+DEAD_LETTER_REASON_CHARS = 2000
+
+
+def _capped(text: str | None, limit: int) -> str | None:
+    """At most `limit` characters and a note of how many more there were (read back, a capped text fits the
+    64 characters of room left for that note, so it is not cut twice)."""
+    if text is None or len(text) <= limit + 64:
+        return text
+    return f"{text[:limit]}... ({len(text) - limit} more characters not kept)"
+
+
 class DeadLetter(BaseModel):
+    """A request no worker could finish, kept in the capped kvfleet:dead stream. Bounded: a request the
+    gateway or a client validated (its prompt within max_model_len), or at most DEAD_LETTER_RAW_CHARS of a
+    malformed entry, and a reason of at most DEAD_LETTER_REASON_CHARS."""
+
     request: GenerationRequest | None = None  # None: the entry could not be read as one (see `raw`)
     reason: str
     deliveries: int
     worker_id: str
     time: float = Field(default_factory=time.time)
     raw: str | None = None  # a malformed entry's fields as received (JSON), when `request` is None
+
+    @field_validator("raw")
+    @classmethod
+    def _cap_raw(cls, v: str | None) -> str | None:
+        return _capped(v, DEAD_LETTER_RAW_CHARS)
+
+    @field_validator("reason")
+    @classmethod
+    def _cap_reason(cls, v: str) -> str:
+        return _capped(v, DEAD_LETTER_REASON_CHARS)

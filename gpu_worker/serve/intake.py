@@ -2,16 +2,18 @@
 through one queue, so the engine's step loop never blocks on Redis.
 
 Requests come from, in order of preference:
-  1. entries this worker id left pending before a restart (claimed back at start);
-  2. its own stream kvfleet:req:{worker} (the router's choice), while its backlog is short;
-  3. when it has room (nothing waiting, free blocks to spare, and everything it took already accounted):
-     - what dead workers (status expired) left pending: XPENDING for the dead consumer, then XCLAIM with a
-       minimum idle time, so two live workers never take the same entry (this, not XAUTOCLAIM by idle time
-       alone, because a live worker's long request also looks idle); the output already written seeds
-       the Job, so the stream continues where it stopped;
-     - the oldest untaken request of the shared stream kvfleet:req:any, if it fits its free blocks (or it
-       is idle); else it stays, in order, for a worker with more room;
-     - new entries on dead workers' own streams.
+  1. entries this worker id left pending before a restart (all of them, claimed back at start, page by page);
+  2. what dead workers (status expired) left pending, checked every heartbeat whether or not this worker has
+     room (room is needed to run, not to claim: the engine queues them like new work): XPENDING for the dead
+     consumer, then XCLAIM with a minimum idle time, so two live workers never take the same entry (this, not
+     XAUTOCLAIM by idle time alone, because a live worker's long request also looks idle); the output already
+     written seeds the Job, so the stream continues where it stopped. Each claim bumps the entry's delivery
+     count: the new owner token, which fences the old owner's writes out (shared.streams.worker);
+  3. its own stream kvfleet:req:{worker} (the router's choice), and new entries on dead workers' own streams,
+     while its backlog is short;
+  4. when it has room (nothing waiting, free blocks to spare, and everything it took already accounted), the
+     oldest untaken request of the shared stream kvfleet:req:any, if it fits its free blocks (or it is idle);
+     else it stays, in order, for a worker with more room.
 A request delivered more than `max_deliveries` times goes to kvfleet:dead and its reader gets an error; one
 its whole cache cannot hold is forwarded to the live worker with room that can. So does an entry that cannot
 be read (bad JSON, a missing field, a schema version other than shared.messages.SCHEMA_VERSION) or whose
@@ -66,14 +68,17 @@ class Room:
 
 class Intake:
     def __init__(self, r: streams.Client, settings: Settings, worker_id: str, inbox: queue.Queue,
-                 room: Callable[[], Room], *, metrics: Any = None):
+                 room: Callable[[], Room], *, metrics: Any = None, on_regroup: Callable[[], None] | None = None):
         self.r, self.settings, self.worker_id = r, settings, worker_id
         self.metrics = metrics  # gpu_worker.serve.metrics.WorkerMetrics: counts dead letters
+        self.on_regroup = on_regroup  # after Redis lost the groups: the worker publishes its status at once
+        self.redis_failing: set[str] = set()  # the threads whose last turn failed on Redis (-> not ready)
         self.inbox, self.room = inbox, room
         self.own = keys.req_stream(worker_id)
         self._stop = threading.Event()
         self._dead: list[str] = []
         self._next_scan = 0.0
+        self._recheck: queue.SimpleQueue[streams.Ack] = queue.SimpleQueue()  # entries of refused writes
         self.handed = 0  # jobs put into the inbox; `spare` is stale until the main thread accounted them all
         self._threads = [threading.Thread(target=self._requests, name="kvfleet-intake", daemon=True),
                          threading.Thread(target=self._cancels, name="kvfleet-cancels", daemon=True)]
@@ -91,26 +96,49 @@ class Intake:
     def stop(self) -> None:
         self._stop.set()
 
+    def recheck(self, ack: streams.Ack) -> None:
+        """The worker's writes under `ack` were refused: if the entry is still pending on this worker (with
+        another delivery count, as after Redis came back from an AOF that lost the last claim), claim it again
+        and take it, resumed from its output so far; else another worker owns it now."""
+        self._recheck.put(ack)
+
     def dead_threads(self) -> list[str]:
         """Reader threads that ended although the intake was not stopped (the worker is then deaf)."""
         return [t.name for t in self._threads if t.ident is not None and not t.is_alive() and not self._stop.is_set()]
 
     def _survive(self, turn: Callable[[], Any], what: str) -> None:
         """Run `turn` until stopped; an error is logged (with its traceback unless Redis is away) and the
-        next turn waits, doubling from 0.1 s up to MAX_BACKOFF_S while the errors go on."""
-        failures = 0
+        next turn waits, doubling from 0.1 s up to MAX_BACKOFF_S while the errors go on. A missing consumer
+        group (Redis restarted without its data, or was flushed) makes the next turn create the groups again."""
+        failures, regroup = 0, False
         while not self._stop.is_set():
             try:
+                if regroup:
+                    self._regroup()
+                    regroup = False
                 turn()
                 failures = 0
+                self.redis_failing.discard(what)
             except streams.RedisError as e:
                 failures += 1
+                self.redis_failing.add(what)
+                regroup = regroup or streams.group_missing(e)
                 log.warning("redis %s failed (%s); retrying", what, e)
             except Exception:  # noqa: BLE001 (a reader thread must not die)
                 failures += 1
                 log.exception("unexpected error in the %s thread (%d in a row); carrying on", what, failures)
             if failures:
                 self._stop.wait(min(0.1 * 2 ** (failures - 1), MAX_BACKOFF_S))
+
+    def _regroup(self) -> None:
+        """Redis lost the consumer groups: create them (and their streams) again, forget the dead workers it
+        no longer knows, and have the worker re-register (status, kvfleet:workers) at once."""
+        log.warning("the consumer groups are gone (Redis restarted without its data?): creating them again")
+        streams.ensure_group(self.r, self.own)
+        streams.ensure_group(self.r, keys.REQ_ANY)
+        self._dead, self._next_scan = [], 0.0
+        if self.on_regroup is not None:
+            self.on_regroup()
 
     # ---- requests ----------------------------------------------------------------------------
     def _requests(self) -> None:
@@ -125,23 +153,26 @@ class Intake:
         if room.draining:
             time.sleep(0.1)
             return
-        spare = self._spare()
-        if spare and time.monotonic() >= self._next_scan:
+        while not self._recheck.empty():
+            if (d := streams.reclaim_own(self.r, self._recheck.get_nowait(), self.worker_id)) is not None:
+                log.warning("request entry %s on %s is still pending here: claimed again", d.entry_id, d.stream)
+                self._take(d)
+        if time.monotonic() >= self._next_scan:  # takeover needs no room: what it claims queues like new work
             self._next_scan = time.monotonic() + self.settings.heartbeat_s
             self._scan_dead()
-        if spare and self._dead and self._claim_dead():
-            return  # took over requests: judge the room again once the engine holds them
+            if self._dead and self._claim_dead():
+                return
+        spare = self._spare()
         if spare and self._take_shared_head(room):
             return
         want: dict[str, str] = {}
-        if room.own_backlog:
+        if room.own_backlog:  # its own stream, and the new entries on dead workers' streams like its own
             want[self.own] = ">"
-        if spare:  # new entries on dead workers' streams, one at a time
             want.update({keys.req_stream(d): ">" for d in self._dead})
         if not want:
             time.sleep(0.02)
             return
-        for d in streams.read_requests(self.r, self.worker_id, want, count=1 if spare and self._dead else 8,
+        for d in streams.read_requests(self.r, self.worker_id, want, count=8,
                                        block_ms=SPARE_READ_BLOCK_MS if spare else READ_BLOCK_MS):
             self._take(d)
 
@@ -175,16 +206,14 @@ class Intake:
                 self._dead.remove(dead)
 
     def _claim_dead(self) -> int:
-        """Claim what dead workers left pending (a few at a time); their output so far seeds each Job."""
-        for dead in self._dead:
-            for stream in (keys.req_stream(dead), keys.REQ_ANY):
-                n = self._claim(stream, dead, min_idle_ms=CLAIM_MIN_IDLE_MS, count=8)
-                if n:
-                    return n
-        return 0
+        """Claim everything dead workers left pending, whether or not this worker has room (the engine queues
+        what it cannot run yet); their output so far seeds each Job."""
+        return sum(self._claim(stream, dead, min_idle_ms=CLAIM_MIN_IDLE_MS)
+                   for dead in self._dead for stream in (keys.req_stream(dead), keys.REQ_ANY))
 
-    def _claim(self, stream: str, owner: str, *, min_idle_ms: int, count: int = 32) -> int:
-        claimed = streams.claim_pending(self.r, stream, owner, self.worker_id, min_idle_ms=min_idle_ms, count=count)
+    def _claim(self, stream: str, owner: str, *, min_idle_ms: int) -> int:
+        """Claim every entry `owner` left pending on `stream`, page by page, and take each."""
+        claimed = streams.claim_pending(self.r, stream, owner, self.worker_id, min_idle_ms=min_idle_ms)
         for d in claimed:
             if d.fields is not None:  # None: the entry was deleted meanwhile
                 self._take(d)
@@ -261,15 +290,15 @@ class Intake:
             return
         target = max(able, key=lambda w: (w.free_blocks, w.total_blocks)).worker_id
         log.info("request %s needs %d blocks > this cache: forwarded to %s", job.request_id, need, target)
-        streams.forward(self.r, requeue(job.request), target, streams.Ack(job.stream, job.entry_id))
+        streams.forward(self.r, requeue(job.request), target, job.ack)
 
     def _finish(self, job: Job, **kw) -> None:
-        """Close a request that never reaches the engine: final chunk, then ack, in one MULTI."""
+        """Close a request that never reaches the engine: final chunk, then ack, in one step (fenced)."""
         tracker = RequestTracker(self.worker_id)
         tracker.add(job)
         chunk = tracker.final_chunk(job, **kw)
         streams.publish(self.r, self.worker_id, output_ttl_s=self.settings.output_ttl_s, chunks=[chunk],
-                        acks=[streams.Ack(job.stream, job.entry_id)])
+                        acks=[job.ack], owners={job.request_id: job.ack})
 
     def _dead_letter(self, job: Job, reason: str, kind: ErrorKind = "dead_letter") -> None:
         log.error("request %s -> %s: %s", job.request_id, keys.DEAD, reason)

@@ -1,9 +1,12 @@
 """The worker's writer thread: everything the worker writes to Redis, so the engine's step loop never waits
 on the network.
 
-In one MULTI per flush, in order: output chunks (XADD + expiry), acks of finished requests (XACK + XDEL,
-after their final chunk), hand-backs, and the status (SET with a TTL, plus HDEL of the reservations it now
-accounts for). The status goes out when it changes, at most `status_max_hz` times a second, and every
+In one atomic script per flush (streams.publish), in order: output chunks (XADD + expiry), hand-backs, acks
+of finished requests (XACK + XDEL, after their final chunk), and the status (SET with a TTL, plus HDEL of the
+reservations it now accounts for). Every write for a request is fenced: made only while this worker still
+owns the request's stream entry (its owner token: consumer and delivery count). Writes for a request another
+worker took over (this one was paused or cut off past the status TTL) are refused; its id comes out of
+`lost`, and the main thread aborts it. The status goes out when it changes, at most `status_max_hz` times a second, and every
 `heartbeat_s` regardless (from this thread, so a long engine step does not make the worker look dead).
 A failed flush is retried: nothing queued here is dropped while Redis is away. Dead letters (requests the
 engine failed) go to kvfleet:dead just before the flush that carries their final chunk and ack. The thread
@@ -38,6 +41,7 @@ class HandBack:
 @dataclass
 class _Batch:
     chunks: list[OutputChunk] = field(default_factory=list)
+    owners: dict[str, streams.Ack] = field(default_factory=dict)  # request id -> the delivery its chunks need
     acks: list[streams.Ack] = field(default_factory=list)
     handbacks: list[HandBack] = field(default_factory=list)
     taken: list[str] = field(default_factory=list)  # request ids whose reservation the status now covers
@@ -54,6 +58,7 @@ class Outbox:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvfleet-outbox", daemon=True)
         self.healthy = False  # the last flush reached Redis
+        self.lost: queue.SimpleQueue[str] = queue.SimpleQueue()  # requests another worker owns now (fenced out)
 
     # ---- main thread -------------------------------------------------------------------------
     def start(self) -> Outbox:
@@ -66,8 +71,12 @@ class Outbox:
         return self._thread.ident is None or self._thread.is_alive() or self._stop.is_set()
 
     def send(self, chunks: list[OutputChunk], ack: streams.Ack | None = None,
-             dead_letter: DeadLetter | None = None) -> None:
-        self._q.put(_Batch(chunks=list(chunks), acks=[ack] if ack else [],
+             dead_letter: DeadLetter | None = None, *, owner: streams.Ack | None = None) -> None:
+        """Write `chunks` under `owner` (default: `ack`, the delivery they finish), then the ack. Writes for a
+        delivery this worker no longer owns are refused; its request id then comes out of `lost`."""
+        owner = owner or ack
+        owners = {c.request_id: owner for c in chunks} if owner is not None else {}
+        self._q.put(_Batch(chunks=list(chunks), owners=owners, acks=[ack] if ack else [],
                            dead_letters=[dead_letter] if dead_letter else []))
 
     def hand_back(self, request: GenerationRequest, ack: streams.Ack) -> None:
@@ -78,6 +87,11 @@ class Outbox:
         self._status = status
         if taken or not status.same_state(self._published):
             self._q.put(_Batch(taken=list(taken or [])))
+
+    def republish(self) -> None:
+        """Send the status with the next flush, whatever its schedule (Redis lost it: re-register now)."""
+        self._last_pub = float("-inf")
+        self._q.put(_Batch())
 
     def close(self, timeout_s: float = 10.0, *, remove_status: bool = True) -> None:
         """Flush everything queued, then (by default) delete the status so others take over at once."""
@@ -130,6 +144,7 @@ class Outbox:
         if item is None:
             return
         into.chunks += item.chunks
+        into.owners.update(item.owners)
         into.acks += item.acks
         into.handbacks += item.handbacks
         into.taken += item.taken
@@ -169,14 +184,14 @@ class Outbox:
         return True
 
     def _publish(self, batch: _Batch, status: WorkerStatus | None) -> None:
-        """One MULTI; if it fails with an error that is not Redis's (something in the batch cannot be
+        """One script (streams.publish); if it fails with an error that is not Redis's (something in the batch cannot be
         written), each chunk alone, dropping only those that cannot be written, then the rest."""
         publish = functools.partial(streams.publish, self.r, self.worker_id, output_ttl_s=self.settings.output_ttl_s,
                                     status_ttl_s=self.settings.status_ttl_s)
-        rest = dict(requeued=[hb.request for hb in batch.handbacks], status=status, taken=batch.taken,
-                    acks=batch.acks + [hb.ack for hb in batch.handbacks])
+        rest = dict(requeued=[(hb.request, hb.ack) for hb in batch.handbacks], status=status, taken=batch.taken,
+                    acks=batch.acks, owners=batch.owners)
         try:
-            publish(chunks=batch.chunks, **rest)
+            self._refused(batch, publish(chunks=batch.chunks, **rest))
             return
         except streams.RedisError:
             raise
@@ -184,10 +199,21 @@ class Outbox:
             log.exception("writing %d chunk(s) failed; writing them one by one", len(batch.chunks))
         for chunk in batch.chunks:
             try:
-                publish(chunks=[chunk])
+                self._refused(batch, publish(chunks=[chunk], owners=batch.owners))
             except streams.RedisError:
                 raise
             except Exception:  # noqa: BLE001
                 log.exception("dropping output chunk %d of %s: it cannot be written", chunk.seq, chunk.request_id)
         batch.chunks = []  # written or dropped: a retry of the rest must not write them again
-        publish(**rest)
+        self._refused(batch, publish(**rest))
+
+    def _refused(self, batch: _Batch, refused: list[streams.Ack] | None) -> None:
+        """Tell the main thread which requests it lost to another worker (their writes were refused)."""
+        lost = set(refused or ())
+        if not lost:
+            return
+        rids = {rid for rid, owner in batch.owners.items() if owner in lost}
+        rids |= {hb.request.request_id for hb in batch.handbacks if hb.ack in lost}
+        for rid in sorted(rids):
+            log.warning("request %s is owned by another worker now: its writes here were refused", rid)
+            self.lost.put(rid)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpu_worker.engine.outputs import RequestOutput
+from shared import streams
 from shared.blocks import request_blocks
 from shared.messages import ChunkError, GenerationRequest, OutputChunk, Usage
 
@@ -46,6 +47,11 @@ class Job:
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+    @property
+    def ack(self) -> streams.Ack:
+        """Its stream entry, and the owner token every write for it is checked against."""
+        return streams.Ack(self.stream, self.entry_id, self.deliveries)
 
     @property
     def resumed(self) -> bool:
@@ -99,7 +105,8 @@ class RequestTracker:
         return total
 
     def chunk(self, job: Job, **kw: Any) -> OutputChunk:
-        c = OutputChunk(request_id=job.request_id, seq=job.next_seq, worker_id=self.worker_id, **kw)
+        c = OutputChunk(request_id=job.request_id, seq=job.next_seq, worker_id=self.worker_id,
+                        attempt=job.request.attempt, delivery=job.deliveries, **kw)
         job.next_seq += 1
         return c
 

@@ -9,7 +9,9 @@ Faults stay local. A request the engine fails (finish_reason "error") or cannot 
 goes to kvfleet:dead; the rest carry on. The main loop survives unexpected errors (logged, retried after a
 backoff); it ends with exit status 1, so the supervisor restarts the worker and others take over what it
 held, only when the engine is broken (EngineFault), errors come MAX_TICK_FAILURES times in a row, or a
-reader or writer thread died. Until then, and after, /readyz says why it is not ready.
+reader or writer thread died. Until then, and after, /readyz says why it is not ready. A request another
+worker took over (this one was paused past its status TTL) is aborted here once the outbox's writes for it
+are refused: it frees its blocks, and the worker carries on.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ from gpu_worker.serve.request_tracker import Job, RequestTracker
 from shared import keys, streams
 from shared.messages import ChunkError, DeadLetter, ErrorKind, WorkerStatus
 from shared.settings import Settings, redacted_url
-from shared.streams import Ack
 
 log = logging.getLogger("kvfleet.worker")
 
@@ -70,7 +71,7 @@ class Worker:
         self.outbox = Outbox(r, self.settings, self.worker_id).start()
         self.outbox.set_status(self.status)
         self.intake = Intake(r, self.settings, self.worker_id, self.inbox, lambda: self._room,
-                             metrics=self.metrics).start()
+                             metrics=self.metrics, on_regroup=self.outbox.republish).start()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         log.info("worker %s serving %s on %s", self.worker_id, self.model_name, redacted_url(self.settings.redis_url))
@@ -122,6 +123,7 @@ class Worker:
         self.last_tick = time.monotonic()
         busy = self.engine.has_unfinished_requests()
         self._take_inbox(block_s=0.0 if busy else 0.05)
+        self._drop_lost()
         if self.draining:
             self._drain_step()
         if self.engine.has_unfinished_requests() and not self.stopped:
@@ -142,7 +144,7 @@ class Worker:
                     self._cancel(item.request_id)
                 elif self.draining:
                     self.jobs_seen += 1
-                    self.outbox.hand_back(requeue(item.request), Ack(item.stream, item.entry_id))
+                    self.outbox.hand_back(requeue(item.request), item.ack)
                 else:
                     self.jobs_seen += 1
                     self._add(item)
@@ -156,7 +158,7 @@ class Worker:
         rid = job.request_id
         if rid in self.tracker:  # the same request enqueued twice: its output stream is already being written
             log.warning("request %s is already running here; acking the duplicate entry", rid)
-            self.outbox.send([], Ack(job.stream, job.entry_id))
+            self.outbox.send([], job.ack)
             return
         self.tracker.add(job)
         self.telemetry.taken(job)
@@ -177,7 +179,7 @@ class Worker:
             if job.stream != keys.req_stream(self.worker_id) and req.attempt + 1 < self.settings.max_deliveries:
                 self.tracker.pop(rid)  # another worker may have the room this one lacks
                 self.telemetry.ended(rid, f"handed back: {e}")
-                self.outbox.hand_back(requeue(req), Ack(job.stream, job.entry_id))
+                self.outbox.hand_back(requeue(req), job.ack)
                 return
             self._close(job, error=ChunkError(kind="invalid_request", message=str(e)))
             return
@@ -188,6 +190,17 @@ class Worker:
                        kind="invalid_request" if isinstance(e, TypeError | ValueError) else "internal")
             return
         self.taken.append(rid)
+
+    def _drop_lost(self) -> None:
+        """Abort the requests another worker took over (this one was paused or cut off past the status TTL):
+        the outbox's writes for them were refused, so they end here without a word and free their blocks."""
+        while not self.outbox.lost.empty():
+            rid = self.outbox.lost.get_nowait()
+            if (job := self.tracker.pop(rid)) is not None:
+                log.warning("request %s was taken over by another worker: aborted here", rid)
+                self.engine.abort_request(rid)
+                self.telemetry.ended(rid, "taken over by another worker")
+                self.intake.recheck(job.ack)
 
     def _cancel(self, request_id: str) -> None:
         job = self.tracker.jobs.get(request_id)
@@ -204,7 +217,7 @@ class Worker:
         error = final.get("error")
         self.telemetry.ended(job.request_id, final.get("finish_reason") or "error",
                              error=error.message if error else None)
-        self.outbox.send([self.tracker.final_chunk(job, **final)], Ack(job.stream, job.entry_id), dead_letter)
+        self.outbox.send([self.tracker.final_chunk(job, **final)], job.ack, dead_letter)
 
     def _dead_letter(self, job: Job, reason: str) -> DeadLetter:
         log.error("request %s -> %s: %s", job.request_id, keys.DEAD, reason)
@@ -235,9 +248,9 @@ class Worker:
             self.num_finished += output.error is None
             self.tracker.pop(job.request_id)
             letter = self._dead_letter(job, output.error) if output.error is not None else None
-            self.outbox.send(chunks, Ack(job.stream, job.entry_id), letter)
+            self.outbox.send(chunks, job.ack, letter)
         elif chunks:
-            self.outbox.send(chunks)
+            self.outbox.send(chunks, owner=job.ack)
 
     # ---- drain -------------------------------------------------------------------------------
     def _drain_step(self) -> None:
@@ -246,7 +259,7 @@ class Worker:
                 self.engine.abort_request(rid)
                 self.tracker.pop(rid)
                 self.telemetry.ended(rid, "handed back (drain)")
-                self.outbox.hand_back(requeue(job.request), Ack(job.stream, job.entry_id))
+                self.outbox.hand_back(requeue(job.request), job.ack)
         if not self.tracker.jobs or time.monotonic() >= self.drain_deadline:
             for rid in list(self.tracker.jobs):  # unfinished: left pending; their output so far is written
                 self.engine.abort_request(rid)
@@ -291,4 +304,6 @@ class Worker:
             return False, "draining"
         if self.outbox is None or not self.outbox.healthy:
             return False, "redis unreachable"
+        if self.intake is not None and self.intake.redis_failing:
+            return False, f"redis unreachable ({', '.join(sorted(self.intake.redis_failing))} failing)"
         return True, "ok"

@@ -7,7 +7,7 @@ redis (tests/unit/test_layering.py keeps it so). Callers use the names below (`s
   output    numbered output chunks: written by workers, read back once each by gateways and services
   fleet     live workers, reservations and the snapshot; the round-robin turn; the prefix index
   jobs      job records: a request id placed by services enters the fleet at most once
-  worker    a worker's intake (group reads, takeover, dead letters, cancels) and outbox (one MULTI a flush)
+  worker    a worker's intake (group reads, takeover, dead letters, cancels) and outbox (one fenced script a flush)
 
 Key names come from shared.keys; messages are shared.messages' pydantic models, as JSON in one field.
 """
@@ -20,6 +20,7 @@ from shared.streams.client import (  # noqa: F401
     arun_script,
     connect,
     connect_async,
+    group_missing,
     run_script,
 )
 from shared.streams.fleet import (  # noqa: F401
@@ -41,7 +42,10 @@ from shared.streams.jobs import (  # noqa: F401
 )
 from shared.streams.output import (  # noqa: F401
     ChunkDeduper,
+    OutputLost,
     OutputTimeout,
+    RedisAway,
+    RedisOutage,
     add_chunk_commands,
     aiter_output,
     aoutput_exists,
@@ -79,6 +83,7 @@ from shared.streams.worker import (  # noqa: F401
     publish,
     read_cancels,
     read_requests,
+    reclaim_own,
     remove_status,
     shared_head,
 )

@@ -1,10 +1,17 @@
 """The worker side: its consumer-group reads, takeover of what dead workers left pending, dead letters and
-cancels (gpu_worker.serve.intake), and one MULTI per flush of chunks, hand-backs, acks and status
-(gpu_worker.serve.outbox)."""
+cancels (gpu_worker.serve.intake), and one Lua script per flush of chunks, hand-backs, acks and status
+(gpu_worker.serve.outbox).
+
+Fencing: a worker writes a request's chunks, hand-back and ack only while it owns the stream entry. The owner
+token is (consumer, delivery count) of the entry's pending-list record: Redis sets both atomically with every
+XREADGROUP and XCLAIM (each claim bumps the count), so a worker that lost the entry to another (or to a
+later run under its own id) no longer matches, with no owner key to set at claim time or to expire. The
+flush script checks each request it touches once (XPENDING of that one entry), then writes."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,7 +19,7 @@ import redis
 
 from shared import keys
 from shared.messages import DeadLetter, GenerationRequest, OutputChunk, WorkerStatus
-from shared.streams.output import add_chunk_commands
+from shared.streams.client import LuaScript, run_script
 from shared.streams.requests import enqueue_commands
 
 # ---- worker side: intake --------------------------------------------------------------------------
@@ -22,12 +29,18 @@ from shared.streams.requests import enqueue_commands
 DEAD_LETTER_MAXLEN = 10_000
 
 
+CLAIM_PAGE = 100  # pending entries looked at per XPENDING/XCLAIM round trip
+
+
 @dataclass(frozen=True)
 class Ack:
-    """A request-stream entry to acknowledge: XACK in the workers' group, then XDEL."""
+    """A request-stream entry to acknowledge: XACK in the workers' group, then XDEL. With `deliveries` (the
+    entry's delivery count when this worker got it) it is also the owner token: writes for the request are
+    refused once the entry is no longer pending on this worker with that count; 0: not checked."""
 
     stream: str
     entry_id: str
+    deliveries: int = 0
 
 
 @dataclass(frozen=True)
@@ -42,7 +55,7 @@ class Delivery:
 
     @property
     def ack(self) -> Ack:
-        return Ack(self.stream, self.entry_id)
+        return Ack(self.stream, self.entry_id, self.deliveries)
 
 
 def ensure_group(r: redis.Redis, stream: str) -> None:
@@ -69,20 +82,39 @@ def shared_head(r: redis.Redis) -> dict[str, str] | None:
     return head[0][1] if head else None
 
 
-def claim_pending(r: redis.Redis, stream: str, owner: str, consumer: str, *, min_idle_ms: int,
-                  count: int) -> list[Delivery]:
-    """Move to `consumer` up to `count` entries `owner` left pending on `stream`: XPENDING for that one
-    consumer, then XCLAIM with `min_idle_ms`, so of two claimers only one gets each entry (XAUTOCLAIM by idle
-    time alone would also take a live worker's long request). [] when the stream or group does not exist."""
-    try:
-        pending = r.xpending_range(stream, keys.GROUP, min="-", max="+", count=count, consumername=owner)
-    except redis.ResponseError:
-        return []
-    if not pending:
-        return []
-    counts = {p["message_id"]: p["times_delivered"] for p in pending}
-    claimed = r.xclaim(stream, keys.GROUP, consumer, min_idle_ms, list(counts))
-    return [Delivery(stream, entry_id, fields or None, counts[entry_id] + 1) for entry_id, fields in claimed]
+def claim_pending(r: redis.Redis, stream: str, owner: str, consumer: str, *, min_idle_ms: int) -> list[Delivery]:
+    """Move to `consumer` every entry `owner` left pending on `stream`, CLAIM_PAGE at a time: XPENDING for that
+    one consumer, then XCLAIM with `min_idle_ms`, so of two claimers only one gets each entry (XAUTOCLAIM by
+    idle time alone would also take a live worker's long request). [] when the stream or group does not exist.
+    Each Delivery's count is the one XCLAIM set (the one it saw plus one): its owner token."""
+    claimed: list[Delivery] = []
+    start = "-"
+    while True:
+        try:
+            pending = r.xpending_range(stream, keys.GROUP, min=start, max="+", count=CLAIM_PAGE, consumername=owner)
+        except redis.ResponseError:
+            return claimed
+        if not pending:
+            return claimed
+        counts = {p["message_id"]: p["times_delivered"] for p in pending}
+        for entry_id, fields in r.xclaim(stream, keys.GROUP, consumer, min_idle_ms, list(counts)):
+            claimed.append(Delivery(stream, entry_id, fields or None, counts[entry_id] + 1))
+        if len(pending) < CLAIM_PAGE:
+            return claimed
+        start = "(" + pending[-1]["message_id"]
+
+
+def reclaim_own(r: redis.Redis, ack: Ack, consumer: str) -> Delivery | None:
+    """The entry behind a refused write, claimed again by `consumer` if its pending record still names it with
+    another delivery count (Redis came back from an AOF that lost the last claim): the new count is its owner
+    token. None: another consumer owns it, or it is gone."""
+    pending = r.xpending_range(ack.stream, keys.GROUP, min=ack.entry_id, max=ack.entry_id, count=1)
+    if not pending or pending[0]["consumer"] != consumer:
+        return None
+    claimed = r.xclaim(ack.stream, keys.GROUP, consumer, 0, [ack.entry_id])
+    if not claimed or not claimed[0][1]:
+        return None
+    return Delivery(ack.stream, ack.entry_id, claimed[0][1], pending[0]["times_delivered"] + 1)
 
 
 def other_workers(r: redis.Redis, worker_id: str) -> dict[str, WorkerStatus | None]:
@@ -93,18 +125,25 @@ def other_workers(r: redis.Redis, worker_id: str) -> dict[str, WorkerStatus | No
     return {w: None if s is None else WorkerStatus.model_validate_json(s) for w, s in zip(members, raw, strict=True)}
 
 
+# Forget a dead worker, in one step: only if its status is still gone, its stream empty and nothing of the
+# shared stream pending on it (a gateway's XADD or a restart between a check and the delete is never lost).
+_PRUNE_DEAD = LuaScript("""
+if redis.call('EXISTS', KEYS[1]) == 1 or redis.call('XLEN', KEYS[2]) > 0 then return 0 end
+local pending = redis.pcall('XPENDING', KEYS[4], ARGV[1], '-', '+', 1, ARGV[2])
+if type(pending) == 'table' and pending['err'] == nil and #pending > 0 then return 0 end
+redis.call('DEL', KEYS[2], KEYS[3])
+redis.call('SREM', KEYS[5], ARGV[2])
+redis.pcall('XGROUP', 'DELCONSUMER', KEYS[4], ARGV[1], ARGV[2])
+return 1
+""")
+
+
 def prune_dead_worker(r: redis.Redis, dead: str) -> bool:
-    """Forget a dead worker that left nothing behind (its own stream empty, nothing of kvfleet:req:any
-    pending on it): delete its stream and reservations, drop it from kvfleet:workers and from the shared
-    stream's group, in one MULTI. False: it still has requests to take over."""
-    if r.xlen(keys.req_stream(dead)) or r.xpending_range(keys.REQ_ANY, keys.GROUP, "-", "+", 1, consumername=dead):
-        return False
-    pipe = r.pipeline(transaction=True)
-    pipe.delete(keys.req_stream(dead), keys.reserved(dead))
-    pipe.srem(keys.WORKERS, dead)
-    pipe.xgroup_delconsumer(keys.REQ_ANY, keys.GROUP, dead)
-    pipe.execute()
-    return True
+    """Forget a dead worker that left nothing behind (no status, its own stream empty, nothing of
+    kvfleet:req:any pending on it): delete its stream and reservations, drop it from kvfleet:workers and from
+    the shared stream's group, atomically. False: it still has requests to take over (or came back)."""
+    return bool(run_script(r, _PRUNE_DEAD, [keys.status(dead), keys.req_stream(dead), keys.reserved(dead),
+                                            keys.REQ_ANY, keys.WORKERS], [keys.GROUP, dead]))
 
 
 def is_cancelled(r: redis.Redis, request_id: str) -> bool:
@@ -153,28 +192,111 @@ def read_cancels(r: redis.Redis, after: str, *, block_ms: int = 1000, count: int
 
 
 # ---- worker side: outbox --------------------------------------------------------------------------
-# The worker's writer thread (gpu_worker.serve.outbox): everything it writes goes in one MULTI per flush.
+# The worker's writer thread (gpu_worker.serve.outbox): everything it writes goes in one script per flush.
+
+# One flush of the outbox, atomically. ARGV[1] is the plan (JSON; every key it names is an index into KEYS):
+#   owners   [stream, entry id, deliveries]: the deliveries the writes below are made under; deliveries 0 is
+#            not checked, else the entry must be pending on ARGV[2] with exactly that delivery count
+#   chunks   [owner (0: none), output stream, chunk JSON]: XADD, then PEXPIRE by `ttl`
+#   requeued [owner, request JSON]: XADD to `any` (the hand-back), then the ack of the owner's entry
+#   acks     [owner]: XACK + XDEL of the owner's entry
+#   status   [key, JSON, ttl ms, workers set, reservations hash, taken request ids...] or absent
+# Writes under an owner that fails its check are skipped; the reply lists those owners (1-based).
+_FLUSH = LuaScript("""
+local plan = cjson.decode(ARGV[1])
+local group, field = plan['group'], plan['field']
+local owned, refused = {}, {}
+for i, o in ipairs(plan['owners']) do
+  local ok = o[3] == 0
+  if not ok then
+    local p = redis.pcall('XPENDING', KEYS[o[1]], group, o[2], o[2], 1)
+    ok = type(p) == 'table' and p['err'] == nil and p[1] ~= nil and p[1][2] == ARGV[2] and p[1][4] == o[3]
+  end
+  owned[i] = ok
+  if not ok then refused[#refused + 1] = i end
+end
+local function ack(o)
+  redis.call('XACK', KEYS[o[1]], group, o[2])
+  redis.call('XDEL', KEYS[o[1]], o[2])
+end
+for _, c in ipairs(plan['chunks']) do
+  if c[1] == 0 or owned[c[1]] then
+    redis.call('XADD', KEYS[c[2]], '*', field, c[3])
+    redis.call('PEXPIRE', KEYS[c[2]], plan['ttl'])
+  end
+end
+for _, q in ipairs(plan['requeued']) do
+  if owned[q[1]] then
+    redis.call('XADD', KEYS[plan['any']], '*', field, q[2])
+    ack(plan['owners'][q[1]])
+  end
+end
+for _, a in ipairs(plan['acks']) do
+  if owned[a[1]] then ack(plan['owners'][a[1]]) end
+end
+local s = plan['status']
+if s then
+  redis.call('SET', KEYS[s[1]], s[2], 'PX', s[3])
+  redis.call('SADD', KEYS[s[4]], ARGV[2])
+  if #s > 5 then redis.call('HDEL', KEYS[s[5]], unpack(s, 6)) end
+end
+return refused
+""")
+
+
+class _Plan:
+    """Builds _FLUSH's KEYS and plan: each key and each owner once, referred to by index."""
+
+    def __init__(self) -> None:
+        self.keys: list[str] = []
+        self._key_ix: dict[str, int] = {}
+        self.owners: list[Ack] = []
+        self._owner_ix: dict[Ack, int] = {}
+
+    def key(self, name: str) -> int:
+        if name not in self._key_ix:
+            self.keys.append(name)
+            self._key_ix[name] = len(self.keys)
+        return self._key_ix[name]
+
+    def owner(self, ack: Ack | None) -> int:
+        if ack is None:
+            return 0
+        if ack not in self._owner_ix:
+            self.owners.append(ack)
+            self._owner_ix[ack] = len(self.owners)
+            self.key(ack.stream)
+        return self._owner_ix[ack]
+
+    def owner_rows(self) -> list[list[Any]]:
+        return [[self._key_ix[a.stream], a.entry_id, a.deliveries] for a in self.owners]
+
 
 def publish(r: redis.Redis, worker_id: str, *, output_ttl_s: float, chunks: Sequence[OutputChunk] = (),
-            requeued: Sequence[GenerationRequest] = (), acks: Sequence[Ack] = (),
-            status: WorkerStatus | None = None, status_ttl_s: float = 0.0, taken: Sequence[str] = ()) -> None:
-    """One MULTI, in this order: the output chunks (XADD + expiry), the hand-backs (XADD to kvfleet:req:any),
-    the acks (XACK + XDEL, so an entry is acked only with or after the chunks before it), and with `status`
-    its SET with a TTL of status_ttl_s, the worker's SADD to kvfleet:workers and the HDEL of the
-    reservations of the `taken` requests, which that status now counts."""
-    pipe = r.pipeline(transaction=True)
-    for chunk in chunks:
-        add_chunk_commands(pipe, chunk, output_ttl_s)
-    for request in requeued:
-        enqueue_commands(pipe, request, None)
-    for ack in acks:
-        ack_commands(pipe, ack)
+            requeued: Sequence[tuple[GenerationRequest, Ack]] = (), acks: Sequence[Ack] = (),
+            owners: Mapping[str, Ack] | None = None, status: WorkerStatus | None = None,
+            status_ttl_s: float = 0.0, taken: Sequence[str] = ()) -> list[Ack]:
+    """One flush, one script, in this order: the output chunks (XADD + expiry), the hand-backs (XADD to
+    kvfleet:req:any + ack of the old entry), the acks (XACK + XDEL, so an entry is acked only with or after
+    the chunks before it), and with `status` its SET with a TTL of status_ttl_s, the worker's SADD to
+    kvfleet:workers and the HDEL of the reservations of the `taken` requests, which that status now counts.
+    A chunk is written under `owners[chunk.request_id]` (unchecked when absent), a hand-back and an ack under
+    their own Ack. Returns the owners this worker no longer holds: nothing was written under them."""
+    owners = owners or {}
+    plan = _Plan()
+    rows: dict[str, Any] = {"group": keys.GROUP, "field": keys.FIELD, "ttl": int(output_ttl_s * 1000)}
+    rows["chunks"] = [[plan.owner(owners.get(c.request_id)), plan.key(keys.out_stream(c.request_id)),
+                       c.model_dump_json(exclude_defaults=True)] for c in chunks]
+    if requeued:
+        rows["any"] = plan.key(keys.REQ_ANY)
+    rows["requeued"] = [[plan.owner(ack), request.model_dump_json()] for request, ack in requeued]
+    rows["acks"] = [[plan.owner(ack)] for ack in acks]
     if status is not None:
-        pipe.set(keys.status(worker_id), status.model_dump_json(), px=int(status_ttl_s * 1000))
-        pipe.sadd(keys.WORKERS, worker_id)
-        if taken:
-            pipe.hdel(keys.reserved(worker_id), *taken)
-    pipe.execute()
+        rows["status"] = [plan.key(keys.status(worker_id)), status.model_dump_json(), int(status_ttl_s * 1000),
+                          plan.key(keys.WORKERS), plan.key(keys.reserved(worker_id)), *taken]
+    rows["owners"] = plan.owner_rows()
+    refused = run_script(r, _FLUSH, plan.keys, [json.dumps(rows), worker_id])
+    return [plan.owners[i - 1] for i in refused or []]
 
 
 def remove_status(r: redis.Redis, worker_id: str) -> None:

@@ -1,6 +1,6 @@
 """gpu_worker.serve.outbox against a real Redis: its writer thread runs as in a worker; the test plays the
-main thread. Redis's MONITOR shows which commands went in one MULTI, so "the ack goes with or after the final
-chunk" is checked on the wire, not inferred."""
+main thread. Redis's MONITOR shows which commands went in one atomic step (a MULTI, or the flush script), so
+"the ack goes with or after the final chunk" is checked on the wire, not inferred."""
 
 from __future__ import annotations
 
@@ -55,7 +55,8 @@ class Monitor:
             for event in m.listen():
                 if event["command"] == "GET monitor-stop":
                     return
-                self.commands.append(event["command"].split())
+                words = event["command"].split()
+                self.commands.append(["<lua>", *words] if event.get("client_type") == "lua" else words)
 
     def __enter__(self) -> Monitor:
         self._thread.start()
@@ -68,10 +69,18 @@ class Monitor:
         self._thread.join(5)
 
     def transactions(self) -> list[list[list[str]]]:
-        """The MULTI ... EXEC blocks, each as its commands."""
-        blocks, current = [], None
+        """The MULTI ... EXEC blocks and the commands each script ran, each block as its commands."""
+        blocks, current, script = [], None, None
         for words in self.commands:
-            if words[0] == "MULTI":
+            if words[0] == "<lua>":
+                if script is not None:
+                    script.append(words[1:])
+                continue
+            script = None
+            if words[0] in ("EVALSHA", "EVAL"):
+                script = []
+                blocks.append(script)
+            elif words[0] == "MULTI":
                 current = []
             elif words[0] == "EXEC":
                 blocks.append(current)

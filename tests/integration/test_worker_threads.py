@@ -121,8 +121,10 @@ def test_a_worker_with_a_dead_thread_is_neither_ready_nor_live():
     engine = SimpleNamespace(stats=lambda: stats, max_model_len=64, block_size=16)
     worker = Worker(engine, Settings(worker_id=ME), model_name="m")
     worker.outbox = SimpleNamespace(healthy=True, alive=True)
-    worker.intake = SimpleNamespace(dead_threads=lambda: [])
+    worker.intake = SimpleNamespace(dead_threads=lambda: [], redis_failing=set())
     assert worker.ready() == (True, "ok") and worker.live()[0]
+    worker.intake.redis_failing.add("request read")  # Redis away: not ready, still live
+    assert worker.ready() == (False, "redis unreachable (request read failing)") and worker.live()[0]
     worker.intake = SimpleNamespace(dead_threads=lambda: ["kvfleet-intake"])
     assert worker.ready() == (False, "thread(s) kvfleet-intake died")
     worker._loop()  # notices at once: gives up instead of serving deaf

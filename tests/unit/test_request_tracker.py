@@ -39,7 +39,8 @@ def test_delta_outputs_become_numbered_chunks():
     assert c[-1].final and c[-1].finish_reason == "stop"
     assert (c[-1].usage.prompt_tokens, c[-1].usage.completion_tokens) == (20, 3)
     assert tr.chunks_for(out(("", [], "stop"), finished=True)) == [
-        OutputChunk(request_id="r1", seq=3, final=True, usage=c[-1].usage, worker_id="w")]
+        OutputChunk(request_id="r1", seq=3, final=True, usage=c[-1].usage, worker_id="w", delivery=1)]
+    assert {x.owner_token() for x in chunks} == {(0, 1)}, "each chunk carries its writer's owner token"
 
 
 def test_a_choice_that_finished_is_not_sent_again():
