@@ -10,6 +10,7 @@ import logging
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -49,7 +50,8 @@ def create_app(settings: Settings) -> FastAPI:
         state.tokenizers.close()
         telemetry.flush()  # the last requests' spans: uvicorn ends the process by re-raising SIGTERM
 
-    app = FastAPI(title="kvfleet gateway", lifespan=lifespan)
+    # /docs, /redoc and /openapi.json are served below, behind the API key like every other route
+    app = FastAPI(title="kvfleet gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.kvfleet = state
     install_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
@@ -64,6 +66,23 @@ def create_app(settings: Settings) -> FastAPI:
         if not ok:
             raise APIError(401, "Incorrect or missing API key: send the header `Authorization: Bearer <key>`",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    def metrics_authorized(request: Request) -> None:
+        """KVFLEET_METRICS_OPEN=1 opens /metrics (only it) to scrapers that cannot send a key."""
+        if not settings.metrics_open:
+            authorized(request)
+
+    @app.get("/openapi.json", dependencies=[Depends(authorized)], include_in_schema=False)
+    async def openapi() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", dependencies=[Depends(authorized)], include_in_schema=False)
+    async def docs() -> Response:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} - docs")
+
+    @app.get("/redoc", dependencies=[Depends(authorized)], include_in_schema=False)
+    async def redoc() -> Response:
+        return get_redoc_html(openapi_url="/openapi.json", title=f"{app.title} - ReDoc")
 
     async def finish(request: Request, body: Any, headers: dict[str, str]) -> Response:
         """A non-streaming body, cancelled on the worker if the client disconnects first."""
@@ -147,7 +166,7 @@ def create_app(settings: Settings) -> FastAPI:
     async def livez() -> dict[str, str]:
         return {"status": "alive"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=[Depends(metrics_authorized)])
     async def metrics() -> Response:
         try:
             snap: FleetSnapshot | None = await streams.afleet_snapshot(state.redis)

@@ -79,6 +79,7 @@ class GatewayMetrics:
         self.rejected = Counter("kvfleet_rejected_total", "Requests answered 429 (fleet full).", registry=r)
         self._fleet = _FleetCollector()
         r.register(self._fleet)
+        self._routed: set[tuple[str, str]] = set()  # (policy, worker) label sets of `routing`, pruned in refresh
 
     def observe_http(self, endpoint: str, status: int, seconds: float) -> None:
         self.requests.labels(endpoint, str(status)).inc()
@@ -88,7 +89,16 @@ class GatewayMetrics:
 
     def routed(self, policy: str, worker_id: str | None) -> None:
         self.routing.labels(policy, worker_id or "any").inc()
+        self._routed.add((policy, worker_id or "any"))
 
     def refresh(self, snapshot: FleetSnapshot | None) -> None:
-        """The fleet as read for this scrape; None (Redis could not be read) leaves the fleet gauges out."""
+        """The fleet as read for this scrape; None (Redis could not be read) leaves the fleet gauges out.
+        A worker gone from the fleet (neither live nor dead: deregistered, e.g. a pod replaced under a new id)
+        loses its routing series, so labels do not pile up over the gateway's life."""
         self._fleet.snapshot = snapshot
+        if snapshot is None:
+            return
+        known = {w["worker_id"] for w in snapshot["workers"]} | set(snapshot["dead_workers"]) | {"any"}
+        for policy, worker in [pw for pw in self._routed if pw[1] not in known]:
+            self.routing.remove(policy, worker)
+            self._routed.discard((policy, worker))

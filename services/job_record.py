@@ -4,7 +4,9 @@
 kvfleet:job:{request_id} holds JSON {state, since, owner, call, result, request_hash}, kept `job_ttl_s`:
   placing   an attempt holds the lease: it is routing and enqueuing the request right now
   enqueued  the request is in the fleet; `call` says how to render its output (attach to its output stream)
-  done      `result` is the finished response body (returned as is; the fleet is not asked again)
+  done      `result` is the finished response body (returned as is; the fleet is not asked again): the text,
+            finish reasons, usage (and logprobs when asked for). `call` keeps how to render it but not the
+            request (prompt token ids and text): a done record is a fraction of the request it answers.
 A placing lease older than `lease_s` (placing is a few Redis round trips) belongs to an attempt that died while placing: the next attempt takes
 it over and first looks for the request in the fleet's streams (it may have been enqueued just before the
 death) before enqueuing it. Claim, promotion and release are atomic (Lua compare-and-set in shared.streams).
@@ -90,8 +92,10 @@ async def release(r: Any, request_id: str, lease: str) -> None:
 
 async def finish(r: Any, request_id: str, call: dict[str, Any], result: dict[str, Any], *, ttl_s: float,
                  output_ttl_s: float, request_hash: str = "") -> None:
-    """Store the finished body; the output stream is no longer needed past `output_ttl_s`."""
-    rec = Record(state="done", since=time.time(), call=call, result=result, request_hash=request_hash)
+    """Store the finished body; the output stream is no longer needed past `output_ttl_s`. The request itself
+    is dropped from `call`: the body answers every later attempt, and the record lives `ttl_s` (a day)."""
+    rec = Record(state="done", since=time.time(), call=dict(call, request={}), result=result,
+                 request_hash=request_hash)
     await streams.afinish_job(r, request_id, rec.dumps(), ttl_s=ttl_s, output_ttl_s=output_ttl_s)
 
 

@@ -4,8 +4,9 @@ gateway and N workers as child processes. Prints where the API is.
 It supervises them: a child that exits (a worker or the gateway) is started again with the same command (same
 worker id, same port) after a backoff (services.supervisor: 1 s doubling to 30 s), and the launcher prints why
 it ended; the rest of the fleet keeps serving meanwhile. A child in a crash loop (it exits again after 5
-restarts within 60 s) stays down, with a message saying so. A private Redis that dies is started again once on
-the same port; if that fails the fleet stops. Otherwise only Ctrl-C or SIGTERM stops the fleet: every child by
+restarts within 60 s) stays down, with a message saying so. The private Redis (services.private_redis: AOF in
+--data-dir, a random password, 127.0.0.1) that dies is started again on the same port and data; if that fails,
+or it is in a crash loop, the fleet stops. Otherwise only Ctrl-C or SIGTERM stops the fleet: every child by
 PID (SIGTERM, so workers drain; SIGKILL after a grace period), then the private Redis, leaving nothing running.
 """
 
@@ -21,8 +22,8 @@ import time
 from collections import deque
 from typing import IO
 
-from services.redis_server import RedisServer
-from services.supervisor import ChildRestarts, RestartPolicy, exit_reason
+from services import private_redis
+from services.supervisor import REDIS_POLICY, ChildRestarts, exit_reason
 from shared.settings import Settings, child_env, is_set, redacted_url
 
 # worker flags passed through as they are: (flag, dest)
@@ -32,8 +33,6 @@ WORKER_FLAGS = [("--num-kv-blocks", "num_kv_blocks"), ("--kv-cache-memory", "kv_
                 ("--scheduling-policy", "scheduling_policy"), ("--dtype", "dtype"), ("--device", "device"),
                 ("--drain-timeout", "drain_timeout"), ("--log-memory-usage", "log_memory_usage")]
 STDERR_TAIL_LINES = 5  # of a child's stderr, printed with the reason it exited
-# The private Redis holds no data worth a wait: restart it at once, but only once within a minute.
-REDIS_POLICY = RestartPolicy(first_delay_s=0.0, max_restarts=1)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,6 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help='address the gateway listens on')
     p.add_argument("--port", type=int, default=8000, help="HTTP port of the gateway's OpenAI-compatible API")
     p.add_argument("--redis-url", help="use this Redis instead of starting a private one")
+    p.add_argument("--data-dir", help="AOF directory of the private Redis; `kvfleet up` on the same one resumes "
+                   "queued work (default ~/.local/share/kvfleet/redis-<port>)")
+    p.add_argument("--redis-maxmemory", default=private_redis.DEFAULT_MAXMEMORY,
+                   help="memory cap of the private Redis (noeviction: past it, new requests fail, none is dropped)")
     p.add_argument("--routing", help="gateway routing policy (free_blocks, prefix, least_loaded, round_robin)")
     p.add_argument("--api-key", action="append", dest="api_keys", help="require this bearer key (repeatable)")
     p.add_argument("--metrics-port-base", type=int, help="worker i serves /livez, /readyz, /metrics on BASE+i")
@@ -165,36 +168,6 @@ def _note_exit(c: Child, code: int) -> None:
         "it, then restart the fleet (Ctrl-C, then `kvfleet up` again).", err=True)
 
 
-def _keep_redis(server: RedisServer, record: ChildRestarts) -> bool:
-    """Start the private Redis again (once, on the same port) if it died; False when it cannot be kept."""
-    if server.proc is None or server.proc.poll() is None:
-        return True
-    pid, port = server.proc.pid, server.port
-    reason = exit_reason(server.proc.returncode, server.log_tail().splitlines()[-STDERR_TAIL_LINES:])
-    if record.exited() is None:
-        say(f"the private Redis (pid {pid}) {reason}, again within {record.policy.window_s:g}s of its restart; "
-            "stopping the fleet. Find the cause (memory? a signal from outside?), or give a Redis you run "
-            "yourself with --redis-url.", err=True)
-        return False
-    say(f"the private Redis (pid {pid}) {reason}; starting it again on port {port} (what it held is lost: "
-        "requests in flight fail)", err=True)
-    server.stop()
-    server.port = port
-    try:
-        server.start()
-    except RuntimeError as e:
-        say(f"cannot start the private Redis again: {e}; stopping the fleet", err=True)
-        return False
-    if server.port != port:
-        server.stop()
-        say(f"port {port} of the private Redis was taken meanwhile, and its clients know only that port; "
-            "stopping the fleet", err=True)
-        return False
-    record.started()
-    say(f"private Redis running again at {server.url} (pid {server.proc.pid})")
-    return True
-
-
 def stop_all(procs: list[subprocess.Popen], grace_s: float) -> None:
     for p in procs:
         if p.poll() is None:
@@ -228,9 +201,14 @@ def run(args: argparse.Namespace) -> int:
     code = 0
     try:
         if args.redis_url is None and not is_set("redis_url"):
-            redis_server = RedisServer().start()
+            data_dir = args.data_dir or private_redis.default_data_dir(args.port)
+            try:
+                redis_server = private_redis.start(data_dir, args.redis_maxmemory)
+            except (RuntimeError, OSError) as e:
+                say(f"cannot start the private Redis: {e}", err=True)
+                return 1
             settings = settings.with_overrides(redis_url=redis_server.url)
-            say(f"private Redis at {redis_server.url} (pid {redis_server.proc.pid})")
+            say(private_redis.describe(redis_server))
         env = _child_env(settings)
         for name, cmd in fleet_commands(args, settings, private=redis_server is not None):
             children.append(Child(name, cmd, env, ChildRestarts()))
@@ -255,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
                 elif c.restarts.due():
                     c.start()
                     say(f"{c.name} started again as pid {c.pid} (restart {c.restarts.restarts})")
-            if redis_server is not None and not _keep_redis(redis_server, redis_record):
+            if redis_server is not None and not private_redis.keep(redis_server, redis_record, say):
                 return 1
             time.sleep(0.2)
         return code
@@ -266,5 +244,5 @@ def run(args: argparse.Namespace) -> int:
         for c in children:
             c.join()
         if redis_server is not None:
-            redis_server.stop()
+            private_redis.stop(redis_server)
         say("stopped")

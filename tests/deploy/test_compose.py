@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,15 +15,36 @@ from deploy_checks import REPO, check_command, flag_values
 pytestmark = pytest.mark.deploy
 
 PROFILES = {"cpu": ("worker-cpu-0", "worker-cpu-1"), "gpu": ("worker-gpu-0", "worker-gpu-1")}
+PASSWORD = "0123456789abcdef-test"  # what a user puts into .env as KVFLEET_REDIS_PASSWORD
+SETTINGS = ("KVFLEET_REDIS_PASSWORD", "KVFLEET_GATEWAY_BIND", "KVFLEET_API_KEYS", "KVFLEET_METRICS_OPEN",
+            "KVFLEET_REDIS_MAXMEMORY")
 
 
-def compose(*args: str) -> str:
+NO_ENV_FILE = Path(tempfile.mkdtemp(prefix="kvfleet-compose-")) / "empty.env"  # not the developer's .env
+NO_ENV_FILE.touch()
+
+
+def run_compose(*args: str, **env: str) -> subprocess.CompletedProcess:
     exe = shutil.which("docker-compose")
     assert exe, "docker-compose (Debian's v1) is missing: `make setup` installs it"
-    proc = subprocess.run([exe, "--project-directory", str(REPO), "-f", str(REPO / "docker-compose.yml"), *args],
-                          capture_output=True, text=True, timeout=60, cwd=REPO)
+    clean = {k: v for k, v in os.environ.items() if k not in SETTINGS} | {"KVFLEET_REDIS_PASSWORD": PASSWORD} | env
+    return subprocess.run([exe, "--project-directory", str(REPO), "-f", str(REPO / "docker-compose.yml"),
+                           "--env-file", str(NO_ENV_FILE), *args],
+                          capture_output=True, text=True, timeout=60, cwd=REPO, env=clean)
+
+
+def compose(*args: str, **env: str) -> str:
+    proc = run_compose(*args, **env)
     assert proc.returncode == 0, f"docker-compose {' '.join(args)} failed:\n{proc.stderr}"
     return proc.stdout
+
+
+def published(port: str | dict) -> tuple[str, int, int]:
+    """(host ip, published, target) of a port as docker-compose v1 prints it (short or long syntax)."""
+    if isinstance(port, dict):
+        return port.get("host_ip", "0.0.0.0"), int(port["published"]), int(port["target"])
+    *ip, host, target = port.split("/")[0].split(":")
+    return (ip[0] if ip else "0.0.0.0"), int(host), int(target)
 
 
 def volume(entry: str) -> tuple[str, str, str]:
@@ -62,7 +85,8 @@ def test_services_run_real_entry_points(config):
             assert check_command(svc["command"]) == "worker"
             flags = flag_values(svc["command"])
             assert flags["--device"] == ("cuda" if profile == "gpu" else "cpu")
-            assert flags["--redis-url"] == "redis://redis:6379/0" == svc["environment"]["KVFLEET_REDIS_URL"]
+            assert "--redis-url" not in flags, "a Redis URL in argv would show its password to `ps`"
+            assert svc["environment"]["KVFLEET_REDIS_URL"] == f"redis://:{PASSWORD}@redis:6379/0"
             assert flags["--model"] == "smollm2"  # ${KVFLEET_MODEL:-smollm2}
             ids.add(flags["--worker-id"])
             # docker stops it with SIGTERM, then SIGKILL after stop_grace_period: longer than the drain.
@@ -71,7 +95,10 @@ def test_services_run_real_entry_points(config):
             assert svc["depends_on"]["redis"]["condition"] == "service_healthy"
             assert "build" in svc, "each service that uses a kvfleet image builds it (no pull attempted)"
     assert len(ids) == 4
-    assert services["gateway"]["ports"][0]["target"] == int(flag_values(services["gateway"]["command"])["--port"])
+    assert published(services["gateway"]["ports"][0])[2] == int(flag_values(services["gateway"]["command"])["--port"])
+    for name in ("gateway", "celery"):
+        assert "--redis-url" not in services[name]["command"]
+        assert services[name]["environment"]["KVFLEET_REDIS_URL"] == f"redis://:{PASSWORD}@redis:6379/0"
 
 
 def test_gpu_workers_reserve_one_gpu_each(config):
@@ -87,8 +114,9 @@ def test_gpu_workers_reserve_one_gpu_each(config):
 
 def test_redis_keeps_an_append_only_file(config):
     redis = config["services"]["redis"]
-    cmd = redis["command"]
-    assert cmd[cmd.index("--appendonly") + 1] == "yes"
+    assert redis["command"][:2] == ["sh", "-c"]  # writes the password's config file, then starts Redis
+    cmd = redis["command"][2].split()
+    assert cmd[cmd.index("--appendonly") + 1] == "yes" and cmd[cmd.index("--appendfsync") + 1] == "everysec"
     data_dir = cmd[cmd.index("--dir") + 1]
     assert "redis-data" in config["volumes"]
     assert ("redis-data", data_dir) in [volume(v)[:2] for v in redis["volumes"]]
@@ -123,3 +151,34 @@ def test_prometheus_scrapes_gateway_and_every_worker(config):
         expected |= {f"{w}:{flag_values(services[w]['command'])['--metrics-port']}" for w in workers}
     assert targets == expected
     assert all(job["metrics_path"] == "/metrics" for job in prom["scrape_configs"])
+
+
+def test_redis_has_a_password_from_the_environment_and_no_default():
+    proc = run_compose("config", "-q", KVFLEET_REDIS_PASSWORD="")
+    assert proc.returncode != 0 and "KVFLEET_REDIS_PASSWORD" in proc.stderr, proc.stderr
+    redis = yaml.safe_load(compose("config"))["services"]["redis"]
+    assert redis["environment"]["REDISCLI_AUTH"] == PASSWORD  # redis-cli (the healthcheck) authenticates with it
+    script = redis["command"][-1]
+    assert PASSWORD not in script and "requirepass" in script, "the password goes into a file, not argv"
+    assert "grep -q PONG" in redis["healthcheck"]["test"][-1], "NOAUTH must fail the healthcheck"
+    assert "docker-entrypoint.sh redis-server" in script, "the image's entrypoint drops root before Redis runs"
+    assert all(published(p)[0] == "127.0.0.1" for p in redis["ports"])
+
+
+def test_redis_memory_is_capped_without_eviction():
+    script = yaml.safe_load(compose("config"))["services"]["redis"]["command"][-1].split()
+    assert script[script.index("--maxmemory") + 1] == "1gb"
+    assert script[script.index("--maxmemory-policy") + 1] == "noeviction", "eviction would drop queued requests"
+    assert script[script.index("--appendonly") + 1] == "yes"
+    script = yaml.safe_load(compose("config", KVFLEET_REDIS_MAXMEMORY="4gb"))["services"]["redis"]["command"][-1]
+    assert "--maxmemory 4gb " in script
+
+
+def test_gateway_is_published_on_loopback_unless_told_otherwise():
+    gateway = yaml.safe_load(compose("config"))["services"]["gateway"]
+    assert [published(p)[:2] for p in gateway["ports"]] == [("127.0.0.1", 8000)]
+    assert gateway["environment"]["KVFLEET_METRICS_OPEN"] == "1"  # for deploy/prometheus.yml, which sends no key
+    opened = yaml.safe_load(compose("config", KVFLEET_GATEWAY_BIND="0.0.0.0", KVFLEET_API_KEYS="sk-1",
+                                    KVFLEET_METRICS_OPEN="0"))["services"]["gateway"]
+    assert [published(p)[:2] for p in opened["ports"]] == [("0.0.0.0", 8000)]
+    assert opened["environment"]["KVFLEET_API_KEYS"] == "sk-1" and opened["environment"]["KVFLEET_METRICS_OPEN"] == "0"

@@ -228,3 +228,37 @@ def test_hpa_metrics_are_what_prometheus_adapter_serves():
     used = {m["pods"]["metric"]["name"] for m in hpa["metrics"]}
     assert used == served == {"vllm_num_requests_waiting", "vllm_kv_cache_usage_perc"}
     assert not find(resources, "ScaledObject")
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_redis_memory_is_capped_without_eviction_below_its_limit(overlay):
+    c = one(render(overlay), "StatefulSet", "kvfleet-redis")["spec"]["template"]["spec"]["containers"][0]
+    args = c["args"]
+    assert args[args.index("--maxmemory-policy") + 1] == "noeviction", "eviction would drop queued requests"
+    cap = args[args.index("--maxmemory") + 1]
+    assert re.fullmatch(r"\d+gb", cap)
+    limit = c["resources"]["limits"]["memory"]
+    assert limit.endswith("Gi") and int(cap[:-2]) * 1000**3 < int(limit[:-2]) * 1024**3, "room for the AOF fork"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_redis_admits_only_the_fleet_and_keda(overlay):
+    policy = one(render(overlay), "NetworkPolicy", "kvfleet-redis")["spec"]
+    (rule,) = policy["ingress"]
+    assert rule["ports"] == [{"port": 6379, "protocol": "TCP"}]
+    pods = {p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in rule["from"] if "podSelector" in p}
+    namespaces = [p["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"] for p in rule["from"]
+                  if "namespaceSelector" in p]
+    assert pods == {"gateway", "worker", "celery"} and namespaces == ["keda"]
+    assert all("podSelector" in p or "namespaceSelector" in p for p in rule["from"]), "no rule open to all"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_gateway_opens_only_metrics_to_the_keyless_scraper(overlay):
+    resources = render(overlay)
+    gateway = one(resources, "Deployment", "kvfleet-gateway")
+    c = gateway["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["KVFLEET_API_KEYS"]["valueFrom"]["secretKeyRef"] == {"name": "kvfleet-secrets", "key": "api-keys"}
+    assert env["KVFLEET_METRICS_OPEN"]["value"] == "1"
+    assert gateway["spec"]["template"]["metadata"]["annotations"]["prometheus.io/path"] == "/metrics"

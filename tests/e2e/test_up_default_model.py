@@ -36,7 +36,7 @@ def test_kvfleet_up_answers_a_chat_in_english(tmp_path):
     with open(log, "wb") as out:
         # a modest KV cache: these machines are shared
         up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--workers", "1", "--port", str(port),
-                               "--kv-cache-memory", "256MiB"], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                               "--kv-cache-memory", "256MiB", "--data-dir", str(tmp_path / "redis")], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
                               env=dict(os.environ, HF_HUB_OFFLINE="1"))
     try:
         deadline = time.monotonic() + 240

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from fleet_harness import Fleet
+from fleet_harness import API_KEY, Fleet
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 WORKER_FLAGS = ("--num-kv-blocks", "256", "--max-num-seqs", "16")  # room for the fuzzer's batches
@@ -65,7 +65,8 @@ def requests_placed(fleet: Fleet) -> float:
     """Requests the gateway has put into the fleet's streams (its `kvfleet_routing_decisions_total`)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(fleet.url() + "/metrics", timeout=30).raise_for_status().text
+    text = httpx.get(fleet.url() + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)\
+        .raise_for_status().text
     return sum(s.value for fam in text_string_to_metric_families(text) if fam.name == "kvfleet_routing_decisions"
                for s in fam.samples if s.name.endswith("_total"))
 

@@ -45,7 +45,7 @@ FLOAT_EXTREMES = (1e308, -1e308, 5e-324, -0.0)  # NaN and Infinity: tests/fuzz/t
 
 @pytest.fixture(scope="module")
 def api_schema(fuzz_fleet):
-    schema = schemathesis.openapi.from_url(fuzz_fleet.url() + "/openapi.json", timeout=30)
+    schema = schemathesis.openapi.from_url(fuzz_fleet.url() + "/openapi.json", headers=AUTH, timeout=30)
     for path in GENERATIONS + READS:
         assert schema[path], f"{path} is missing from the gateway's OpenAPI schema"
     return schema

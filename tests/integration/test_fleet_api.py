@@ -275,7 +275,49 @@ def test_secrets_never_reach_the_logs(fleet):
         assert API_KEY not in text and "p@ss:word" not in text and "p%40ss" not in text, path
 
 
-def test_no_live_worker_then_no_redis_answer_503(fleet, client, model):
+def test_metrics_docs_and_fleet_need_the_api_key(fleet):
+    """With API keys set, the operational routes follow them too: 401 without the key, 200 with it."""
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    for path in ("/metrics", "/v1/fleet", "/docs", "/redoc", "/openapi.json", "/v1/models"):
+        denied = httpx.get(fleet.url() + path, timeout=10)
+        assert denied.status_code == 401, (path, denied.status_code)
+        assert denied.json()["error"]["code"] == "invalid_api_key"
+        wrong = httpx.get(fleet.url() + path, headers={"Authorization": "Bearer not-the-key"}, timeout=10)
+        assert wrong.status_code == 401, path
+        assert httpx.get(fleet.url() + path, headers=auth, timeout=10).status_code == 200, path
+    assert "/v1/chat/completions" in httpx.get(fleet.url() + "/openapi.json", headers=auth, timeout=10).json()["paths"]
+    for path in ("/health", "/livez"):  # probes carry no key
+        assert httpx.get(fleet.url() + path, timeout=10).status_code == 200, path
+
+
+def test_metrics_open_opens_only_metrics(fleet):
+    """KVFLEET_METRICS_OPEN=1 (for scrapers that cannot send a key) opens /metrics and nothing else."""
+    fleet.env["KVFLEET_METRICS_OPEN"] = "1"
+    try:
+        port = fleet.start_gateway()
+    finally:
+        del fleet.env["KVFLEET_METRICS_OPEN"]
+    proc = fleet.gateways[port]
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(fleet.url(port) + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        scraped = httpx.get(fleet.url(port) + "/metrics", timeout=10)
+        assert scraped.status_code == 200 and "kvfleet_fleet" in scraped.text, fleet.tail()
+        for path in ("/v1/fleet", "/docs", "/openapi.json", "/v1/models"):
+            assert httpx.get(fleet.url(port) + path, timeout=10).status_code == 401, path
+    finally:
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+        del fleet.gateways[port]
+
+
+def test_no_live_worker_then_no_redis_answer_503(fleet, client, model):  # last: it stops the fleet
     """Last in the module: it stops the fleet's workers, then its Redis."""
     for wid in ("w0", "w1"):
         fleet.signal_worker(wid, signal.SIGTERM)  # graceful: each removes its status as it exits

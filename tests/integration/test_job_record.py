@@ -111,3 +111,21 @@ def test_in_fleet_finds_a_request_in_any_stream_or_by_its_output(redis_url):
         assert not await streams.arequest_in_fleet(r, "j")  # a prefix of other ids is not a match
 
     run(redis_url, body)
+
+
+def test_a_done_record_keeps_the_answer_not_a_copy_of_the_request(redis_url):
+    prompt_ids = list(range(4000))
+    request = GenerationRequest(request_id="j-big", prompt_token_ids=prompt_ids, prompt="word " * 4000).model_dump()
+    call = {"kind": "completion", "model": "m", "tokenizer": "m", "request": request}
+    result = {"id": "j-big", "choices": [{"index": 0, "text": "short answer", "finish_reason": "length"}],
+              "usage": {"prompt_tokens": 4000, "completion_tokens": 2, "total_tokens": 4002}}
+
+    async def body(r):
+        await job_record.finish(r, "j-big", call, result, ttl_s=60, output_ttl_s=1)
+        raw = await streams.aget_job(r, "j-big")
+        rec = await job_record.get(r, "j-big")
+        assert rec.state == "done" and rec.result == result and rec.call["request"] == {}
+        assert rec.call["kind"] == "completion"
+        assert len(raw) < 1000, f"a done record of {len(raw)} bytes holds more than its answer"
+
+    run(redis_url, body)

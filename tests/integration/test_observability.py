@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from fleet_harness import REPO, Fleet
+from fleet_harness import API_KEY, REPO, Fleet
 from otlp_receiver import OtlpReceiver
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -54,7 +54,8 @@ def fleet(tiny_llama_dir, tmp_path_factory, receiver):
 
 
 def scrape(url: str) -> dict[tuple[str, frozenset], float]:
-    text = httpx.get(url + "/metrics", timeout=10).raise_for_status().text
+    text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10)\
+        .raise_for_status().text
     return {(s.name, frozenset(s.labels.items())): s.value
             for fam in text_string_to_metric_families(text) for s in fam.samples}
 

@@ -46,9 +46,10 @@ class Up:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "services.cli", "up", "--workers", str(workers), "--port", str(self.port),
                  "--model", self.model, "--num-kv-blocks", "64", "--max-num-seqs", "8", "--api-key", KEY,
-                 "--drain-timeout", "5"],
+                 "--drain-timeout", "5", "--data-dir", str(log.parent / "redis")],
                 cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env)
         self.base = f"http://127.0.0.1:{self.port}"
+        self.url_file = log.parent / "redis" / "redis-url"  # the private Redis's full URL (its password), 0600
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -102,7 +103,8 @@ def test_killed_worker_and_gateway_come_back(tiny_llama_dir, tmp_path, capsys):
     try:
         up.wait_for(lambda: "kvfleet: ready" in up.text(), "the fleet to come up", timeout_s=180)
         redis_pid = int(re.search(r"private Redis at (\S+) \(pid (\d+)\)", up.text()).group(2))
-        redis_url = re.search(r"private Redis at (\S+) ", up.text()).group(1)
+        redis_url = up.url_file.read_text().strip()
+        assert "private Redis at redis://:***@" in up.text() and redis_url.split("@")[0] not in up.text()
         gateway_pid = int(re.search(r"starting gateway \(pid (\d+)\)", up.text()).group(1))
         workers = up.wait_for(lambda: len(w := up.workers()) == 2 and w, "both workers")
         assert sorted(workers) == ["w0", "w1"] and {w["restarts"] for w in workers.values()} == {0}
@@ -161,10 +163,10 @@ def test_killed_worker_and_gateway_come_back(tiny_llama_dir, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_crash_loop_stays_down_and_redis_is_restarted_once(tiny_llama_dir, tmp_path):
+def test_crash_loop_stays_down_and_redis_is_restarted(tiny_llama_dir, tmp_path):
     """w0 killed each time it starts: after 5 restarts within a minute it stays down, said so, and the launcher
-    keeps running. The private Redis killed: started again on its port. Killed again within a minute: the fleet
-    stops (exit 1) with the reason, leaving nothing running."""
+    keeps running. The private Redis killed: started again on its port with its data. Killed each time it comes
+    back: past 5 restarts within a minute the fleet stops (exit 1) with the reason, leaving nothing running."""
     up = Up(tiny_llama_dir, tmp_path / "up.log", workers=1)
     pids: set[int] = set()
     try:
@@ -182,21 +184,25 @@ def test_crash_loop_stays_down_and_redis_is_restarted_once(tiny_llama_dir, tmp_p
         assert "It stays down" in up.text() and "restart 6" not in up.text()
         assert up.proc.poll() is None
 
-        redis_pid, port = (int(x) for x in re.search(r"private Redis at redis://127.0.0.1:(\d+)/0 \(pid (\d+)\)",
-                                                     up.text()).group(2, 1))
+        redis_pid, port = (int(x) for x in re.search(r"private Redis at redis://:\*\*\*@127.0.0.1:(\d+)/0 "
+                                                     r"\(pid (\d+)\)", up.text()).group(2, 1))
+        for restart in range(1, 6):
+            os.kill(redis_pid, signal.SIGKILL)
+            pids.add(redis_pid)
+            again = up.wait_for(lambda n=restart: len(found := re.findall(
+                rf"private Redis running again at redis://:\*\*\*@127.0.0.1:{port}/0 \(pid (\d+)\)", up.text())) >= n
+                and found[n - 1], f"Redis restart {restart}")
+            assert f"the private Redis (pid {redis_pid}) killed by SIGKILL; starting it again on port {port}" in up.text()
+            redis_pid = int(again)
         os.kill(redis_pid, signal.SIGKILL)
-        again = up.wait_for(lambda: re.search(rf"private Redis running again at redis://127.0.0.1:{port}/0 "
-                                              r"\(pid (\d+)\)", up.text()), "Redis to be started again")
-        assert f"the private Redis (pid {redis_pid}) killed by SIGKILL; starting it again on port {port}" in up.text()
-        os.kill(int(again.group(1)), signal.SIGKILL)
-        pids |= {redis_pid, int(again.group(1))}
+        pids.add(redis_pid)
         up.proc.wait(60)
     finally:
         if up.proc.poll() is None:
             os.kill(up.proc.pid, signal.SIGTERM)
             up.proc.wait(90)
     assert up.proc.returncode == 1, up.text()[-3000:]
-    assert "again within 60s of its restart; stopping the fleet" in up.text()
+    assert "5 times within 60s of its restarts; stopping the fleet" in up.text()
     assert "kvfleet: stopped" in up.text()
     assert not [p for p in pids if _alive(p)], "processes left running"
 

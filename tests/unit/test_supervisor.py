@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from services.supervisor import ChildRestarts, RestartPolicy, exit_reason
+from services.supervisor import REDIS_POLICY, ChildRestarts, RestartPolicy, exit_reason
 
 pytestmark = pytest.mark.unit
 
@@ -87,6 +87,21 @@ def test_policy_for_a_restart_at_once_and_only_once_a_minute():
     again.started()
     clock.now += 61
     assert again.exited() == 0.0  # a minute later it may be restarted once more
+
+
+def test_the_private_redis_restarts_fast_and_stops_the_fleet_past_five_a_minute():
+    clock = FakeClock()
+    redis = ChildRestarts(REDIS_POLICY, clock)
+    delays = []
+    for _ in range(5):
+        clock.now += 1
+        delays.append(redis.exited())
+        clock.now += delays[-1]
+        assert redis.due()
+        redis.started()
+    assert delays == [0.5, 1.0, 2.0, 2.0, 2.0]
+    clock.now += 1
+    assert redis.exited() is None and redis.down  # its AOF or its machine is the trouble: the fleet stops
 
 
 def test_exit_reason_names_the_signal_or_the_code_and_the_stderr_tail():
