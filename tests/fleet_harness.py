@@ -10,6 +10,7 @@ started with `python -m services.cli ...`, stopped by PID. Logs go to files; `ta
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -22,6 +23,7 @@ import httpx
 
 from services.launcher import stop_all
 from services.redis_server import RedisServer, free_port
+from shared import streams
 
 REPO = Path(__file__).resolve().parent.parent
 API_KEY = "test-key-0123"
@@ -127,3 +129,15 @@ class Fleet:
                 return value
             time.sleep(0.1)
         raise AssertionError(f"timed out waiting for {what}\n{self.tail(15)}")
+
+
+def run_async(redis_url: str, body: Any) -> Any:
+    """asyncio.run(body(r)) with an asyncio client of `redis_url`, closed afterwards."""
+    async def main() -> Any:
+        r = streams.connect_async(redis_url)
+        try:
+            return await body(r)
+        finally:
+            await r.aclose()
+
+    return asyncio.run(main())

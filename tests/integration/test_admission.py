@@ -16,7 +16,6 @@ from gateway.prompts import Prompt
 from gateway.router import POLICIES
 from gateway.state import GatewayState
 from gateway.tokenizer import Tokenizers
-from services.redis_server import RedisServer
 from shared import keys, streams
 from shared.messages import WorkerStatus
 from shared.sampling_params import SamplingParams
@@ -25,12 +24,6 @@ from shared.settings import Settings
 pytestmark = pytest.mark.integration
 
 WORKER_BOUND, SHARED_BOUND = 3, 2
-
-
-@pytest.fixture(scope="module")
-def redis_url():
-    with RedisServer() as srv:
-        yield srv.url
 
 
 def status(wid: str, waiting: int) -> WorkerStatus:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 
-from services.redis_server import RedisServer
 from shared import keys, streams
 from shared.messages import GenerationRequest, OutputChunk, WorkerStatus
 from shared.sampling_params import SamplingParams
@@ -15,20 +14,6 @@ from shared.sampling_params import SamplingParams
 pytestmark = pytest.mark.integration
 
 OLD, NEW = "w-old", "w-new"
-
-
-@pytest.fixture(scope="module")
-def redis_url():
-    with RedisServer() as srv:
-        yield srv.url
-
-
-@pytest.fixture
-def r(redis_url):
-    client = streams.connect(redis_url)
-    client.flushall()
-    yield client
-    client.close()
 
 
 def request(rid: str) -> GenerationRequest:

@@ -4,9 +4,8 @@ prompt prefixes were routed."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
+from fleet_harness import run_async as run
 
 from gateway.router import prefix_overlap
 from services.redis_server import RedisServer
@@ -22,17 +21,6 @@ pytestmark = pytest.mark.integration
 def redis_url():
     with RedisServer() as srv:
         yield srv.url
-
-
-def run(redis_url, body):
-    async def main():
-        r = streams.connect_async(redis_url)
-        try:
-            return await body(r)
-        finally:
-            await r.aclose()
-
-    return asyncio.run(main())
 
 
 def status(wid: str, free: int) -> WorkerStatus:

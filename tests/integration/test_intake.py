@@ -11,7 +11,6 @@ import pytest
 
 from gpu_worker.serve.intake import Cancel, Intake, Room
 from gpu_worker.serve.request_tracker import Job
-from services.redis_server import RedisServer
 from shared import keys, streams
 from shared.messages import DeadLetter, GenerationRequest, OutputChunk, WorkerStatus
 from shared.sampling_params import SamplingParams
@@ -21,20 +20,6 @@ pytestmark = pytest.mark.integration
 
 ME = "w-me"
 QUIET_S = 0.6  # several read turns of the intake: long enough to see it leave something alone
-
-
-@pytest.fixture(scope="module")
-def redis_url():
-    with RedisServer() as srv:
-        yield srv.url
-
-
-@pytest.fixture
-def r(redis_url):
-    client = streams.connect(redis_url)
-    client.flushall()
-    yield client
-    client.close()
 
 
 @pytest.fixture

@@ -7,31 +7,14 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from fleet_harness import run_async as run
 
 from services import job_record
 from services.job_record import Claim
-from services.redis_server import RedisServer
 from shared import keys, streams
 from shared.messages import GenerationRequest, OutputChunk
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def redis_url():
-    with RedisServer() as srv:
-        yield srv.url
-
-
-def run(redis_url, body):
-    async def main():
-        r = streams.connect_async(redis_url)
-        try:
-            return await body(r)
-        finally:
-            await r.aclose()
-
-    return asyncio.run(main())
 
 
 def test_one_claim_wins_and_the_others_attach(redis_url):

@@ -10,7 +10,6 @@ import time
 import pytest
 
 from gpu_worker.serve.outbox import Outbox
-from services.redis_server import RedisServer
 from shared import keys, streams
 from shared.messages import GenerationRequest, OutputChunk, WorkerStatus
 from shared.settings import Settings
@@ -18,20 +17,6 @@ from shared.settings import Settings
 pytestmark = pytest.mark.integration
 
 ME = "w-out"
-
-
-@pytest.fixture(scope="module")
-def redis_url():
-    with RedisServer() as srv:
-        yield srv.url
-
-
-@pytest.fixture
-def r(redis_url):
-    client = streams.connect(redis_url)
-    client.flushall()
-    yield client
-    client.close()
 
 
 @pytest.fixture

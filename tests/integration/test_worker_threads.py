@@ -18,7 +18,6 @@ from gpu_worker.serve.intake import Intake, Room
 from gpu_worker.serve.outbox import Outbox
 from gpu_worker.serve.request_tracker import Job
 from gpu_worker.serve.worker import Worker
-from services.redis_server import RedisServer
 from shared import keys, streams
 from shared.messages import DeadLetter, GenerationRequest, OutputChunk
 from shared.sampling_params import SamplingParams
@@ -27,20 +26,6 @@ from shared.settings import Settings
 pytestmark = pytest.mark.integration
 
 ME = "w-threads"
-
-
-@pytest.fixture(scope="module")
-def redis_url():
-    with RedisServer() as srv:
-        yield srv.url
-
-
-@pytest.fixture
-def r(redis_url):
-    client = streams.connect(redis_url)
-    client.flushall()
-    yield client
-    client.close()
 
 
 def request(rid: str, **params) -> GenerationRequest:
