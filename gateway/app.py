@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway import responses
 from gateway.errors import APIError, install_handlers
+from gateway.leases import Leases
 from gateway.middleware import BodyLimit, Instrumentation
 from gateway.openai_api import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from gateway.placement import routing_header, submit, target_for
@@ -36,7 +37,8 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 def create_app(settings: Settings) -> FastAPI:
     if settings.routing not in POLICIES:
         raise ValueError(f"routing policy must be one of {POLICIES}, got {settings.routing!r}")
-    state = GatewayState(settings=settings, redis=None, tokenizers=Tokenizers(settings.tokenizer_threads))
+    state = GatewayState(settings=settings, redis=None, tokenizers=Tokenizers(settings.tokenizer_threads),
+                         leases=Leases(settings.lease_ttl_s, max_idle_s=settings.request_timeout_s + 60))
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -46,6 +48,7 @@ def create_app(settings: Settings) -> FastAPI:
         if resolved_path(settings.model):  # warm the default model's tokenizer while workers start
             state.tokenizers.preload(settings.model)
         yield
+        await state.leases.close()
         await state.redis.aclose()
         state.tokenizers.close()
         telemetry.flush()  # the last requests' spans: uvicorn ends the process by re-raising SIGTERM

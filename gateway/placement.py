@@ -153,8 +153,18 @@ def build_request(settings: Settings, target: Target, prompt: Prompt, *, priorit
 
 async def place(state: GatewayState, planned: Planned) -> Submitted:
     """Route, reserve and enqueue a built request (429 when the fleet is full). The caller holds
-    state.admission: one placement at a time per gateway (or per FleetCaller)."""
-    placement = await _route_and_enqueue(state.redis, state.settings, planned)
+    state.admission: one placement at a time per gateway (or per FleetCaller). A gateway (state.leases set)
+    takes the request's lease first: its relay keeps it, and the worker aborts the request once it lapses."""
+    rid = planned.request.request_id
+    if state.leases is not None:
+        planned.request.lease = True
+        await state.leases.take(state.redis, rid)
+    try:
+        placement = await _route_and_enqueue(state.redis, state.settings, planned)
+    except BaseException:
+        if state.leases is not None:
+            state.leases.release(rid)
+        raise
     state.metrics.routed(placement.policy, placement.worker_id)
     sub = Submitted(planned.request.request_id, planned.target, planned.request, placement)
     annotate_request(sub)
@@ -226,6 +236,8 @@ async def submit(state: GatewayState, target: Target, prepared: Prepared, *, id_
                 subs.append(await place(state, p))
     except BaseException:
         for sub in subs:
+            if state.leases is not None:
+                state.leases.release(sub.request_id)
             state.spawn(streams.acancel(state.redis, sub.request_id))
         raise
     return Batch(rid, subs)

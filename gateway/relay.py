@@ -1,6 +1,7 @@
 """Relaying one placed request's output to its client: its chunks, each once and in order, cancelling the
-request on the worker when the client goes away or nothing arrives in time; and `RelayObserver`, which marks
-the first token and the usage of the generation on the request's server span."""
+request on the worker when the client goes away or nothing arrives in time, and keeping its lease
+(gateway.leases) while it runs; and `RelayObserver`, which marks the first token and the usage of the
+generation on the request's server span."""
 
 from __future__ import annotations
 
@@ -46,8 +47,11 @@ async def relay(state: GatewayState, sub: Submitted, disconnected: Any = None) -
                                   entry=entry)
     loop = asyncio.get_running_loop()
     observer = RelayObserver(state.metrics, sub)
+    leases = state.leases
     try:
         async for chunk in chunks:
+            if leases is not None:
+                leases.touch(sub.request_id)
             observer.chunk(chunk)
             finished = chunk.final
             yield chunk
@@ -68,6 +72,8 @@ async def relay(state: GatewayState, sub: Submitted, disconnected: Any = None) -
                             f"{type(e).__name__}: {e}; retry the request", code="redis_unavailable",
                        headers={"Retry-After": str(settings.retry_after_s)}) from None
     finally:
+        if leases is not None:
+            leases.release(sub.request_id)
         if not finished:
             log.info("cancelling %s (client gone or timed out)", sub.request_id)
             state.spawn(_cancel(state, sub.request_id))

@@ -1,6 +1,6 @@
 """What one gateway process holds for all its requests (and a services.fleet_calls.FleetCaller for its own):
-the settings, the asyncio Redis client, the tokenizers, the metrics, and the lock that places one request at
-a time."""
+the settings, the asyncio Redis client, the tokenizers, the metrics, the lock that places one request at
+a time, and the leases on the requests it relays (None for a FleetCaller: services' requests run to the end)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.leases import Leases
 from gateway.metrics import GatewayMetrics
 from gateway.tokenizer import Tokenizers
 from shared.settings import Settings
@@ -21,6 +22,7 @@ class GatewayState:
     background: set[asyncio.Task] = field(default_factory=set)
     admission: asyncio.Lock = field(default_factory=asyncio.Lock)  # one placement at a time per gateway
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+    leases: Leases | None = None
 
     def spawn(self, coro: Any) -> None:
         """Run `coro` to completion even if the caller's scope is being cancelled (a client disconnect)."""

@@ -16,7 +16,8 @@ raises GenerationFailed when the fleet fails the request. Reading output rides o
 KVFLEET_REDIS_GRACE_S and goes on where it stopped; past it, or when Redis came back without the request,
 it raises streams.RedisAway / streams.OutputLost (both ConnectionErrors, in streams.CONNECTION_ERRORS). Pass request_id= to make a resubmission attach to
 the request already in the fleet instead of generating it again; the same id with another request raises
-InvalidRequest (409, code request_id_conflict).
+InvalidRequest (409, code request_id_conflict). A request placed here holds no lease (unlike the gateway's):
+it is a job that runs to the end even when this process dies or stops reading; cancel() stops it.
 """
 
 from __future__ import annotations

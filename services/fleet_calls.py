@@ -7,6 +7,8 @@ place: routing by free KV blocks with reservations and the 429 bound), and its r
 (gateway.responses). Around that, a job record
 (services.job_record) makes each request id enter the fleet at most once: a caller that comes back with the
 same id (a redelivered Celery task, a rerun batch file) attaches to the request or gets its stored result.
+So these requests hold no lease (GatewayState.leases is None here): they are jobs that run to the end even
+when their caller died, for the retry to attach to; only the gateway's are aborted when their reader is gone.
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ Keys:
   kvfleet:cancelled:{request} marker with a TTL, so a cancel that beats the request to a worker still counts
   kvfleet:prefix:{hash}      worker a prompt prefix (chained hash of full blocks) was last routed to
   kvfleet:rr                 round-robin turn counter shared by gateway replicas
+  kvfleet:lease:{request}    a gateway's lease on a request it relays, SET with a short TTL and refreshed while its
+                             client is connected: its absence tells the worker nobody waits, so it aborts
   kvfleet:job:{request}      job record of a request id placed by services (Celery, client, batch files):
                              makes each id enter the fleet at most once (services.job_record)
 """
@@ -51,6 +53,10 @@ def reserved(worker_id: str) -> str:
 
 def cancelled(request_id: str) -> str:
     return f"{PREFIX}:cancelled:{request_id}"
+
+
+def lease(request_id: str) -> str:
+    return f"{PREFIX}:lease:{request_id}"
 
 
 def job(request_id: str) -> str:

@@ -38,6 +38,9 @@ class GenerationRequest(BaseModel):
     trace_context: dict[str, str] = Field(default_factory=dict)
     attempt: int = 0  # times this request was re-enqueued by a worker (deliveries are counted by Redis)
     kv_blocks: int = 0  # blocks the router counted for it (its reservation); 0 when unrouted
+    # The gateway holds kvfleet:lease:{request_id} while its client waits: a worker aborts the request once
+    # the lease lapsed. False (services' jobs, older producers): it runs to the end whoever reads it.
+    lease: bool = False
 
     def params(self) -> SamplingParams:
         return SamplingParams.from_dict(self.sampling_params)

@@ -54,6 +54,9 @@ class Settings:
     # A stream being relayed pauses this long while Redis is unreachable and then goes on where it stopped;
     # past it the request ends with an error (an SSE error event and [DONE], or a 503), never silently.
     redis_grace_s: float = 15.0
+    # A gateway holds a lease (this TTL, refreshed every third of it) on each request while its client is
+    # connected; a worker aborts a request whose lease lapsed (the gateway died) within about this + 3 s.
+    lease_ttl_s: float = 10.0
     queue_when_no_workers: bool = False  # scale-to-zero: queue in the shared stream instead of 503
     metrics_host: str = "127.0.0.1"  # where a worker serves /livez, /readyz, /metrics (0.0.0.0 in pods)
     # With api_keys set, the gateway's /metrics needs the key like every route; this opens /metrics alone, for

@@ -20,6 +20,11 @@ be read (bad JSON, a missing field, a schema version other than shared.messages.
 sampling parameters are invalid (the worker trusts no producer): dead-lettered with the reason and acked, so
 it never blocks the stream. The threads survive any error: logged with its traceback, retried after a
 backoff; `dead_threads()` lets the worker notice one that died anyway.
+
+The cancel thread also reads, every LEASE_CHECK_S in one MGET, the leases of the requests the worker holds
+whose gateway holds one (GenerationRequest.lease): a lease seen gone on checks LEASE_CONFIRM_S apart, with no
+failed read between (Redis back from an outage: the gateway sets its leases again within a second), becomes a
+cancel, since nobody reads that output any more (its gateway died).
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ CLAIM_MIN_IDLE_MS = 1000
 READ_BLOCK_MS = 200
 MAX_BACKOFF_S = 5.0  # a reader thread that keeps failing waits up to this long between tries
 SPARE_READ_BLOCK_MS = 50  # with room to spare, look at the shared stream this often
+LEASE_CHECK_S = 1.0  # read the leases of the requests held this often
+LEASE_CONFIRM_S = 2.0  # a lease must be seen gone this long before its request is aborted
 
 
 @dataclass
@@ -68,12 +75,16 @@ class Room:
 
 class Intake:
     def __init__(self, r: streams.Client, settings: Settings, worker_id: str, inbox: queue.Queue,
-                 room: Callable[[], Room], *, metrics: Any = None, on_regroup: Callable[[], None] | None = None):
+                 room: Callable[[], Room], *, metrics: Any = None, on_regroup: Callable[[], None] | None = None,
+                 leased: Callable[[], list[str]] | None = None):
         self.r, self.settings, self.worker_id = r, settings, worker_id
         self.metrics = metrics  # gpu_worker.serve.metrics.WorkerMetrics: counts dead letters
         self.on_regroup = on_regroup  # after Redis lost the groups: the worker publishes its status at once
         self.redis_failing: set[str] = set()  # the threads whose last turn failed on Redis (-> not ready)
         self.inbox, self.room = inbox, room
+        self.leased = leased  # the request ids the worker holds that carry a lease
+        self._next_lease_check = 0.0
+        self._lease_gone: dict[str, float] = {}  # request id -> when its lease was first seen gone
         self.own = keys.req_stream(worker_id)
         self._stop = threading.Event()
         self._dead: list[str] = []
@@ -316,12 +327,33 @@ class Intake:
 
     # ---- cancels -----------------------------------------------------------------------------
     def _cancels(self) -> None:
-        self._survive(self._read_cancels_once, "cancel read")
+        self._survive(self._cancel_turn, "cancel read")
+
+    def _cancel_turn(self) -> None:
+        self._read_cancels_once()
+        if self.leased is not None and time.monotonic() >= self._next_lease_check:
+            self._next_lease_check = time.monotonic() + LEASE_CHECK_S
+            self._check_leases(self.leased())
 
     def _read_cancels_once(self) -> None:
         self._cancel_from, request_ids = streams.read_cancels(self.r, self._cancel_from)
         for request_id in request_ids:
             self.inbox.put(Cancel(request_id))
+
+    def _check_leases(self, request_ids: list[str]) -> None:
+        """Cancel the requests whose lease is gone and stayed gone for LEASE_CONFIRM_S (one MGET)."""
+        try:
+            alive = streams.leases_alive(self.r, request_ids)
+        except streams.RedisError:
+            self._lease_gone.clear()  # what was seen before the outage proves nothing after it
+            raise
+        now = time.monotonic()
+        self._lease_gone = {rid: self._lease_gone.get(rid, now) for rid in request_ids if rid not in alive}
+        for rid, since in list(self._lease_gone.items()):
+            if now - since >= LEASE_CONFIRM_S:
+                log.warning("request %s: its lease lapsed (its gateway is gone): aborting it", rid)
+                del self._lease_gone[rid]
+                self.inbox.put(Cancel(rid))
 
 
 def requeue(request: GenerationRequest) -> GenerationRequest:

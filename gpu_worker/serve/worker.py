@@ -11,7 +11,8 @@ backoff); it ends with exit status 1, so the supervisor restarts the worker and 
 held, only when the engine is broken (EngineFault), errors come MAX_TICK_FAILURES times in a row, or a
 reader or writer thread died. Until then, and after, /readyz says why it is not ready. A request another
 worker took over (this one was paused past its status TTL) is aborted here once the outbox's writes for it
-are refused: it frees its blocks, and the worker carries on.
+are refused: it frees its blocks, and the worker carries on. So is one whose gateway's lease lapsed (the
+gateway died mid-stream): the intake cancels it, finish_reason "abort".
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ class Worker:
         self.outbox = Outbox(r, self.settings, self.worker_id).start()
         self.outbox.set_status(self.status)
         self.intake = Intake(r, self.settings, self.worker_id, self.inbox, lambda: self._room,
-                             metrics=self.metrics, on_regroup=self.outbox.republish).start()
+                             metrics=self.metrics, on_regroup=self.outbox.republish, leased=self._leased).start()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         log.info("worker %s serving %s on %s", self.worker_id, self.model_name, redacted_url(self.settings.redis_url))
@@ -201,6 +202,10 @@ class Worker:
                 self.engine.abort_request(rid)
                 self.telemetry.ended(rid, "taken over by another worker")
                 self.intake.recheck(job.ack)
+
+    def _leased(self) -> list[str]:
+        """The requests it holds whose gateway holds a lease (called from the cancel thread: the copy is atomic)."""
+        return [rid for rid, job in self.tracker.jobs.copy().items() if job.request.lease]
 
     def _cancel(self, request_id: str) -> None:
         job = self.tracker.jobs.get(request_id)

@@ -6,12 +6,15 @@ redis (tests/unit/test_layering.py keeps it so). Callers use the names below (`s
   requests  enqueue (routed with its reservation, or the bounded shared stream) and cancels
   output    numbered output chunks: written by workers, read back once each by gateways and services
   fleet     live workers, reservations and the snapshot; the round-robin turn; the prefix index
+  leases    a gateway's leases on the requests it relays (held while its client waits), read by workers
   jobs      job records: a request id placed by services enters the fleet at most once
   worker    a worker's intake (group reads, takeover, dead letters, cancels) and outbox (one fenced script a flush)
+  admin     the server itself: drop client connections, memory used (for `kvfleet chaos`)
 
 Key names come from shared.keys; messages are shared.messages' pydantic models, as JSON in one field.
 """
 
+from shared.streams.admin import kill_clients, used_memory  # noqa: F401
 from shared.streams.client import (  # noqa: F401
     CONNECTION_ERRORS,
     Client,
@@ -40,6 +43,7 @@ from shared.streams.jobs import (  # noqa: F401
     areplace_job,
     arequest_in_fleet,
 )
+from shared.streams.leases import ahold_leases, leases_alive  # noqa: F401
 from shared.streams.output import (  # noqa: F401
     ChunkDeduper,
     OutputLost,

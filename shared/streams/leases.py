@@ -1,0 +1,30 @@
+"""Leases on requests: a gateway holds kvfleet:lease:{request} (a short TTL) while its client waits and
+refreshes all of its leases in one round trip; a worker reads the leases of the requests it holds in one
+round trip, and aborts those whose lease lapsed (their gateway died: nobody reads the output)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import redis
+import redis.asyncio as aioredis
+
+from shared import keys
+
+
+async def ahold_leases(r: aioredis.Redis, request_ids: Iterable[str], ttl_s: float) -> None:
+    """Set (or refresh) the lease of every request in `request_ids` to expire in `ttl_s`: one round trip.
+    SET, not PEXPIRE, so a lease that expired while Redis was away comes back."""
+    ms = max(1, int(ttl_s * 1000))
+    pipe = r.pipeline(transaction=False)
+    for rid in request_ids:
+        pipe.set(keys.lease(rid), 1, px=ms)
+    await pipe.execute()
+
+
+def leases_alive(r: redis.Redis, request_ids: list[str]) -> set[str]:
+    """Which of `request_ids` still have their lease: one MGET."""
+    if not request_ids:
+        return set()
+    values = r.mget([keys.lease(rid) for rid in request_ids])
+    return {rid for rid, v in zip(request_ids, values, strict=True) if v is not None}

@@ -1,0 +1,100 @@
+"""gateway.leases alone, against a recording stand-in for the asyncio Redis client: every lease a gateway
+holds is refreshed in one pipelined round trip per turn (never one per request); released leases and those
+no relay touched for max_idle_s are not refreshed; a failed refresh is retried soon. And the worker side's
+rule (gpu_worker.serve.intake): a lease must stay gone for LEASE_CONFIRM_S before its request is cancelled."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+
+import pytest
+
+from gateway.leases import Leases
+from gpu_worker.serve.intake import LEASE_CONFIRM_S, Cancel, Intake
+from shared import keys, streams
+
+pytestmark = pytest.mark.unit
+
+
+class Pipe:
+    def __init__(self, redis: FakeRedis):
+        self.redis, self.sets = redis, []
+
+    def set(self, key, value, px):
+        self.sets.append((key, px))
+
+    async def execute(self):
+        if self.redis.fail:
+            self.redis.fail -= 1
+            raise streams.CONNECTION_ERRORS[0]("Redis away")
+        self.redis.round_trips.append(self.sets)
+
+
+class FakeRedis:
+    def __init__(self):
+        self.round_trips: list[list[tuple[str, int]]] = []
+        self.fail = 0
+
+    def pipeline(self, transaction):
+        assert not transaction
+        return Pipe(self)
+
+
+def refreshed(r: FakeRedis) -> list[set[str]]:
+    return [{k for k, _ in trip} for trip in r.round_trips]
+
+
+def test_every_held_lease_is_refreshed_in_one_round_trip_per_turn():
+    async def go(r: FakeRedis) -> None:
+        leases = Leases(ttl_s=0.3, max_idle_s=60)
+        for rid in ("a", "b", "c"):
+            await leases.take(r, rid)  # one SET each, before the enqueue
+        assert refreshed(r) == [{keys.lease("a")}, {keys.lease("b")}, {keys.lease("c")}]
+        assert all(px == 300 for trip in r.round_trips for _, px in trip)
+        del r.round_trips[:]
+        await asyncio.sleep(0.25)  # ~ttl/3: one refresh of all three
+        leases.release("b")
+        await asyncio.sleep(0.2)
+        await leases.close()
+
+    r = FakeRedis()
+    asyncio.run(go(r))
+    trips, all3, kept = refreshed(r), {keys.lease(x) for x in "abc"}, {keys.lease("a"), keys.lease("c")}
+    assert all(len(trip) == len(set(trip)) for trip in r.round_trips)  # one SET per lease and round trip
+    released_at = trips.index(kept)
+    assert released_at > 0 and trips[:released_at] == [all3] * released_at, trips
+    assert trips[released_at:] == [kept] * (len(trips) - released_at), trips
+
+
+def test_an_untouched_lease_is_dropped_and_a_failed_refresh_is_retried():
+    async def go(r: FakeRedis) -> Leases:
+        leases = Leases(ttl_s=0.3, max_idle_s=0.15)
+        await leases.take(r, "idle")
+        await leases.take(r, "busy")
+        del r.round_trips[:]
+        r.fail = 1
+        for _ in range(8):
+            await asyncio.sleep(0.05)
+            leases.touch("busy")
+        await leases.close()
+        return leases
+
+    r = FakeRedis()
+    leases = asyncio.run(go(r))
+    assert list(leases.held) == ["busy"]
+    assert refreshed(r) and all(t == {keys.lease("busy")} for t in refreshed(r)), refreshed(r)
+
+
+def test_the_worker_cancels_a_request_only_once_its_lease_stayed_gone(monkeypatch):
+    alive = {"kept"}
+    monkeypatch.setattr(streams, "leases_alive", lambda _r, ids: {i for i in ids if i in alive})
+    clock = [100.0]
+    monkeypatch.setattr("gpu_worker.serve.intake.time.monotonic", lambda: clock[0])
+    inbox: queue.Queue = queue.Queue()
+    intake = Intake(None, None, "w", inbox, lambda: None)
+    intake._check_leases(["kept", "gone"])
+    assert inbox.empty()
+    clock[0] += LEASE_CONFIRM_S
+    intake._check_leases(["kept", "gone"])
+    assert [inbox.get_nowait()] == [Cancel("gone")] and inbox.empty()
