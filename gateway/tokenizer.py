@@ -9,6 +9,7 @@ import asyncio
 import functools
 import logging
 import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,11 +17,15 @@ from typing import Any, TypeVar
 
 log = logging.getLogger("kvfleet.gateway")
 T = TypeVar("T")
+# transformers resolves AutoTokenizer through a lazy module: threads importing it at once (several FleetClients
+# of one Celery worker loading their tokenizers) can see "cannot import name 'AutoTokenizer'". One at a time.
+_TRANSFORMERS_IMPORT = threading.Lock()
 
 
 def load_tokenizer(model: str) -> Any:
     """`model` is an alias, a Hugging Face directory or a .gguf file (as `kvfleet worker --model` takes)."""
-    from transformers import AutoTokenizer
+    with _TRANSFORMERS_IMPORT:
+        from transformers import AutoTokenizer
 
     from shared.models import resolve_model
 

@@ -1,0 +1,128 @@
+"""The fault injector: one fault at a time, a few seconds apart: each kind once, then at random, all from a
+fixed seed. The next fault waits until the fleet is whole again (a stopped worker continued, a killed one
+restarted and registered, Redis started again), so at most one part of the fleet is away at once. Redis
+outages are kept as time windows: a 503 redis_unavailable / redis_lost_request is expected only within one."""
+
+from __future__ import annotations
+
+import random
+import signal
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from services.chaos.fleet import STATUS_TTL_S, ChaosFleet
+from shared import streams
+
+KINDS = ("worker_sigkill", "worker_sigterm", "worker_sigstop", "gateway_sigkill", "redis_restart",
+         "redis_client_kill", "poison")
+WHOLE_TIMEOUT_S = 180.0  # a fleet not whole again by then: the next fault comes anyway (and the checks tell)
+REDIS_AFTERMATH_S = 20.0  # 503s this long after Redis is back are still the outage's (readers' backoff)
+
+
+@dataclass
+class FaultLog:
+    counts: Counter = field(default_factory=Counter)
+    events: list[tuple[float, str, str]] = field(default_factory=list)  # (time, kind, target)
+    redis_windows: list[tuple[float, float]] = field(default_factory=list)  # (down, back + aftermath)
+
+    def in_redis_outage(self, t0: float, t1: float) -> bool:
+        return any(t0 <= end and t1 >= start for start, end in self.redis_windows)
+
+
+class Injector:
+    def __init__(self, fleet: ChaosFleet, seed: int, kinds: tuple[str, ...] = KINDS,
+                 interval_s: tuple[float, float] = (3.0, 6.0)):
+        unknown = set(kinds) - set(KINDS)
+        if unknown:
+            raise ValueError(f"unknown fault kinds {sorted(unknown)}; the kinds are {', '.join(KINDS)}")
+        self.fleet, self.kinds, self.interval_s = fleet, kinds, interval_s
+        self.rng = random.Random(seed)
+        self.log = FaultLog()
+        self._poison_due = 0  # the load threads send these
+        self._poison_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="chaos-injector", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(60)
+
+    def _run(self) -> None:
+        """Every kind once first (in a seeded order, so a short run covers them all), then at random."""
+        first = self.rng.sample(self.kinds, len(self.kinds))
+        while not self._stop.wait(self.rng.uniform(*self.interval_s)):
+            kind = first.pop(0) if first else self.rng.choice(self.kinds)
+            target = getattr(self, kind)()
+            self.log.counts[kind] += 1
+            self.log.events.append((time.time(), kind, target))
+            self._wait_whole()
+
+    def _wait_whole(self) -> None:
+        """Until every process is back and every worker registered (a restarted worker loads its model first):
+        the next fault hits a whole fleet, never one already missing a part."""
+        deadline = time.monotonic() + WHOLE_TIMEOUT_S
+        while not self._stop.is_set() and time.monotonic() < deadline and not self.fleet.ready():
+            self._stop.wait(0.5)
+
+    # ---- one method per kind; each returns what it hit --------------------------------------------
+    def _worker(self):
+        return self.rng.choice(self.fleet.workers)
+
+    def worker_sigkill(self) -> str:
+        w = self._worker()
+        self.fleet.signal(w, signal.SIGKILL)
+        return w.name
+
+    def worker_sigterm(self) -> str:
+        w = self._worker()
+        self.fleet.signal(w, signal.SIGTERM)
+        return w.name
+
+    def worker_sigstop(self) -> str:
+        """Longer than the status TTL: the others take its requests over; when it comes back it must not write."""
+        w = self._worker()
+        self.fleet.signal(w, signal.SIGSTOP)
+        self._stop.wait(STATUS_TTL_S + self.rng.uniform(1.0, 3.0))
+        self.fleet.signal(w, signal.SIGCONT)
+        return w.name
+
+    def gateway_sigkill(self) -> str:
+        g = self.rng.choice(self.fleet.gateways)
+        self.fleet.signal(g, signal.SIGKILL)
+        return g.name
+
+    def redis_restart(self) -> str:
+        down = time.time()
+        self.fleet.kill_redis()
+        time.sleep(self.rng.uniform(0.5, 3.0))  # shorter than the readers' grace (15 s): streams pause, go on
+        self.fleet.start_redis()
+        self.log.redis_windows.append((down, time.time() + REDIS_AFTERMATH_S))
+        return f"port {self.fleet.redis.port}"
+
+    def redis_client_kill(self) -> str:
+        try:
+            r = streams.connect(self.fleet.redis.url)
+            try:
+                return f"{streams.kill_clients(r)} connections"
+            finally:
+                r.close()
+        except streams.RedisError as e:
+            return f"failed: {e}"
+
+    def poison(self) -> str:
+        with self._poison_lock:
+            self._poison_due += 3
+        return "3 requests"
+
+    def take_poison(self) -> bool:
+        """Called by a load thread: should its next request be a poison one?"""
+        with self._poison_lock:
+            if self._poison_due <= 0:
+                return False
+            self._poison_due -= 1
+            return True

@@ -1,0 +1,174 @@
+"""The steady mixed load, through the real `openai` client: a fixed catalogue of requests (completion and
+chat, streaming and not, greedy and seeded sampling, n>1), each sent as a whole request, a client that
+cancels (gives up after a fraction of a second), one that disconnects mid-stream, or through the Python
+client (services.client: straight into Redis, the path Celery tasks take); plus poison requests
+(bad bodies the gateway must refuse with a 4xx). Every request's outcome is one `Record`."""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+PROMPTS = ["Once upon a time, in a land of many rivers,", "The three laws of thermodynamics say",
+           "A recipe for bread: first", "def fibonacci(n):", "In the year 2050, cities", "Dear diary, today I",
+           "The quick brown fox", "Rain on the window, and"]
+MAX_TOKENS = 48  # long enough that faults hit requests mid-way
+CLIENT_TIMEOUT_S = 90.0  # no answer within this: the request is lost
+# how a client treats a request: over HTTP whole, cancelled, disconnected mid-stream; or the Python client
+MODES = ("whole", "whole", "whole", "cancel", "disconnect", "python_client")
+# bad bodies (merged into a valid one) the gateway refuses before any work
+POISON = [{"top_k": 2**63}, {"seed": 2**64}, {"max_tokens": 2**40}, {"temperature": -1},
+          {"logit_bias": {"999999999": 1}}, {"n": 10**6}, {"stop": ["x"] * 10**4}]
+
+
+@dataclass(frozen=True)
+class Spec:
+    chat: bool
+    stream: bool
+    prompt: str
+    n: int = 1
+    seed: int | None = None  # None: greedy
+
+    def body(self, model: str) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": model, "max_tokens": MAX_TOKENS, "n": self.n, "extra_body": {"ignore_eos": True}}
+        body |= {"temperature": 0.8, "seed": self.seed} if self.seed is not None else {"temperature": 0}
+        if self.chat:
+            body["messages"] = [{"role": "user", "content": self.prompt}]
+        else:
+            body["prompt"] = self.prompt
+        return body
+
+
+def catalogue(seed: int, size: int = 16) -> list[Spec]:
+    rng = random.Random(seed)
+    specs = []
+    for i in range(size):
+        sampled = i % 2 == 1
+        specs.append(Spec(chat=i % 4 >= 2, stream=rng.random() < 0.5, prompt=PROMPTS[i % len(PROMPTS)],
+                          n=rng.choice((1, 2)) if sampled else 1, seed=rng.randrange(1000) if sampled else None))
+    return specs
+
+
+@dataclass
+class Record:
+    spec: int  # index into the catalogue; -1 for poison
+    mode: str  # whole / cancel / disconnect / poison
+    port: int
+    t0: float
+    t1: float = 0.0
+    outcome: str = ""  # ok, http_error, stream_error, connection_error, refused, lost, cancelled, disconnected
+    status: int = 0  # HTTP status of an error answer
+    code: str = ""  # OpenAI error code of an error answer or event
+    texts: list[str] = field(default_factory=list)  # per choice
+    order_errors: list[str] = field(default_factory=list)  # chunks after a choice finished, or none finished
+    detail: str = ""  # what the client library raised
+
+    @property
+    def accepted(self) -> bool:
+        return self.outcome not in ("refused", "")
+
+
+def _error_code(body: Any) -> str:
+    if isinstance(body, dict):
+        err = body.get("error", body)
+        if isinstance(err, dict):
+            return str(err.get("code") or err.get("type") or "")
+    return ""
+
+
+def _call(client: Any, spec: Spec, model: str, rec: Record, disconnect_after: int | None) -> None:
+    body = spec.body(model)
+    api = client.chat.completions if spec.chat else client.completions
+    if not spec.stream and disconnect_after is None:
+        out = api.create(**body)
+        rec.texts = [c.message.content if spec.chat else c.text for c in sorted(out.choices, key=lambda c: c.index)]
+        rec.outcome = "ok"
+        return
+    texts, finished = [""] * spec.n, [False] * spec.n
+    with api.create(**body, stream=True) as stream:
+        for count, chunk in enumerate(stream):
+            for c in chunk.choices:
+                piece = (c.delta.content if spec.chat else c.text) or ""
+                if finished[c.index] and piece:
+                    rec.order_errors.append(f"choice {c.index} got text after it finished")
+                texts[c.index] += piece
+                finished[c.index] = finished[c.index] or c.finish_reason is not None
+            if disconnect_after is not None and count + 1 >= disconnect_after:
+                rec.texts, rec.outcome = texts, "disconnected"
+                return
+    rec.texts = texts
+    rec.outcome = "ok" if all(finished) else "lost"  # a stream that ended with no finish and no error event
+    if not all(finished):
+        rec.order_errors.append("the stream ended before every choice finished, with no error event")
+
+
+def send(client: Any, specs: list[Spec], idx: int, mode: str, model: str, port: int, rng: random.Random) -> Record:
+    """One request as `mode` asks; every outcome the client can meet lands in the record."""
+    import openai
+
+    rec = Record(spec=idx, mode=mode, port=port, t0=time.time())
+    spec = specs[idx]
+    try:
+        if mode == "cancel":
+            client = client.with_options(timeout=rng.uniform(0.05, 0.5))
+        _call(client, spec, model, rec, rng.randint(1, 4) if mode == "disconnect" else None)
+    except openai.APITimeoutError:
+        rec.outcome = "cancelled" if mode == "cancel" else "lost"
+    except openai.APIStatusError as e:
+        rec.outcome, rec.status, rec.code = "http_error", e.status_code, _error_code(e.body)
+        if e.status_code == 429 or (e.status_code == 503 and rec.code == "redis_unavailable"):
+            rec.outcome = "refused"  # not accepted: nothing to answer
+    except openai.APIConnectionError as e:
+        # refused at connect (the gateway is down): not accepted; dropped later: an error the client saw. (By
+        # name: the openai client may bundle its own copy of httpx.)
+        refused = type(e.__cause__).__name__ == "ConnectError"
+        rec.outcome, rec.detail = "refused" if refused else "connection_error", repr(e.__cause__)
+    except openai.APIError as e:  # an SSE error event
+        rec.outcome, rec.code = "stream_error", _error_code(e.body)
+    rec.t1 = time.time()
+    return rec
+
+
+def send_direct(client: Any, specs: list[Spec], idx: int, model: str) -> Record:
+    """One request through the Python client (services.client, straight into Redis: no gateway, no lease;
+    the path Celery tasks take too), waited for whole."""
+    from services.call_errors import FleetUnavailable, GenerationFailed, InvalidRequest
+    from shared import streams
+
+    rec = Record(spec=idx, mode="python_client", port=0, t0=time.time())
+    body = specs[idx].body(model)
+    body |= body.pop("extra_body")
+    try:
+        out = client.submit(**body).result(timeout=CLIENT_TIMEOUT_S)
+        choices = sorted(out["choices"], key=lambda c: c["index"])
+        rec.texts = [c["message"]["content"] if "message" in c else c["text"] for c in choices]
+        rec.outcome = "ok"
+    except FleetUnavailable as e:
+        rec.outcome, rec.status, rec.code, rec.detail = "refused", e.status_code, e.code or "", str(e)
+    except (InvalidRequest, GenerationFailed) as e:
+        rec.outcome, rec.status, rec.code, rec.detail = "http_error", e.status_code, e.code or "", str(e)
+    except TimeoutError:
+        rec.outcome = "lost"
+    except streams.CONNECTION_ERRORS as e:  # Redis away past the grace, or it lost the request: said, not silent
+        rec.outcome, rec.detail = "connection_error", repr(e)
+    rec.t1 = time.time()
+    return rec
+
+
+def send_poison(base_url: str, api_key: str, model: str, port: int, rng: random.Random) -> Record:
+    bad = rng.choice(POISON)
+    rec = Record(spec=-1, mode="poison", port=port, t0=time.time(), code=next(iter(bad)))
+    body = {"model": model, "prompt": "poison", "max_tokens": 4} | bad
+    try:
+        r = httpx.post(base_url + "/v1/completions", json=body, timeout=30, headers={"Authorization": f"Bearer {api_key}"})
+        rec.status, rec.outcome = r.status_code, "http_error" if r.status_code >= 400 else "ok"
+    except httpx.ConnectError:
+        rec.outcome = "refused"
+    except httpx.HTTPError:
+        rec.outcome = "connection_error"
+    rec.t1 = time.time()
+    return rec

@@ -1,0 +1,122 @@
+"""The checks at the end of a soak, and the tables it prints: each check with its figure and PASS / FAIL,
+then the faults injected by kind and the requests by mode and outcome."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from services.chaos.faults import FaultLog
+from services.chaos.fleet import ChaosFleet
+from services.chaos.load import Record, Spec
+
+EXPECTED_503 = ("redis_unavailable", "redis_lost_request")
+
+
+@dataclass
+class Report:
+    checks: list[tuple[str, str, bool]] = field(default_factory=list)  # (what, figure, passed)
+    faults: Counter = field(default_factory=Counter)
+    outcomes: Counter = field(default_factory=Counter)  # (mode, outcome)
+    requests: int = 0
+    lost: int = 0
+    duplicated: int = 0
+    problems: list[str] = field(default_factory=list)  # one line per failing request or process
+
+    @staticmethod
+    def memory_limit(baseline: int) -> int:
+        return int(baseline * 1.25) + 2**20
+
+    @property
+    def passed(self) -> bool:
+        return all(ok for _, _, ok in self.checks)
+
+    def failed(self) -> list[str]:
+        return [what for what, _, ok in self.checks if not ok]
+
+    def table(self) -> str:
+        width = max(len(w) for w, _, _ in self.checks)
+        lines = [f"{'check':<{width}}  {'figure':<28} result", "-" * (width + 38)]
+        lines += [f"{w:<{width}}  {fig:<28} {'PASS' if ok else 'FAIL'}" for w, fig, ok in self.checks]
+        lines += ["", f"{'fault':<20} count", "-" * 26]
+        lines += [f"{k:<20} {v}" for k, v in sorted(self.faults.items())]
+        lines += [f"{'total':<20} {sum(self.faults.values())}", "", f"{'mode':<15}{'outcome':<18} count", "-" * 39]
+        lines += [f"{m:<15}{o:<18} {v}" for (m, o), v in sorted(self.outcomes.items())]
+        lines += ["", f"requests {self.requests}, lost {self.lost}, duplicated {self.duplicated}"]
+        if self.problems:
+            lines += ["", "problems (first 30):", *self.problems[:30]]
+        return "\n".join(lines)
+
+
+def _compare(got: list[str], want: list[str]) -> str:
+    """'' when equal; else duplicated (more text than the reference, which it starts with), skipped (less),
+    or mismatch."""
+    if got == want:
+        return ""
+    if len(got) == len(want) and all(g.startswith(w) for g, w in zip(got, want, strict=True)):
+        return "duplicated"
+    if len(got) == len(want) and all(w.startswith(g) for g, w in zip(got, want, strict=True)):
+        return "skipped"
+    return "mismatch"
+
+
+def check(specs: list[Spec], reference: list[list[str]], records: list[Record], log: FaultLog, fleet: ChaosFleet,
+          baseline: int, memory: int) -> Report:
+    rep = Report(faults=Counter(log.counts), requests=len(records))
+    rep.outcomes = Counter((r.mode, r.outcome) for r in records)
+    greedy_bad = seeded_bad = stream_bad = bad_5xx = poison_bad = 0
+    accepted = [r for r in records if r.accepted and r.mode != "poison"]
+    for r in records:
+        if r.status >= 500 and not (r.status == 503 and r.code in EXPECTED_503 and log.in_redis_outage(r.t0, r.t1)):
+            bad_5xx += 1
+            rep.problems.append(f"unexpected {r.status} {r.code} on port {r.port} at {r.t0:.1f} ({r.mode})")
+        if r.mode == "poison" and r.outcome != "refused" and not 400 <= r.status < 500:
+            poison_bad += 1
+            rep.problems.append(f"poison {r.code}: {r.outcome} {r.status}, not a 4xx")
+    for r in accepted:
+        spec, want = specs[r.spec], reference[r.spec]
+        if r.outcome == "lost":
+            rep.lost += 1
+            rep.problems.append(f"lost: spec {r.spec} {r.mode} on port {r.port} at {r.t0:.1f}: {r.order_errors}")
+        if any("after it finished" in e for e in r.order_errors):
+            rep.duplicated += 1
+            rep.problems.append(f"text after finish: spec {r.spec} on port {r.port} at {r.t0:.1f}")
+        if r.outcome == "disconnected":  # what it saw before leaving is the start of the answer
+            verdict = "" if all(w.startswith(g) for g, w in zip(r.texts, want, strict=True)) else "mismatch"
+        elif r.outcome == "ok":
+            verdict = _compare(r.texts, want)
+        else:
+            continue
+        if not verdict:
+            continue
+        rep.duplicated += verdict == "duplicated"
+        stream_bad += spec.stream and verdict in ("duplicated", "skipped")
+        greedy_bad += spec.seed is None
+        seeded_bad += spec.seed is not None
+        rep.problems.append(f"{verdict}: spec {r.spec} ({'stream' if spec.stream else 'whole'}, "
+                            f"{'greedy' if spec.seed is None else f'seed {spec.seed}'}) port {r.port}: "
+                            f"{r.texts!r} != {want!r}")
+    harness = [r for r in records if r.outcome == "client_exception"]
+    rep.problems += [f"client exception ({r.mode}): {r.detail}" for r in harness]
+    crashes = {c.name: c.crashes for c in fleet.children.values() if c.crashes}
+    gone = fleet.gone()
+    rep.problems += [f"{name} exited on its own: {codes}" for name, codes in crashes.items()]
+    rep.problems += [f"{name} is not running at the end" for name in gone]
+    answered = sum(r.outcome in ("ok", "http_error", "stream_error", "connection_error") for r in accepted)
+    rep.checks = [
+        ("accepted requests answered (ok or an error the client saw)", f"{answered}/{len(accepted)} "
+         f"(+{sum(r.outcome in ('cancelled', 'disconnected') for r in accepted)} left by the client)",
+         rep.lost == 0),
+        ("no request duplicated", str(rep.duplicated), rep.duplicated == 0),
+        ("greedy outputs equal the fault-free reference", f"{greedy_bad} differ", greedy_bad == 0),
+        ("seeded sampled outputs equal the reference", f"{seeded_bad} differ", seeded_bad == 0),
+        ("streams: no token twice or skipped", f"{stream_bad} bad", stream_bad == 0),
+        ("no 5xx but 503 while Redis was down", f"{bad_5xx} unexpected", bad_5xx == 0),
+        ("poison requests refused with a 4xx", f"{poison_bad} not", poison_bad == 0),
+        ("no client met an unexpected exception", str(len(harness)), not harness),
+        ("no fleet process gone for good", ", ".join(gone) or "all running", not gone),
+        ("no fleet process exited on its own", f"{sum(map(len, crashes.values()))} crashes", not crashes),
+        ("Redis memory back near its baseline", f"{memory / 2**20:.1f} MiB (base {baseline / 2**20:.1f})",
+         memory <= Report.memory_limit(baseline)),
+    ]
+    return rep
