@@ -141,3 +141,13 @@ def run_async(redis_url: str, body: Any) -> Any:
             await r.aclose()
 
     return asyncio.run(main())
+
+
+def wait_for(predicate: Any, timeout_s: float = 10.0, what: str = "condition") -> Any:
+    """The first truthy value of predicate(), polled every 50 ms; AssertionError after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")

@@ -30,18 +30,19 @@ names it, never when this module is imported.
 
 from __future__ import annotations
 
+import abc
 import importlib
 from collections.abc import Sequence
 
 from gpu_worker.core.request import Request
 
 
-class SchedulingPolicy:
+class SchedulingPolicy(abc.ABC):
     """The interface: subclass it, define next_to_admit, and next_to_preempt if the default does not suit."""
 
+    @abc.abstractmethod
     def next_to_admit(self, waiting: Sequence[Request], now: float) -> Request:
         """One of `waiting` (never empty): the request to admit next."""
-        raise NotImplementedError
 
     def next_to_preempt(self, running: Sequence[Request], now: float) -> Request:
         """One of `running` (never empty): the request to preempt first. Default: the lowest priority

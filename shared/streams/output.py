@@ -16,13 +16,13 @@ import redis.asyncio as aioredis
 
 from shared import keys
 from shared.messages import OutputChunk
+from shared.streams.client import CONNECTION_ERRORS
 
 
 class OutputTimeout(TimeoutError):
     """No output chunk arrived within the reader's timeout."""
 
 
-# ---- output ---------------------------------------------------------------------------------------
 
 def add_chunk_commands(pipe: Any, chunk: OutputChunk, ttl_s: float) -> None:
     """Worker side: append one chunk to the request's output stream and push its expiry out."""
@@ -68,7 +68,6 @@ def _parse_xread(reply: Any) -> tuple[str | None, list[OutputChunk]]:
     return last_id, chunks
 
 
-_READ_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 SILENCE_CHECK_S = 5.0  # a reader that got output, then none for this long, checks that its stream still exists
 
 
@@ -163,7 +162,7 @@ def iter_output(r: redis.Redis, request_id: str, *, timeout_s: float = 600.0, bl
             reply, kept = r.xread(cursor.streams(), block=block_ms, count=256), None
             if cursor.should_check(bool(reply)):
                 kept = bool(r.exists(cursor.stream)), bool(entry and r.xrange(entry[0], entry[1], entry[1]))
-        except _READ_ERRORS as e:
+        except CONNECTION_ERRORS as e:
             time.sleep(cursor.failed(e))
             continue
         if kept:
@@ -171,7 +170,7 @@ def iter_output(r: redis.Redis, request_id: str, *, timeout_s: float = 600.0, bl
         for chunk in cursor.new_chunks(reply):
             yield chunk
             if chunk.final:
-                with contextlib.suppress(*_READ_ERRORS):  # best effort: the stream has its own expiry
+                with contextlib.suppress(*CONNECTION_ERRORS):  # best effort: the stream has its own expiry
                     r.pexpire(cursor.stream, int(expire_after_s * 1000))
                 return
 
@@ -186,7 +185,7 @@ async def aiter_output(r: aioredis.Redis, request_id: str, *, timeout_s: float =
             reply, kept = await r.xread(cursor.streams(), block=block_ms, count=256), None
             if cursor.should_check(bool(reply)):
                 kept = bool(await r.exists(cursor.stream)), bool(entry and await r.xrange(entry[0], entry[1], entry[1]))
-        except _READ_ERRORS as e:
+        except CONNECTION_ERRORS as e:
             await asyncio.sleep(cursor.failed(e))
             continue
         if kept:
@@ -194,7 +193,7 @@ async def aiter_output(r: aioredis.Redis, request_id: str, *, timeout_s: float =
         for chunk in cursor.new_chunks(reply):
             yield chunk
             if chunk.final:
-                with contextlib.suppress(*_READ_ERRORS):
+                with contextlib.suppress(*CONNECTION_ERRORS):
                     await r.pexpire(cursor.stream, int(expire_after_s * 1000))
                 return
 

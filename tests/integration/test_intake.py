@@ -8,6 +8,7 @@ import queue
 import time
 
 import pytest
+from fleet_harness import wait_for
 
 from gpu_worker.serve.intake import Cancel, Intake, Room
 from gpu_worker.serve.request_tracker import Job
@@ -64,15 +65,6 @@ def deliver_to(r, consumer: str, stream: str, n: int = 1) -> list[streams.Delive
 
 def final_chunks(r, rid: str) -> list[OutputChunk]:
     return [c for c in streams.read_all_chunks(r, rid) if c.final]
-
-
-def wait_for(predicate, timeout_s: float = 5.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_reads_its_own_stream_and_the_shared_one_only_with_room(r, start_intake):

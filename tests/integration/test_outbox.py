@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+from fleet_harness import wait_for
 
 from gpu_worker.serve.outbox import Outbox
 from shared import keys, streams
@@ -90,15 +91,6 @@ def a_pending_entry(r, rid: str) -> streams.Ack:
     streams.enqueue(r, GenerationRequest(request_id=rid, prompt_token_ids=[1, 2, 3]), ME)
     [delivery] = streams.read_requests(r, ME, {keys.req_stream(ME): ">"}, count=1)
     return delivery.ack
-
-
-def wait_for(predicate, timeout_s: float = 5.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_chunks_in_order_and_the_ack_with_the_final_one(r, outbox):

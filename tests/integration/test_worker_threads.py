@@ -11,6 +11,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from fleet_harness import wait_for
 
 from gpu_worker.core.scheduler import SchedulerStats
 from gpu_worker.serve import outbox as outbox_module
@@ -31,15 +32,6 @@ ME = "w-threads"
 def request(rid: str, **params) -> GenerationRequest:
     return GenerationRequest(request_id=rid, prompt_token_ids=[5, 6, 7],
                              sampling_params=SamplingParams(max_tokens=4).to_dict() | params)
-
-
-def wait_for(predicate, timeout_s: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_the_intake_survives_errors_and_dead_letters_what_it_cannot_read(r):
