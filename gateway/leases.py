@@ -6,6 +6,10 @@ TTL (never one timer per request). The relay releases it when it ends; a release
 When the gateway dies the refreshes stop, the leases lapse, and the workers abort the requests nobody reads
 (gpu_worker.serve.intake). A lease the relay stopped touching for request_timeout_s (a relay that never
 started) is dropped, so none is held forever.
+
+A refresh that finds a held lease gone tells the relay its request is lost (`is_lost`): Redis lost its data
+(a restart without persistence or the last second of an AOF, a FLUSHALL), or this gateway stalled past the
+TTL and the worker aborted the request. Either way nobody will answer it: the relay places it again.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ class Leases:
     def __init__(self, ttl_s: float, max_idle_s: float):
         self.ttl_s, self.max_idle_s = ttl_s, max_idle_s
         self.held: dict[str, float] = {}  # request id -> loop time after which it is dropped unless touched
+        self.lost: set[str] = set()  # held requests whose lease a refresh found gone
         self._task: asyncio.Task | None = None
 
     async def take(self, r: Any, request_id: str) -> None:
@@ -41,6 +46,11 @@ class Leases:
     def release(self, request_id: str) -> None:
         """Its relay ended: stop refreshing (the key expires within the TTL)."""
         self.held.pop(request_id, None)
+        self.lost.discard(request_id)
+
+    def is_lost(self, request_id: str) -> bool:
+        """Did a refresh find the request's lease gone? (Checked by its relay between reads: no Redis call.)"""
+        return request_id in self.lost
 
     async def close(self) -> None:
         if self._task is not None:
@@ -57,7 +67,11 @@ class Leases:
                 log.warning("lease on %s dropped: its relay did not touch it for %.0fs", rid, self.max_idle_s)
                 del self.held[rid]
             try:
-                await streams.ahold_leases(r, list(self.held), self.ttl_s)
+                gone = await streams.ahold_leases(r, list(self.held), self.ttl_s) & self.held.keys()
+                if gone:
+                    log.warning("%d lease(s) were gone from Redis (lost with its data, or lapsed): %s",
+                                len(gone), ", ".join(sorted(gone)[:5]))
+                self.lost |= gone
                 wait = self.ttl_s / 3
             except streams.RedisError as e:
                 wait = min(RETRY_S, self.ttl_s / 3)

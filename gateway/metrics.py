@@ -77,6 +77,9 @@ class GatewayMetrics:
                                "Requests placed, by routing policy and worker (\"any\": the shared stream).",
                                ["policy", "worker"], registry=r)
         self.rejected = Counter("kvfleet_rejected_total", "Requests answered 429 (fleet full).", registry=r)
+        self.replaced = Counter("kvfleet_requests_placed_again_total",
+                                "Requests Redis lost (restart without its data, flush) placed again by their relay.",
+                                registry=r)
         self._fleet = _FleetCollector()
         r.register(self._fleet)
         self._routed: set[tuple[str, str]] = set()  # (policy, worker) label sets of `routing`, pruned in refresh

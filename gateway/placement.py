@@ -144,11 +144,25 @@ def build_request(settings: Settings, target: Target, prompt: Prompt, *, priorit
         raise bad_request(f"the prompt needs {need_now} KV blocks ({len(ids)} tokens, n={params.n}, block "
                           f"size {bs}) but the largest worker's cache has {target.max_total_blocks}", "prompt",
                           "prompt_too_large")
-    out_tokens = min(params.max_tokens or 1, settings.route_max_output_tokens)
-    routing_blocks = min(request_blocks(len(ids), out_tokens, params.n, bs), target.max_total_blocks)
     request = GenerationRequest(request_id=request_id, prompt_token_ids=ids, sampling_params=params.to_dict(),
                                 model=target.model, priority=priority, prompt=prompt.text)
-    return Planned(request, target, routing_blocks)
+    return Planned(request, target, _routing_blocks(settings, target, request))
+
+
+def _routing_blocks(settings: Settings, target: Target, request: GenerationRequest) -> int:
+    """What routing counts for a request: prompt plus (capped) output, times n, at most the largest cache."""
+    params = request.params()
+    out_tokens = min(params.max_tokens or 1, settings.route_max_output_tokens)
+    blocks = request_blocks(len(request.prompt_token_ids), out_tokens, params.n, target.block_size)
+    return min(blocks, target.max_total_blocks)
+
+
+def replan(settings: Settings, sub: Submitted, request_id: str) -> Planned:
+    """A placed request, to be placed again under a new id (Redis lost it): one attempt later, so the worker
+    that takes it resumes from the output stream (gateway.relay restores the chunks already relayed there)."""
+    request = sub.request.model_copy(update={"request_id": request_id, "attempt": sub.request.attempt + 1,
+                                             "kv_blocks": 0, "lease": False})
+    return Planned(request, sub.target, _routing_blocks(settings, sub.target, request))
 
 
 async def place(state: GatewayState, planned: Planned) -> Submitted:

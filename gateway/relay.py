@@ -15,7 +15,7 @@ from opentelemetry import trace
 
 from gateway.errors import APIError, bad_request
 from gateway.metrics import GatewayMetrics
-from gateway.placement import Submitted
+from gateway.placement import Submitted, place, replan
 from gateway.state import GatewayState
 from shared import keys, streams
 from shared import telemetry as t
@@ -32,33 +32,43 @@ def chunk_error(chunk: OutputChunk) -> APIError:
     return APIError(500, err.message, type="server_error", code=err.kind)
 
 
+MAX_REPLACEMENTS = 2  # times one relay places a request again after Redis lost it
+
+
 async def relay(state: GatewayState, sub: Submitted, disconnected: Any = None) -> AsyncIterator[OutputChunk]:
     """The request's chunks, each once, in order. Cancels the request on the worker if the consumer stops
     early (client gone), `disconnected()` turns true (checked at most every 0.25 s, between chunks), or no
     chunk arrives within request_timeout_s (-> 504). Redis unreachable pauses the relay for up to
-    redis_grace_s, then it goes on where it stopped; past the grace, or when Redis came back without the
-    request (restarted without its data), it ends with a 503 (an error event, then [DONE], when streaming)."""
+    redis_grace_s, then it goes on where it stopped; past the grace it ends with a 503 (an error event, then
+    [DONE], when streaming). When Redis lost the request (restarted without its data or the last second of
+    its AOF, flushed; or the lease lapsed while this gateway stalled) the relay places it again under a new
+    id, with the chunks already relayed restored, so a worker resumes after them: the client sees every
+    token once (MAX_REPLACEMENTS times; then a 503)."""
     settings = state.settings
-    finished, next_check = False, 0.0
-    where = sub.placement
-    entry = (keys.req_stream(where.worker_id) if where.worker_id else keys.REQ_ANY, where.entry_id)
-    chunks = streams.aiter_output(state.redis, sub.request_id, timeout_s=settings.request_timeout_s,
-                                  expire_after_s=settings.output_ttl_after_read_s, grace_s=settings.redis_grace_s,
-                                  entry=entry)
+    finished, next_check, relayed = False, 0.0, []
     loop = asyncio.get_running_loop()
     observer = RelayObserver(state.metrics, sub)
     leases = state.leases
     try:
-        async for chunk in chunks:
-            if leases is not None:
-                leases.touch(sub.request_id)
-            observer.chunk(chunk)
-            finished = chunk.final
-            yield chunk
-            if disconnected is not None and not finished and loop.time() >= next_check:
-                next_check = loop.time() + 0.25
-                if await disconnected():
-                    return
+        for replacement in range(MAX_REPLACEMENTS + 1):
+            try:
+                async for chunk in _chunks(state, sub, relayed[-1].seq if relayed else -1):
+                    if leases is not None:
+                        leases.touch(sub.request_id)
+                    observer.chunk(chunk)
+                    finished = chunk.final
+                    relayed.append(chunk)
+                    yield chunk
+                    if disconnected is not None and not finished and loop.time() >= next_check:
+                        next_check = loop.time() + 0.25
+                        if await disconnected():
+                            return
+                return
+            except streams.OutputLost as e:
+                if replacement == MAX_REPLACEMENTS:
+                    raise
+                log.warning("request %s: %s; placing it again", sub.request_id, e)
+                sub = await _place_again(state, sub, relayed, replacement + 1)
     except streams.OutputTimeout:
         raise APIError(504, f"no output within {settings.request_timeout_s:g}s; the request was cancelled",
                        code="timeout") from None
@@ -77,6 +87,32 @@ async def relay(state: GatewayState, sub: Submitted, disconnected: Any = None) -
         if not finished:
             log.info("cancelling %s (client gone or timed out)", sub.request_id)
             state.spawn(_cancel(state, sub.request_id))
+
+
+def _chunks(state: GatewayState, sub: Submitted, after_seq: int) -> AsyncIterator[OutputChunk]:
+    settings, where, leases = state.settings, sub.placement, state.leases
+    entry = (keys.req_stream(where.worker_id) if where.worker_id else keys.REQ_ANY, where.entry_id)
+    lost = (lambda: leases.is_lost(sub.request_id)) if leases is not None else None
+    return streams.aiter_output(state.redis, sub.request_id, timeout_s=settings.request_timeout_s,
+                                expire_after_s=settings.output_ttl_after_read_s, grace_s=settings.redis_grace_s,
+                                entry=entry, after_seq=after_seq, lost=lost)
+
+
+async def _place_again(state: GatewayState, sub: Submitted, relayed: list[OutputChunk], n: int) -> Submitted:
+    """Redis lost `sub`: cancel it (a worker may still run it), write the chunks relayed so far into the
+    output stream of a new request id, and place that one (one attempt later, so its worker resumes)."""
+    if state.leases is not None:
+        state.leases.release(sub.request_id)
+    await _cancel(state, sub.request_id)
+    planned = replan(state.settings, sub, f"{sub.request_id.split('~')[0]}~{n}")
+    if relayed:
+        await streams.arestore_output(state.redis, planned.request.request_id, relayed, state.settings.output_ttl_s)
+    async with state.admission:
+        again = await place(state, planned)
+    state.metrics.replaced.inc()
+    log.warning("request %s placed again as %s (%s), resuming after %d chunk(s)", sub.request_id,
+                again.request_id, again.placement.worker_id or "shared queue", len(relayed))
+    return again
 
 
 async def _cancel(state: GatewayState, request_id: str) -> None:

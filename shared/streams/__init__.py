@@ -53,6 +53,7 @@ from shared.streams.output import (  # noqa: F401
     add_chunk_commands,
     aiter_output,
     aoutput_exists,
+    arestore_output,
     iter_output,
     output_exists,
     read_all_chunks,

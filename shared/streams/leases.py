@@ -12,14 +12,17 @@ import redis.asyncio as aioredis
 from shared import keys
 
 
-async def ahold_leases(r: aioredis.Redis, request_ids: Iterable[str], ttl_s: float) -> None:
+async def ahold_leases(r: aioredis.Redis, request_ids: Iterable[str], ttl_s: float) -> set[str]:
     """Set (or refresh) the lease of every request in `request_ids` to expire in `ttl_s`: one round trip.
-    SET, not PEXPIRE, so a lease that expired while Redis was away comes back."""
+    SET, not PEXPIRE, so a lease that expired while Redis was away comes back. -> the requests whose lease
+    was not there (SET ... GET): Redis lost it (a restart without the data, a FLUSHALL), or it lapsed."""
     ms = max(1, int(ttl_s * 1000))
+    ids = list(request_ids)
     pipe = r.pipeline(transaction=False)
-    for rid in request_ids:
-        pipe.set(keys.lease(rid), 1, px=ms)
-    await pipe.execute()
+    for rid in ids:
+        pipe.set(keys.lease(rid), 1, px=ms, get=True)
+    previous = await pipe.execute()
+    return {rid for rid, old in zip(ids, previous, strict=True) if old is None}
 
 
 def leases_alive(r: redis.Redis, request_ids: list[str]) -> set[str]:

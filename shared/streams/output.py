@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import redis
@@ -29,6 +29,15 @@ def add_chunk_commands(pipe: Any, chunk: OutputChunk, ttl_s: float) -> None:
     stream = keys.out_stream(chunk.request_id)
     pipe.xadd(stream, {keys.FIELD: chunk.model_dump_json(exclude_defaults=True)})
     pipe.pexpire(stream, int(ttl_s * 1000))
+
+
+async def arestore_output(r: aioredis.Redis, request_id: str, chunks: list[OutputChunk], ttl_s: float) -> None:
+    """Gateway side: write chunks it already relayed into a fresh output stream (renamed to `request_id`),
+    before that request is enqueued, so the worker that takes it resumes after them (one round trip)."""
+    pipe = r.pipeline(transaction=False)
+    for chunk in chunks:
+        add_chunk_commands(pipe, chunk.model_copy(update={"request_id": request_id}), ttl_s)
+    await pipe.execute()
 
 
 def read_all_chunks(r: redis.Redis, request_id: str) -> list[OutputChunk]:
@@ -76,9 +85,11 @@ class _OutputCursor:
     given once), when it gives up, and whether Redis is away. `iter_output` and `aiter_output` differ only
     in how they call Redis and sleep."""
 
-    def __init__(self, request_id: str, timeout_s: float, grace_s: float, entry: tuple[str, str] | None):
+    def __init__(self, request_id: str, timeout_s: float, grace_s: float, entry: tuple[str, str] | None,
+                 after_seq: int = -1):
         self.request_id, self.timeout_s, self.grace_s, self.entry = request_id, timeout_s, grace_s, entry
         self.stream, self.last_id, self.dedup = keys.out_stream(request_id), "0-0", ChunkDeduper()
+        self.dedup.last_seq = after_seq
         self.deadline = time.monotonic() + timeout_s
         self.down_since: float | None = None
         self.next_silence_check = time.monotonic() + SILENCE_CHECK_S
@@ -125,6 +136,12 @@ class _OutputCursor:
             return
         raise OutputLost(f"Redis lost request {self.request_id} (it restarted without its data, or was flushed); "
                          "retry the request")
+
+    def check_lease(self, lost: Callable[[], bool] | None) -> None:
+        """OutputLost when the holder of the request's lease found it gone (gateway.leases)."""
+        if lost is not None and lost():
+            raise OutputLost(f"Redis lost request {self.request_id}: its lease vanished (Redis restarted without "
+                             "its data or was flushed, or the gateway stalled past the lease TTL)")
 
     def new_chunks(self, reply: Any) -> list[OutputChunk]:
         new_id, chunks = _parse_xread(reply)
@@ -177,10 +194,14 @@ def iter_output(r: redis.Redis, request_id: str, *, timeout_s: float = 600.0, bl
 
 async def aiter_output(r: aioredis.Redis, request_id: str, *, timeout_s: float = 600.0, block_ms: int = 1000,
                        expire_after_s: float = 120.0, grace_s: float = 15.0,
-                       entry: tuple[str, str] | None = None) -> AsyncIterator[OutputChunk]:
-    """The asyncio twin of `iter_output`."""
-    cursor = _OutputCursor(request_id, timeout_s, grace_s, entry)
+                       entry: tuple[str, str] | None = None, after_seq: int = -1,
+                       lost: Callable[[], bool] | None = None) -> AsyncIterator[OutputChunk]:
+    """The asyncio twin of `iter_output`, for a gateway's relay: it may start after chunk `after_seq` (a
+    request placed again with the chunks already relayed restored), and `lost()`, asked after every read,
+    turns true when the request's lease vanished (-> OutputLost)."""
+    cursor = _OutputCursor(request_id, timeout_s, grace_s, entry, after_seq)
     while True:
+        cursor.check_lease(lost)
         try:
             reply, kept = await r.xread(cursor.streams(), block=block_ms, count=256), None
             if cursor.should_check(bool(reply)):

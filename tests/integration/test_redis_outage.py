@@ -6,13 +6,16 @@ worker and real gateways:
 - stopped for less than the grace and started again WITH its data (AOF): a stream in flight pauses and goes
   on, and the client gets the whole answer, each token once, equal to an undisturbed greedy run;
 - stopped for longer than the grace: the stream ends with an OpenAI error event, then [DONE];
-- restarted without its data while a request is queued: its reader fails at once with "Redis lost".
+- restarted without its data while a request is queued: its reader fails at once with "Redis lost";
+- restarted without its data mid-stream, or flushed while a request waits: the gateway places the request
+  again with what it relayed restored, and the client gets the whole greedy answer, each token once.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import signal
 import threading
 import time
 
@@ -33,7 +36,8 @@ MAX_TOKENS = 200
 @pytest.fixture(scope="module")
 def fleet(tiny_llama_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("redis-outage")
-    f = Fleet(tiny_llama_dir, tmp, env={"KVFLEET_HEARTBEAT_S": "0.5", "KVFLEET_STATUS_TTL_S": "3"})
+    f = Fleet(tiny_llama_dir, tmp, env={"KVFLEET_HEARTBEAT_S": "0.5", "KVFLEET_STATUS_TTL_S": "3",
+                                        "KVFLEET_LEASE_TTL_S": "3"})
     f.redis = RedisServer(password="p@ss:word", data_dir=str(tmp / "redis-data"))  # AOF, kept on stop
     f.worker_metrics_port = free_port()
     with f:
@@ -157,6 +161,66 @@ def test_outage_past_the_grace_ends_with_an_error_event(fleet):
     assert whole[0].status_code == 503 and whole[0].headers.get("retry-after"), whole[0].text
     assert whole[0].json()["error"]["code"] == "redis_unavailable"
     fleet.wait_for(lambda: _ready(fleet.url() + "/health") == 200, timeout_s=20, what="the fleet to be ready")
+
+
+def _stream_text(events: list[str]) -> str:
+    assert events and events[-1] == "[DONE]", events[-3:]
+    payloads = [json.loads(e) for e in events[:-1]]
+    assert not [p for p in payloads if "error" in p], payloads
+    usage = [p["usage"] for p in payloads if p.get("usage")]
+    assert usage and usage[-1]["completion_tokens"] == MAX_TOKENS, usage
+    return "".join(c["text"] for p in payloads for c in p["choices"])
+
+
+def _placed_again(fleet: Fleet) -> float:
+    with fleet.http() as h:
+        text = h.get("/metrics").text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("kvfleet_requests_placed_again_total"))
+
+
+def test_restart_without_data_mid_stream_the_gateway_places_it_again(fleet):
+    """Redis comes back empty while a stream runs: the worker loses ownership and aborts it; the gateway sees
+    the output stream gone, writes the chunks it relayed into a new request's stream and places that one; a
+    worker resumes after them. The client sees the greedy answer whole, each token once, no error."""
+    reference = _complete(fleet)
+    before_count = _placed_again(fleet)
+    port = fleet.redis.port
+    started, events = threading.Event(), []
+    reader = threading.Thread(target=_sse_events, args=(fleet, None, started, events), daemon=True)
+    reader.start()
+    assert started.wait(30), fleet.tail()
+    fleet.wait_for(lambda: len(events) > 5, timeout_s=30, what="a few tokens")
+    _stop_redis(fleet, keep_data=False)
+    time.sleep(1)
+    _start_redis(fleet, port)
+    reader.join(90)
+    assert not reader.is_alive(), fleet.tail()
+    assert _stream_text(events) == reference
+    assert _placed_again(fleet) == before_count + 1
+
+
+def test_flushed_while_queued_the_gateway_places_it_again(fleet):
+    """A FLUSHALL (no restart, no dropped connection) while the request waits in a stopped worker's queue: the
+    gateway's next lease refresh finds the lease gone and places the request again; it is answered whole."""
+    reference = _complete(fleet)
+    before_count = _placed_again(fleet)
+    r = streams.connect(fleet.redis.url)
+    started, events = threading.Event(), []
+    fleet.signal_worker("w0", signal.SIGSTOP)
+    try:
+        reader = threading.Thread(target=_sse_events, args=(fleet, None, started, events), daemon=True)
+        reader.start()
+        time.sleep(1)  # placed and waiting
+        assert not events
+        r.flushall()
+    finally:
+        fleet.signal_worker("w0", signal.SIGCONT)
+        r.close()
+    reader.join(90)
+    assert not reader.is_alive(), fleet.tail()
+    assert _stream_text(events) == reference
+    assert _placed_again(fleet) == before_count + 1
 
 
 def test_queued_request_lost_with_the_data_fails_at_once(fleet):

@@ -21,7 +21,8 @@ class Pipe:
     def __init__(self, redis: FakeRedis):
         self.redis, self.sets = redis, []
 
-    def set(self, key, value, px):
+    def set(self, key, value, px, get):
+        assert get  # SET ... GET: the refresh learns which leases were gone
         self.sets.append((key, px))
 
     async def execute(self):
@@ -29,12 +30,16 @@ class Pipe:
             self.redis.fail -= 1
             raise streams.CONNECTION_ERRORS[0]("Redis away")
         self.redis.round_trips.append(self.sets)
+        previous = [b"1" if key in self.redis.stored else None for key, _ in self.sets]
+        self.redis.stored |= {key for key, _ in self.sets}
+        return previous
 
 
 class FakeRedis:
     def __init__(self):
         self.round_trips: list[list[tuple[str, int]]] = []
         self.fail = 0
+        self.stored: set[str] = set()  # lease keys Redis holds (none ever expire here)
 
     def pipeline(self, transaction):
         assert not transaction
@@ -65,6 +70,22 @@ def test_every_held_lease_is_refreshed_in_one_round_trip_per_turn():
     released_at = trips.index(kept)
     assert released_at > 0 and trips[:released_at] == [all3] * released_at, trips
     assert trips[released_at:] == [kept] * (len(trips) - released_at), trips
+
+
+def test_a_lease_found_gone_marks_its_request_lost_until_released():
+    async def go(r: FakeRedis) -> tuple[bool, bool, bool]:
+        leases = Leases(ttl_s=0.3, max_idle_s=60)
+        await leases.take(r, "kept")
+        await leases.take(r, "flushed")
+        assert not leases.is_lost("flushed")  # its first SET found nothing, as every first SET does
+        r.stored.discard(keys.lease("flushed"))  # Redis lost it (a restart without its data, a FLUSHALL)
+        await asyncio.sleep(0.2)  # one refresh
+        lost = leases.is_lost("flushed"), leases.is_lost("kept")
+        leases.release("flushed")
+        await leases.close()
+        return (*lost, leases.is_lost("flushed"))
+
+    assert asyncio.run(go(FakeRedis())) == (True, False, False)
 
 
 def test_an_untouched_lease_is_dropped_and_a_failed_refresh_is_retried():
