@@ -4,11 +4,19 @@
 command, environment, ports, network); `start_docker_fleet` creates them through the `docker` package, in
 the foreground: Ctrl-C or SIGTERM stops them (workers drain first) and removes them. The images are the
 ones docker/ builds (`docker-compose build`, or `docker build -f docker/Dockerfile.<x> ...`).
+
+The Redis it starts (unless --redis-url) keeps an AOF in a named volume, caps its memory with noeviction, and
+has a random password, new on each start (`secrets.token_urlsafe`). The password travels in environments only,
+never in a command line (`docker inspect`'s Args and `ps` on the host show those): Redis gets it as REDISCLI_AUTH
+(its shell `printf`s it into a config file, as docker-compose.yml does, and `redis-cli` in the container
+authenticates with it), the gateway and workers in KVFLEET_REDIS_URL, which is also how a given --redis-url
+reaches them.
 """
 
 from __future__ import annotations
 
 import argparse
+import secrets
 import signal
 import sys
 import time
@@ -16,10 +24,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import docker.types  # binds `docker` too (docker.from_env)
 from docker.errors import DockerException, ImageNotFound, NotFound
 from docker.utils import kwargs_from_env
+
+from services.private_redis import DEFAULT_MAXMEMORY
+from shared.settings import redacted_url
 
 VERSION_TAG = "0.1.0"
 GATEWAY_IMAGE = f"kvfleet-gateway:{VERSION_TAG}"
@@ -32,6 +44,10 @@ FLEET_LABEL = "io.kvfleet.fleet"
 GATEWAY_PORT = 8000
 METRICS_PORT = 9100
 MODEL_MOUNT = "/models"
+# Runs as root (the image's entrypoint passes other commands through), writes the password's config file with
+# the shell builtin printf (nothing in argv), then execs the entrypoint, which drops to the `redis` user.
+REDIS_START = ("printf 'requirepass \"%s\"\\n' \"$REDISCLI_AUTH\" > /tmp/auth.conf && chmod 644 /tmp/auth.conf"
+               " && exec docker-entrypoint.sh redis-server /tmp/auth.conf \"$@\"")
 
 
 @dataclass(frozen=True)
@@ -66,9 +82,12 @@ def fleet_container_specs(*, workers: int = 2, model: str = "smollm2", port: int
                           device: str = "cpu", redis_url: str | None = None, routing: str = "free_blocks",
                           api_keys: Sequence[str] = (), drain_timeout: int = 30, dtype: str | None = None,
                           num_kv_blocks: int | None = None, kv_cache_memory: str | None = None,
-                          gpu_ids: Sequence[str] = ("0",), fleet: str = "kvfleet") -> list[ContainerSpec]:
+                          gpu_ids: Sequence[str] = ("0",), fleet: str = "kvfleet",
+                          redis_maxmemory: str = DEFAULT_MAXMEMORY,
+                          redis_password: str | None = None) -> list[ContainerSpec]:
     """The containers of one fleet, in start order: Redis (unless `redis_url` names one), gateway, workers.
-    Worker i of a cuda fleet gets GPU gpu_ids[i % len(gpu_ids)]."""
+    Worker i of a cuda fleet gets GPU gpu_ids[i % len(gpu_ids)]. The Redis started here gets `redis_password`,
+    or a random one when None."""
     if workers < 1:
         raise ValueError(f"a fleet needs at least one worker; got workers={workers}")
     if device not in WORKER_IMAGES:
@@ -81,11 +100,13 @@ def fleet_container_specs(*, workers: int = 2, model: str = "smollm2", port: int
     labels = {FLEET_LABEL: fleet}
     specs: list[ContainerSpec] = []
     if redis_url is None:
-        redis_url = f"redis://{fleet}-redis:6379/0"
+        password = redis_password or secrets.token_urlsafe(32)
+        redis_url = f"redis://:{quote(password, safe='')}@{fleet}-redis:6379/0"
         specs.append(ContainerSpec(
             name=f"{fleet}-redis", image=REDIS_IMAGE, network=network, labels=labels,
-            command=["redis-server", "--appendonly", "yes", "--appendfsync", "everysec", "--dir", "/data"],
-            environment={}, ports={"6379/tcp": ("127.0.0.1", None)},
+            command=["sh", "-c", REDIS_START, "redis", "--appendonly", "yes", "--appendfsync", "everysec",
+                     "--dir", "/data", "--maxmemory", redis_maxmemory, "--maxmemory-policy", "noeviction"],
+            environment={"REDISCLI_AUTH": password}, ports={"6379/tcp": ("127.0.0.1", None)},
             volumes={f"{fleet}-redis-data": {"bind": "/data", "mode": "rw"}}))
 
     # A local model (directory or .gguf) is mounted at the same path in the gateway (tokenizer) and workers.
@@ -96,18 +117,17 @@ def fleet_container_specs(*, workers: int = 2, model: str = "smollm2", port: int
         model_arg = f"{MODEL_MOUNT}/{local.name}"
         volumes[str(local.resolve())] = {"bind": model_arg, "mode": "ro"}
 
-    env = {"KVFLEET_REDIS_URL": redis_url, "HF_HUB_OFFLINE": "1"}
+    env = {"KVFLEET_REDIS_URL": redis_url, "HF_HUB_OFFLINE": "1"}  # the URL, password included: never argv
     gateway_env = dict(env, OTEL_SERVICE_NAME="kvfleet-gateway")
     if api_keys:
         gateway_env["KVFLEET_API_KEYS"] = ",".join(api_keys)
     specs.append(ContainerSpec(
         name=f"{fleet}-gateway", image=GATEWAY_IMAGE, network=network, labels=labels, environment=gateway_env,
-        command=["kvfleet", "gateway", "--redis-url", redis_url, "--host", "0.0.0.0", "--port", str(GATEWAY_PORT),
-                 "--routing", routing],
+        command=["kvfleet", "gateway", "--host", "0.0.0.0", "--port", str(GATEWAY_PORT), "--routing", routing],
         ports={f"{GATEWAY_PORT}/tcp": ("127.0.0.1", port)}, volumes=volumes, stop_timeout=60))
 
     for i in range(workers):
-        command = ["kvfleet", "worker", "--redis-url", redis_url, "--model", model_arg,
+        command = ["kvfleet", "worker", "--model", model_arg,
                    "--worker-id", f"{fleet}-worker-{i}", "--metrics-port", str(METRICS_PORT),
                    "--drain-timeout", str(drain_timeout), "--device", device]
         if dtype:
@@ -142,7 +162,8 @@ def specs_from_args(args: argparse.Namespace) -> list[ContainerSpec]:
         api_keys=getattr(args, "api_keys", None) or (),
         drain_timeout=30 if drain_timeout is None else round(float(drain_timeout)),
         dtype=getattr(args, "dtype", None), num_kv_blocks=None if num_kv_blocks is None else int(num_kv_blocks),
-        kv_cache_memory=getattr(args, "kv_cache_memory", None), gpu_ids=getattr(args, "gpu_ids", None) or ("0",))
+        kv_cache_memory=getattr(args, "kv_cache_memory", None), gpu_ids=getattr(args, "gpu_ids", None) or ("0",),
+        redis_maxmemory=getattr(args, "redis_maxmemory", None) or DEFAULT_MAXMEMORY)
 
 
 def start_docker_fleet(args: argparse.Namespace) -> int:
@@ -188,9 +209,13 @@ def start_docker_fleet(args: argparse.Namespace) -> int:
                 print(f"kvfleet: could not start {spec.name}: {e}", file=sys.stderr)
                 return 1
         gateway = next(s for s in specs if s.image == GATEWAY_IMAGE)
+        redis = next((s for s in specs if s.image == REDIS_IMAGE), None)
+        where = (f"`docker exec -it {redis.name} redis-cli` (it authenticates with the REDISCLI_AUTH of its"
+                 " environment)" if redis is not None else "given with --redis-url")
         print(f"kvfleet: fleet up in Docker ({len(specs)} containers on network {network}); API at "
               f"http://127.0.0.1:{gateway.ports[f'{GATEWAY_PORT}/tcp'][1]}/v1 (workers answer once their model"
-              " is loaded). Ctrl-C stops it.", flush=True)
+              f" is loaded); Redis {redacted_url(gateway.environment['KVFLEET_REDIS_URL'])}: {where}."
+              " Ctrl-C stops it.", flush=True)
         if getattr(args, "detach", False):
             started = []  # leave them running
             return 0

