@@ -38,6 +38,8 @@ def configure(app: Celery, settings: Settings) -> None:
     vt = settings.celery_visibility_timeout_s
     app.conf.update(
         broker_url=settings.broker_url,
+        # kombu's Redis transport, made to survive a connection lost while a task runs (services.celery_transport)
+        broker_transport="services.celery_transport:Transport" if settings.broker_url.startswith("redis://") else None,
         result_backend=settings.result_backend,
         task_serializer="json", result_serializer="json", accept_content=["json"],
         task_acks_late=True, task_reject_on_worker_lost=True, task_track_started=True,

@@ -1,9 +1,11 @@
-"""Run a real fleet (a private Redis with AOF, 3 workers, 2 gateway replicas) under a steady mixed load
-(completion and chat, streaming and not, greedy and seeded sampling, n>1, clients that cancel or disconnect)
+"""Run a real fleet (a private Redis with AOF, 3 workers, 2 gateway replicas, a Celery worker) under a steady
+mixed load (completion and chat, streaming and not, greedy and seeded sampling, n>1, HTTP clients that cancel
+or disconnect, the Python client whole or cancelled, Celery tasks, small batch files through `kvfleet batch`)
 while injecting faults at random with a fixed seed: SIGKILL, SIGTERM and SIGSTOP/SIGCONT of workers, SIGKILL
 of a gateway, a Redis restart on the same AOF, dropped Redis connections (CLIENT KILL), poison requests.
-Then check, and print as a table: every accepted request answered exactly once, outputs equal to a
-fault-free reference, no 5xx but 503 while Redis was down, no process gone, Redis memory back to its
+Then check, and print as tables (the checks, the faults, the requests by door): every accepted request
+answered exactly once, outputs equal to a fault-free reference, no chunk twice or skipped, no 5xx but 503
+while Redis was down, no process gone or crashed, no work left in the workers, Redis memory back to its
 baseline. Exit status 0 when every check passes, 1 otherwise."""
 
 from __future__ import annotations

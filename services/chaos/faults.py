@@ -1,7 +1,9 @@
 """The fault injector: one fault at a time, a few seconds apart: each kind once, then at random, all from a
-fixed seed. The next fault waits until the fleet is whole again (a stopped worker continued, a killed one
-restarted and registered, Redis started again), so at most one part of the fleet is away at once. Redis
-outages are kept as time windows: a 503 redis_unavailable / redis_lost_request is expected only within one."""
+fixed seed. A fault that takes a part of the fleet away (a worker, a gateway, Redis) waits until the fleet is
+whole again (a stopped worker continued, a killed one restarted and registered, Redis started again), so at
+most one part is away at once; the others (CLIENT KILL, poison) come on time, while a part may be restarting.
+Redis outages are kept as time windows: a 503 redis_unavailable / redis_lost_request is expected only within
+one."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from shared import streams
 
 KINDS = ("worker_sigkill", "worker_sigterm", "worker_sigstop", "gateway_sigkill", "redis_restart",
          "redis_client_kill", "poison")
+TAKE_NOTHING_AWAY = ("redis_client_kill", "poison")  # kinds that need no whole fleet to hit
 WHOLE_TIMEOUT_S = 180.0  # a fleet not whole again by then: the next fault comes anyway (and the checks tell)
 REDIS_AFTERMATH_S = 20.0  # 503s this long after Redis is back are still the outage's (readers' backoff)
 
@@ -57,10 +60,13 @@ class Injector:
         first = self.rng.sample(self.kinds, len(self.kinds))
         while not self._stop.wait(self.rng.uniform(*self.interval_s)):
             kind = first.pop(0) if first else self.rng.choice(self.kinds)
+            if kind not in TAKE_NOTHING_AWAY:
+                self._wait_whole()
+                if self._stop.is_set():
+                    return
             target = getattr(self, kind)()
             self.log.counts[kind] += 1
             self.log.events.append((time.time(), kind, target))
-            self._wait_whole()
 
     def _wait_whole(self) -> None:
         """Until every process is back and every worker registered (a restarted worker loads its model first):

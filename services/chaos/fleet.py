@@ -1,8 +1,9 @@
 """The fleet under test: a private Redis with AOF (services.redis_server, in a data directory kept across its
-restarts), N workers and M gateway replicas as `python -m services.cli ...` children, logs in files.
+restarts), N workers and M gateway replicas as `python -m services.cli ...` children, and a Celery worker
+(`celery -A services.celery_app worker`, on the same Redis as broker and result backend), logs in files.
 
-It supervises like `kvfleet up`: a worker or gateway that exits is started again with the same command (same
-worker id, same port) after RESTART_DELAY_S. Exits the injector caused are expected; any other is counted as
+It supervises like `kvfleet up`: a child that exits is started again with the same command (same worker id,
+same port) after RESTART_DELAY_S. Exits the injector caused are expected; any other is counted as
 a crash. Every process is stopped by PID.
 """
 
@@ -25,16 +26,21 @@ from services.redis_server import RedisServer, free_port
 from shared.settings import child_env
 
 RESTART_DELAY_S = 1.0
+CELERY_CONCURRENCY = 8  # tasks the Celery worker runs at once (threads): more than the load's client threads
+JOB_TTL_S = 60.0  # a job record outlives any retry of its request in a soak; a day (the default) would fill Redis
 STATUS_TTL_S = 3.0  # short, so a SIGSTOP longer than it makes the others take over within seconds
 CHILD_SETTINGS = {"KVFLEET_STATUS_TTL_S": str(STATUS_TTL_S), "KVFLEET_HEARTBEAT_S": "0.5",
                   # outputs expire soon after they are read, so Redis memory returns to its baseline in seconds
                   "KVFLEET_OUTPUT_TTL_AFTER_READ_S": "2", "KVFLEET_OUTPUT_TTL_S": "30",
+                  # job records (Celery tasks, batch lines, Python client requests) too, a minute after they finish
+                  "KVFLEET_JOB_TTL_S": str(JOB_TTL_S),
                   "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
 
 
 @dataclass
 class Child:
     name: str
+    role: str  # worker, gateway or celery
     args: list[str]
     log: Path
     proc: subprocess.Popen | None = None
@@ -54,26 +60,29 @@ class ChaosFleet:
         self.children: dict[str, Child] = {}
         cli = ["-m", "services.cli"]
         for i in range(workers):
-            self._add(f"w{i}", cli + ["worker", "--model", model, "--worker-id", f"w{i}",
-                                      "--num-kv-blocks", str(num_kv_blocks)])
+            self._add(f"w{i}", "worker", cli + ["worker", "--model", model, "--worker-id", f"w{i}",
+                                                "--num-kv-blocks", str(num_kv_blocks)])
         self.ports = [free_port() for _ in range(gateways)]
         for port in self.ports:
-            self._add(f"gateway-{port}", cli + ["gateway", "--port", str(port), "--model", model])
+            self._add(f"gateway-{port}", "gateway", cli + ["gateway", "--port", str(port), "--model", model])
+        self._add("celery", "celery", ["-m", "celery", "-A", "services.celery_app", "worker", "-n", "chaos@%h",
+                                       "--pool=threads", "-c", str(CELERY_CONCURRENCY), "--loglevel=INFO",
+                                       "--without-gossip", "--without-mingle", "--without-heartbeat"])
         self.env: dict[str, str] = {}
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._supervisor = threading.Thread(target=self._supervise, name="chaos-supervisor", daemon=True)
 
-    def _add(self, name: str, args: list[str]) -> None:
-        self.children[name] = Child(name, args, self.work_dir / f"{name}.log")
+    def _add(self, name: str, role: str, args: list[str]) -> None:
+        self.children[name] = Child(name, role, args, self.work_dir / f"{name}.log")
 
     @property
     def workers(self) -> list[Child]:
-        return [c for c in self.children.values() if not c.name.startswith("gateway")]
+        return [c for c in self.children.values() if c.role == "worker"]
 
     @property
     def gateways(self) -> list[Child]:
-        return [c for c in self.children.values() if c.name.startswith("gateway")]
+        return [c for c in self.children.values() if c.role == "gateway"]
 
     # ---- lifecycle --------------------------------------------------------------------------------
     def start(self, timeout_s: float = 300.0) -> ChaosFleet:
@@ -83,7 +92,18 @@ class ChaosFleet:
             self._spawn(child)
         self._supervisor.start()
         self.wait_ready(timeout_s)
+        self._wait_celery(timeout_s)
         return self
+
+    def _wait_celery(self, timeout_s: float) -> None:
+        """Until the Celery worker logs that it consumes (its first start: the log is appended to)."""
+        log = self.children["celery"].log
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if log.exists() and "ready." in log.read_text(errors="replace"):
+                return
+            time.sleep(0.3)
+        raise RuntimeError(f"the Celery worker was not ready within {timeout_s:g}s; log in {log}\n{self.tail()}")
 
     def _spawn(self, child: Child) -> None:
         with open(child.log, "ab") as f:
@@ -140,14 +160,22 @@ class ChaosFleet:
     def url(self, port: int) -> str:
         return f"http://127.0.0.1:{port}"
 
-    def registered(self) -> dict[str, int]:
-        """worker id -> pid of each worker with a live status (as the first gateway sees the fleet)."""
+    def _live_workers(self) -> list[dict]:
+        """The live workers' statuses, as the first gateway sees the fleet ([] when it cannot tell)."""
         try:
             r = httpx.get(self.url(self.ports[0]) + "/v1/fleet", timeout=3,
                           headers={"Authorization": f"Bearer {self.api_key}"})
-            return {w["worker_id"]: w["pid"] for w in r.json()["workers"]} if r.status_code == 200 else {}
+            return list(r.json()["workers"]) if r.status_code == 200 else []
         except (httpx.HTTPError, ValueError, KeyError):
-            return {}
+            return []
+
+    def registered(self) -> dict[str, int]:
+        """worker id -> pid of each worker with a live status."""
+        return {w["worker_id"]: w["pid"] for w in self._live_workers()}
+
+    def busy(self) -> dict[str, int]:
+        """worker id -> requests it still runs or holds waiting (after the load: work nobody waits for)."""
+        return {w["worker_id"]: w["running"] + w["waiting"] for w in self._live_workers()}
 
     def ready(self) -> bool:
         """Whole: every child running, every gateway healthy, every worker registered by its current process

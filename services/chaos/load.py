@@ -1,8 +1,8 @@
-"""The steady mixed load, through the real `openai` client: a fixed catalogue of requests (completion and
-chat, streaming and not, greedy and seeded sampling, n>1), each sent as a whole request, a client that
-cancels (gives up after a fraction of a second), one that disconnects mid-stream, or through the Python
-client (services.client: straight into Redis, the path Celery tasks take); plus poison requests
-(bad bodies the gateway must refuse with a 4xx). Every request's outcome is one `Record`."""
+"""The steady mixed load: a fixed catalogue of requests (completion and chat, streaming and not, greedy and
+seeded sampling, n>1), each sent through the real `openai` client as a whole request, by a client that
+cancels (gives up after a fraction of a second) or one that disconnects mid-stream; or by a door that skips
+HTTP (services.chaos.jobs: the Python client, whole or cancelled, and Celery tasks; batch files run beside);
+plus poison requests (bad bodies the gateway must refuse with a 4xx). Every request's outcome is one `Record`."""
 
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ PROMPTS = ["Once upon a time, in a land of many rivers,", "The three laws of the
            "The quick brown fox", "Rain on the window, and"]
 MAX_TOKENS = 48  # long enough that faults hit requests mid-way
 CLIENT_TIMEOUT_S = 90.0  # no answer within this: the request is lost
-# how a client treats a request: over HTTP whole, cancelled, disconnected mid-stream; or the Python client
-MODES = ("whole", "whole", "whole", "cancel", "disconnect", "python_client")
+# how a client treats a request: over HTTP whole, cancelled, disconnected mid-stream; or through a door without
+# HTTP (services.chaos.jobs): the Python client whole or cancelled with Handle.cancel(), a Celery task
+MODES = ("whole", "whole", "whole", "cancel", "disconnect", "python_client", "python_cancel", "celery", "celery")
 # bad bodies (merged into a valid one) the gateway refuses before any work
 POISON = [{"top_k": 2**63}, {"seed": 2**64}, {"max_tokens": 2**40}, {"temperature": -1},
           {"logit_bias": {"999999999": 1}}, {"n": 10**6}, {"stop": ["x"] * 10**4}]
@@ -42,6 +43,11 @@ class Spec:
             body["prompt"] = self.prompt
         return body
 
+    def params(self, model: str) -> dict[str, Any]:
+        """The same request as plain parameters: what the Python client, a Celery task or a batch line takes."""
+        body = self.body(model)
+        return body | body.pop("extra_body")
+
 
 def catalogue(seed: int, size: int = 16) -> list[Spec]:
     rng = random.Random(seed)
@@ -56,7 +62,7 @@ def catalogue(seed: int, size: int = 16) -> list[Spec]:
 @dataclass
 class Record:
     spec: int  # index into the catalogue; -1 for poison
-    mode: str  # whole / cancel / disconnect / poison
+    mode: str  # one of MODES, "batch" or "poison"
     port: int
     t0: float
     t1: float = 0.0
@@ -64,7 +70,7 @@ class Record:
     status: int = 0  # HTTP status of an error answer
     code: str = ""  # OpenAI error code of an error answer or event
     texts: list[str] = field(default_factory=list)  # per choice
-    order_errors: list[str] = field(default_factory=list)  # chunks after a choice finished, or none finished
+    order_errors: list[str] = field(default_factory=list)  # text after a choice finished, none finished, answered twice
     detail: str = ""  # what the client library raised
 
     @property
@@ -129,32 +135,6 @@ def send(client: Any, specs: list[Spec], idx: int, mode: str, model: str, port: 
         rec.outcome, rec.detail = "refused" if refused else "connection_error", repr(e.__cause__)
     except openai.APIError as e:  # an SSE error event
         rec.outcome, rec.code = "stream_error", _error_code(e.body)
-    rec.t1 = time.time()
-    return rec
-
-
-def send_direct(client: Any, specs: list[Spec], idx: int, model: str) -> Record:
-    """One request through the Python client (services.client, straight into Redis: no gateway, no lease;
-    the path Celery tasks take too), waited for whole."""
-    from services.call_errors import FleetUnavailable, GenerationFailed, InvalidRequest
-    from shared import streams
-
-    rec = Record(spec=idx, mode="python_client", port=0, t0=time.time())
-    body = specs[idx].body(model)
-    body |= body.pop("extra_body")
-    try:
-        out = client.submit(**body).result(timeout=CLIENT_TIMEOUT_S)
-        choices = sorted(out["choices"], key=lambda c: c["index"])
-        rec.texts = [c["message"]["content"] if "message" in c else c["text"] for c in choices]
-        rec.outcome = "ok"
-    except FleetUnavailable as e:
-        rec.outcome, rec.status, rec.code, rec.detail = "refused", e.status_code, e.code or "", str(e)
-    except (InvalidRequest, GenerationFailed) as e:
-        rec.outcome, rec.status, rec.code, rec.detail = "http_error", e.status_code, e.code or "", str(e)
-    except TimeoutError:
-        rec.outcome = "lost"
-    except streams.CONNECTION_ERRORS as e:  # Redis away past the grace, or it lost the request: said, not silent
-        rec.outcome, rec.detail = "connection_error", repr(e)
     rec.t1 = time.time()
     return rec
 

@@ -1,15 +1,21 @@
 """The chaos soak's own pieces that need no fleet: how an answer compares with the reference, the Redis
-outage windows that excuse a 503, the --duration flag, each fault kind covered first."""
+outage windows that excuse a 503, the --duration flag, each fault kind covered first, how each door's answer
+is read (an abort counts as cancelled only when its client cancelled), and the checks and the per-mode table
+over a handful of records."""
 
 from __future__ import annotations
 
 import argparse
+from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 
 from services.chaos.command import duration
-from services.chaos.faults import KINDS, FaultLog
-from services.chaos.report import _compare
+from services.chaos.faults import KINDS, TAKE_NOTHING_AWAY, FaultLog
+from services.chaos.jobs import _answered
+from services.chaos.load import MODES, Record, Spec
+from services.chaos.report import _compare, check
 
 pytestmark = pytest.mark.unit
 
@@ -38,3 +44,97 @@ def test_kinds_are_the_injectors_methods():
     from services.chaos.faults import Injector
 
     assert all(callable(getattr(Injector, k, None)) for k in KINDS)
+    assert set(TAKE_NOTHING_AWAY) < set(KINDS)
+
+
+def test_the_load_uses_every_door():
+    assert {"whole", "cancel", "disconnect", "python_client", "python_cancel", "celery"} == set(MODES)
+
+
+def test_spec_params_are_the_body_without_the_openai_clients_extra_body():
+    spec = Spec(chat=True, stream=True, prompt="Hi", n=2, seed=7)
+    params = spec.params("m")
+    assert params["messages"] == [{"role": "user", "content": "Hi"}] and params["ignore_eos"] is True
+    assert "extra_body" not in params and "stream" not in params and params["seed"] == 7
+
+
+def _body(*finishes: str, chat: bool = False) -> dict:
+    choices = [{"index": i, "finish_reason": f} | ({"message": {"content": f"t{i}"}} if chat else {"text": f"t{i}"})
+               for i, f in reversed(list(enumerate(finishes)))]
+    return {"choices": choices}
+
+
+def test_an_abort_is_a_cancel_only_when_the_client_cancelled():
+    rec = Record(spec=0, mode="python_cancel", port=0, t0=0.0)
+    _answered(rec, _body("abort", "length"), cancelled=True)
+    assert rec.outcome == "cancelled" and rec.texts == ["t0", "t1"]
+    rec = Record(spec=0, mode="celery", port=0, t0=0.0)
+    _answered(rec, _body("length", chat=True), cancelled=False)
+    assert rec.outcome == "ok" and rec.texts == ["t0"]
+    rec = Record(spec=0, mode="python_client", port=0, t0=0.0)
+    _answered(rec, _body("abort"), cancelled=False)
+    assert rec.outcome == "lost" and "never cancelled" in rec.order_errors[0]
+
+
+def _fleet(gone: tuple[str, ...] = ()) -> SimpleNamespace:
+    children = {"w0": SimpleNamespace(name="w0", crashes=[]), "celery": SimpleNamespace(name="celery", crashes=[])}
+    return SimpleNamespace(children=children, gone=lambda: list(gone))
+
+
+def _rec(mode: str, outcome: str, texts: list[str], **kw) -> Record:
+    return Record(spec=0, mode=mode, port=0, t0=1.0, t1=2.0, outcome=outcome, texts=texts, **kw)
+
+
+def test_checks_count_each_door_like_the_http_ones():
+    specs, ref = [Spec(chat=False, stream=True, prompt="p")], [["hello world"]]
+    records = [_rec("whole", "ok", ["hello world"]), _rec("celery", "ok", ["hello world"]),
+               _rec("python_cancel", "cancelled", ["hello"]), _rec("cancel", "cancelled", []),
+               _rec("batch", "ok", ["hello world"]), _rec("celery", "refused", [])]
+    rep = check(specs, ref, records, FaultLog(counts=Counter(poison=1)), _fleet(), 2**20, 2**20, {})
+    assert rep.passed, rep.table()
+    assert "5/5 (2 cancelled or left)" in rep.table()
+    table = rep.mode_table().splitlines()
+    assert table[0].split() == ["mode", "sent", "refused", "ok", "error", "left", "lost", "differ"]
+    assert table[2].split() == ["batch", "1", "0", "1", "0", "0", "0", "0"]
+    assert table[3].split() == ["cancel", "1", "0", "0", "0", "1", "0", "0"]
+    assert table[4].split() == ["celery", "2", "1", "1", "0", "0", "0", "0"]
+
+
+def test_checks_fail_on_a_wrong_celery_answer_a_batch_line_twice_and_work_left_behind():
+    specs, ref = [Spec(chat=False, stream=False, prompt="p")], [["hello world"]]
+    records = [_rec("celery", "ok", ["hello there"]), _rec("batch", "ok", ["hello world"], order_errors=["b0-0 answered twice in x"]),
+               _rec("python_cancel", "cancelled", ["help"]), _rec("python_client", "lost", [])]
+    rep = check(specs, ref, records, FaultLog(), _fleet(), 2**20, 2**20, {"w1": 2})
+    failed = rep.failed()
+    assert "greedy outputs equal the fault-free reference" in failed and rep.differ == Counter(celery=1, python_cancel=1)
+    assert "no request duplicated" in failed and rep.duplicated == 1
+    assert "no work left in the workers after the drain" in failed and "w1: 2" in rep.table()
+    assert rep.lost == 1 and "accepted requests answered (ok, an error, or cancelled)" in failed
+
+
+def _chunk(seq: int, text: str, index: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(seq=seq, index=index, text=text, error=None)
+
+
+def test_python_client_stream_checks_the_sequence_numbers():
+    from services.chaos.jobs import _stream
+
+    rec = Record(spec=0, mode="python_client", port=0, t0=0.0)
+    _stream(rec, [_chunk(0, "a"), _chunk(1, "b", 1), _chunk(2, "c")], 2)
+    assert rec.outcome == "ok" and rec.texts == ["ac", "b"] and not rec.order_errors
+    rec = Record(spec=0, mode="python_client", port=0, t0=0.0)
+    _stream(rec, [_chunk(0, "a"), _chunk(2, "c"), _chunk(2, "c")], 1)
+    assert rec.order_errors == ["chunk seq 2 after 0: seq skipped", "chunk seq 2 answered twice"]
+    specs, ref = [Spec(chat=False, stream=True, prompt="p")], [["acc"]]
+    rep = check(specs, ref, [rec], FaultLog(), _fleet(), 2**20, 2**20, {})
+    assert {"no request duplicated", "streams: no token twice or skipped"} <= set(rep.failed())
+
+
+def test_a_celery_task_is_sent_again_only_after_an_outage_that_began_after_it_was_sent():
+    from services.chaos.jobs import resend_due
+
+    windows = [(100.0, 125.0), (200.0, 230.0)]
+    assert resend_due(windows, sent=90.0, now=120.0, resent=set()) == []  # the outage's aftermath is not over
+    assert resend_due(windows, sent=90.0, now=126.0, resent=set()) == [125.0]
+    assert resend_due(windows, sent=90.0, now=126.0, resent={125.0}) == []  # once per outage
+    assert resend_due(windows, sent=110.0, now=240.0, resent=set()) == [230.0]  # sent during or after the first
