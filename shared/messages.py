@@ -36,7 +36,7 @@ class GenerationRequest(BaseModel):
     arrival_time: float = Field(default_factory=time.time)  # wall clock, seconds
     # W3C trace context (traceparent, tracestate) injected by the caller's tracer; empty when off.
     trace_context: dict[str, str] = Field(default_factory=dict)
-    attempt: int = 0  # times this request was re-enqueued by a worker (deliveries are counted by Redis)
+    attempt: int = 0  # times it was re-enqueued: by a worker, or by a gateway after Redis lost it (Redis counts deliveries)
     kv_blocks: int = 0  # blocks the router counted for it (its reservation); 0 when unrouted
     # The gateway holds kvfleet:lease:{request_id} while its client waits: a worker aborts the request once
     # the lease lapsed. False (services' jobs, older producers): it runs to the end whoever reads it.
@@ -118,6 +118,7 @@ class WorkerStatus(BaseModel):
     heartbeat: float = Field(default_factory=time.time)
     draining: bool = False
     restarts: int = 0  # times its supervisor (`kvfleet up`) started it again after it exited
+    simulated: str | None = None  # a simulated worker's cost profile (`kvfleet worker --simulate`); None: a real model
 
     def available_blocks(self) -> int:
         """Free blocks not already promised to requests this worker holds."""

@@ -33,7 +33,7 @@ from gpu_worker.engine.detokenizer import IncrementalDetokenizer
 from gpu_worker.engine.isolation import EngineFault
 from gpu_worker.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from gpu_worker.engine.sampler import Sampler, SamplingRow
-from gpu_worker.executor.model_loader import load_model_files
+from gpu_worker.executor.model_loader import checked_max_model_len, eos_token_ids, load_model_files
 from gpu_worker.executor.model_runner import ModelRunner
 from shared.sampling_params import SamplingParams
 
@@ -100,13 +100,7 @@ class LLMEngine:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         files = load_model_files(model)
-        window = files.config.max_position_embeddings
-        if getattr(files.config, "sliding_window", None) and getattr(files.config, "use_sliding_window", True):
-            window = min(window, files.config.sliding_window)  # no sliding-window attention: stay inside it
-        if max_model_len is None:
-            max_model_len = window
-        elif max_model_len > window:
-            raise ValueError(f"max_model_len {max_model_len} > the model's context window {window}")
+        max_model_len = checked_max_model_len(files.config, max_model_len)
         sched_cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                     max_model_len=max_model_len, policy=scheduling_policy,
                                     log_memory_usage_s=log_memory_usage_s)
@@ -115,13 +109,8 @@ class LLMEngine:
                              max_num_seqs=max_num_seqs, use_triton=use_triton)
         cache_cfg = CacheConfig(block_size=block_size, num_blocks=runner.num_blocks,
                                 enable_prefix_caching=enable_prefix_caching)
-        eos = [files.tokenizer.eos_token_id] if files.tokenizer.eos_token_id is not None else []
-        cfg_eos = getattr(files.config, "eos_token_id", None)
-        for e in (cfg_eos if isinstance(cfg_eos, list) else [cfg_eos]):
-            if e is not None and e not in eos:
-                eos.append(e)
         return cls(runner, files.tokenizer, model_name=str(model), scheduler_config=sched_cfg,
-                   cache_config=cache_cfg, eos_token_ids=eos, seed=seed)
+                   cache_config=cache_cfg, eos_token_ids=eos_token_ids(files.config, files.tokenizer), seed=seed)
 
     # ---- requests ----------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,

@@ -69,11 +69,40 @@ def load_model_files(name: str | os.PathLike, cache_dir: str | os.PathLike | Non
     from transformers import AutoConfig, AutoTokenizer
 
     path = resolve_model(name)
-    weights_dir = _gguf_as_safetensors(path, cache_dir) if path.suffix == ".gguf" else path
+    weights_dir = model_dir(name, cache_dir)
     config = AutoConfig.from_pretrained(weights_dir)
     _check_architecture(config, path)
     tokenizer = AutoTokenizer.from_pretrained(weights_dir)
     return ModelFiles(path=path, config=config, tokenizer=tokenizer, weights_dir=weights_dir)
+
+
+def model_dir(name: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path:
+    """The directory with `name`'s config.json, tokenizer and safetensors: the model's own, or a GGUF's
+    de-quantized copy (made on first use)."""
+    path = resolve_model(name)
+    return _gguf_as_safetensors(path, cache_dir) if path.suffix == ".gguf" else path
+
+
+def checked_max_model_len(config: Any, max_model_len: int | None) -> int:
+    """The context window asked for (default: the model's), checked against the model's config."""
+    window = config.max_position_embeddings
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        window = min(window, config.sliding_window)  # no sliding-window attention: stay inside it
+    if max_model_len is None:
+        return window
+    if max_model_len > window:
+        raise ValueError(f"max_model_len {max_model_len} > the model's context window {window}")
+    return max_model_len
+
+
+def eos_token_ids(config: Any, tokenizer: Any) -> list[int]:
+    """The tokenizer's EOS id first, then any other end-of-text ids the config names (Llama 3)."""
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    cfg_eos = getattr(config, "eos_token_id", None)
+    for e in (cfg_eos if isinstance(cfg_eos, list) else [cfg_eos]):
+        if e is not None and e not in eos:
+            eos.append(e)
+    return eos
 
 
 def _safetensors_weights(model_dir: Path) -> Iterator[tuple[str, Any]]:

@@ -42,8 +42,9 @@ MAX_TICK_FAILURES = 5  # main-loop errors in a row after which the worker gives 
 
 class Worker:
     def __init__(self, engine: Any, settings: Settings, *, model_name: str, model_path: str = "",
-                 drain_timeout_s: float = 30.0, max_backlog: int | None = None):
+                 drain_timeout_s: float = 30.0, max_backlog: int | None = None, simulated: str | None = None):
         self.engine, self.settings = engine, settings
+        self.simulated = simulated  # the cost profile's name of a simulated worker (`kvfleet worker --simulate`)
         self.worker_id = keys.validate_worker_id(settings.worker_id)
         self.model_name, self.model_path = model_name, model_path
         self.drain_timeout_s = drain_timeout_s
@@ -285,6 +286,7 @@ class Worker:
                                                          self.settings.route_max_output_tokens), running=stats.num_running, waiting=stats.num_waiting,
             num_preemptions=stats.num_preemptions, num_finished=self.num_finished, pid=os.getpid(), host=socket.gethostname(),
             started_at=self.started_at, draining=self.draining, restarts=self.settings.restarts,
+            simulated=self.simulated,
             **self.metrics.recent())
 
     def _compute_room(self) -> Room:

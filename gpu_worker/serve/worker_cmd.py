@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import time
 
 from gpu_worker.core.policies import policy_class
 from gpu_worker.serve.worker import Worker
 from shared import keys, telemetry
 from shared.settings import Settings, hf_offline
+
+log = logging.getLogger("kvfleet.worker")
 
 
 def _scheduling_policy(spec: str) -> str:
@@ -32,9 +35,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-id", help="stable id (its stream is kvfleet:req:ID); default host-pid")
     p.add_argument("--num-kv-blocks", type=int, help="KV cache size in blocks")
     p.add_argument("--kv-cache-memory", help="KV cache size in memory, e.g. 2GiB (instead of --num-kv-blocks)")
-    p.add_argument("--block-size", type=int, default=16, help='tokens per KV-cache block')
-    p.add_argument("--max-num-seqs", type=int, default=128, help='most sequences in one batch')
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help='token budget of one engine step (prefill chunks + decodes)')
+    p.add_argument("--block-size", type=int, help='tokens per KV-cache block (default 16; simulated: its profile\'s)')
+    p.add_argument("--max-num-seqs", type=int, help='most sequences in one batch (default 128; simulated: its profile\'s)')
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   help="token budget of one engine step, prefill chunks + decodes (default 2048; simulated: its "
+                        "profile's)")
     p.add_argument("--max-model-len", type=int, help="context window (default: the model's)")
     p.add_argument("--scheduling-policy", type=_scheduling_policy, default="fcfs", metavar="POLICY",
                    help="which waiting request is admitted next and which running one is preempted first: fcfs "
@@ -47,15 +52,47 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-memory-usage", type=float, default=0.0, metavar="SECONDS",
                    help="log the KV cache's blocks used / free / cached, fragmentation and preemptions every "
                         "SECONDS (0: off)")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="skip the warm-up (a long prefill, a batch of sampled decodes and n=2 through the engine "
+                        "before the worker registers, so the first request pays no first-call costs)")
     p.add_argument("--metrics-port", type=int, help="serve /livez, /readyz, /metrics on this port")
     p.add_argument("--metrics-host", help="address for --metrics-port (default 127.0.0.1; 0.0.0.0 in pods; env "
                                           "KVFLEET_METRICS_HOST)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish requests on SIGTERM")
     p.add_argument("--status-ttl", type=float, help="seconds a status lives without a heartbeat")
     p.add_argument("--max-deliveries", type=int, help="deliveries before a request goes to kvfleet:dead")
+    p.add_argument("--simulate", metavar="PROFILE",
+                   help="a simulated worker: the real worker with the model replaced by a cost profile (a name in "
+                        "gpu_worker/executor/profiles/, e.g. smollm2-cpu, or a .json from `kvfleet bench "
+                        "calibrate`): each step sleeps for its cost, tokens are a function of seed, request and "
+                        "position; only the model's tokenizer and config are loaded")
+
+
+def _engine(args: argparse.Namespace, model: str):
+    """The real engine, or with --simulate the engine over a cost profile."""
+    common = dict(num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len,
+                  enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
+                  seed=args.seed, log_memory_usage_s=args.log_memory_usage)
+    if args.simulate:
+        import torch
+
+        from gpu_worker.engine.simulated import simulated_engine
+
+        torch.set_num_threads(1)  # it only samples: one thread, so many simulated workers share a few cores
+        if args.kv_cache_memory is not None:
+            raise ValueError("--kv-cache-memory: a simulated worker holds no KV data; size its cache with "
+                             "--num-kv-blocks (default: the profile's num_kv_blocks)")
+        return simulated_engine(args.simulate, model, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                                max_num_batched_tokens=args.max_num_batched_tokens, **common)
+    from gpu_worker.engine.llm_engine import LLMEngine
+
+    return LLMEngine.from_model(model, dtype=args.dtype, device=args.device, block_size=args.block_size or 16,
+                                kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs or 128,
+                                max_num_batched_tokens=args.max_num_batched_tokens or 2048, **common)
 
 
 def run(args: argparse.Namespace) -> int:
+    started = time.monotonic()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     hf_offline()
     telemetry.setup_tracing("kvfleet-worker")
@@ -63,7 +100,6 @@ def run(args: argparse.Namespace) -> int:
                                  status_ttl_s=args.status_ttl, max_deliveries=args.max_deliveries,
                                  metrics_host=args.metrics_host)
     keys.validate_worker_id(settings.worker_id)
-    from gpu_worker.engine.llm_engine import LLMEngine
     from shared.models import resolve_model
 
     worker: Worker | None = None  # the probes answer while the model loads: alive, not ready
@@ -75,16 +111,16 @@ def run(args: argparse.Namespace) -> int:
                               lambda: worker.ready() if worker else (False, "loading the model"),
                               host=settings.metrics_host).start()
     try:
-        engine = LLMEngine.from_model(
-            settings.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-            num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
-            scheduling_policy=args.scheduling_policy, seed=args.seed,
-            log_memory_usage_s=args.log_memory_usage)
+        engine = _engine(args, settings.model)
+        if args.warmup and not args.simulate:
+            from gpu_worker.engine.warmup import warm_up
+
+            log.info("%s; ready %.1f s after start", warm_up(engine, seed=args.seed).describe(),
+                     time.monotonic() - started)
         worker = Worker(engine, settings, model_name=args.served_model_name or engine.model_name,
                         model_path=str(resolve_model(settings.model)), drain_timeout_s=args.drain_timeout,
-                        max_backlog=args.max_num_seqs)
+                        max_backlog=engine.scheduler.config.max_num_seqs,
+                        simulated=getattr(engine, "simulated", None))
         if health:
             health.registry = worker.metrics.registry
         return worker.run()

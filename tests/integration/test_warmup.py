@@ -1,0 +1,39 @@
+"""The worker's warm-up (gpu_worker.engine.warmup) on a real engine: every round runs to the end, nothing is
+left running or holding blocks, and a request after it gives the same greedy tokens as on a cold engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpu_worker import LLMEngine, SamplingParams
+from gpu_worker.engine.warmup import WARMUP_BATCH, warm_up
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_torch_thread")]
+
+
+def engine(model_dir, **kw) -> LLMEngine:
+    return LLMEngine.from_model(str(model_dir), block_size=4, num_kv_blocks=128, max_num_batched_tokens=64,
+                                max_model_len=96, **kw)
+
+
+def greedy(e: LLMEngine) -> list[int]:
+    e.add_request("after", list(range(5, 40)), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    tokens: list[int] = []
+    while e.has_unfinished_requests():
+        for out in e.step():
+            tokens += out.outputs[0].token_ids
+    return tokens
+
+
+def test_warm_up_runs_every_round_and_leaves_the_engine_as_it_found_it(tiny_llama_dir):
+    cold = greedy(engine(tiny_llama_dir))
+    e = engine(tiny_llama_dir)
+    report = warm_up(e, seed=3)
+    assert report.requests == 1 + WARMUP_BATCH + 1
+    assert report.output_tokens == 4 + WARMUP_BATCH * 4 + 2 * 3
+    assert report.prompt_tokens == (96 - 8) + (WARMUP_BATCH + 1) * 24  # the long prompt capped by the window
+    assert report.steps >= 3 and "warm-up: 10 requests" in report.describe()
+    stats = e.stats()
+    assert not e.has_unfinished_requests() and stats.num_running == stats.num_waiting == 0
+    assert stats.free_blocks == stats.total_blocks  # cached blocks are free: the first evicted
+    assert greedy(e) == cold
