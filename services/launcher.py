@@ -71,9 +71,10 @@ def fleet_commands(args: argparse.Namespace, settings: Settings, private: bool) 
     if args.routing:
         gateway += ["--routing", args.routing]
     cmds = [("gateway", gateway)]
+    shares = cpu_shares(args)
     for i in range(args.workers):
         wid = f"w{i}" if private else f"{os.uname().nodename}-{args.port}-w{i}"
-        cmd = cli + ["worker", "--model", settings.model, "--worker-id", wid]
+        cmd = cli + ["worker", "--model", settings.model, "--worker-id", wid] + shares[i]
         for flag, dest in WORKER_FLAGS:
             if getattr(args, dest, None) is not None:
                 cmd += [flag, str(getattr(args, dest))]
@@ -83,6 +84,21 @@ def fleet_commands(args: argparse.Namespace, settings: Settings, private: bool) 
             cmd += ["--metrics-port", str(args.metrics_port_base + i)]
         cmds.append((wid, cmd))
     return cmds
+
+
+def cpu_shares(args: argparse.Namespace) -> list[list[str]]:
+    """Per worker, the flags that share this machine's CPUs out: with N CPU workers on C >= N cores, worker i
+    gets its own C // N cores (--cpus) and as many threads; with more workers than cores, one thread each.
+    Workers that compete for cores slow each other's every step (each waits for its slowest thread). Nothing
+    for GPU or simulated workers, or one worker (it takes every core)."""
+    n = args.workers
+    if n <= 1 or getattr(args, "simulate", None) or (getattr(args, "device", None) or "cpu") != "cpu":
+        return [[] for _ in range(n)]
+    cores = sorted(os.sched_getaffinity(0))
+    per = len(cores) // n
+    if per == 0:
+        return [["--threads", "1"] for _ in range(n)]
+    return [["--cpus", ",".join(map(str, cores[i * per:(i + 1) * per])), "--threads", str(per)] for i in range(n)]
 
 
 def _relay(pipe: IO[bytes], tail: deque[str]) -> None:

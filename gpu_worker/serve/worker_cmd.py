@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import time
 
 from gpu_worker.core.policies import policy_class
@@ -26,6 +27,35 @@ def _scheduling_policy(spec: str) -> str:
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return spec
+
+
+def _cpu_list(spec: str) -> list[int]:
+    """--cpus: "0-3", "0,2", "0-1,4" -> the CPU ids, which must exist and be allowed to this process."""
+    cpus: set[int] = set()
+    try:
+        for part in spec.split(","):
+            low, dash, high = part.partition("-")
+            cpus.update(range(int(low), int(high if dash else low) + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--cpus: {spec!r} is not a CPU list like 0-3 or 0,2") from None
+    allowed = os.sched_getaffinity(0)
+    if not cpus or not cpus <= allowed:
+        raise argparse.ArgumentTypeError(f"--cpus: {spec!r} names CPUs this process may not use; allowed: "
+                                         f"{sorted(allowed)}")
+    return sorted(cpus)
+
+
+def _bind(args: argparse.Namespace) -> None:
+    """Pin to --cpus and size torch's thread pool before anything creates it."""
+    if args.cpus is None and args.threads is None:
+        return
+    import torch
+
+    if args.cpus is not None:
+        os.sched_setaffinity(0, args.cpus)
+    threads = args.threads or len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
+    log.info("compute threads: %d%s", threads, f" on CPUs {args.cpus}" if args.cpus is not None else "")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,6 +82,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-memory-usage", type=float, default=0.0, metavar="SECONDS",
                    help="log the KV cache's blocks used / free / cached, fragmentation and preemptions every "
                         "SECONDS (0: off)")
+    p.add_argument("--cpus", type=_cpu_list, metavar="LIST",
+                   help="bind the worker to these CPUs (e.g. 0-3 or 0,2): its compute threads then never share a "
+                        "core with another worker's (`kvfleet up` gives each worker its own when cores suffice)")
+    p.add_argument("--threads", type=int,
+                   help="compute threads (default: one per CPU the worker may use; see --cpus); more threads than "
+                        "free cores make every step wait for the slowest")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip the warm-up (a long prefill, a batch of sampled decodes and n=2 through the engine "
                         "before the worker registers, so the first request pays no first-call costs)")
@@ -111,6 +147,8 @@ def run(args: argparse.Namespace) -> int:
                               lambda: worker.ready() if worker else (False, "loading the model"),
                               host=settings.metrics_host).start()
     try:
+        if not args.simulate:
+            _bind(args)
         engine = _engine(args, settings.model)
         if args.warmup and not args.simulate:
             from gpu_worker.engine.warmup import warm_up
