@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -210,10 +211,11 @@ async def completion_events(sub: Any, chunks: AsyncIterator[OutputChunk], *, ech
                             logprobs: int | None, include_usage: bool) -> AsyncIterator[str]:
     """`sub`: a Submitted, or a Batch whose prompts' chunks `chunks` merges (merge_chunks)."""
     tok, model, rid = sub.target.tokenizer, sub.target.model, sub.request_id
+    created = int(time.time())  # one for every chunk of the stream, as OpenAI's
     offsets = [len(sub.prompt_of(i) or "") if echo else 0 for i in range(sub.num_choices)]
     if echo:
         for i in range(sub.num_choices):
-            yield sse(CompletionResponse(id=rid, model=model, choices=[CompletionChoice(
+            yield sse(CompletionResponse(id=rid, created=created, model=model, choices=[CompletionChoice(
                 index=i, text=sub.prompt_of(i) or "")]))
 
     def render(c: OutputChunk) -> str:
@@ -221,11 +223,11 @@ async def completion_events(sub: Any, chunks: AsyncIterator[OutputChunk], *, ech
         if logprobs is not None:
             lp = completion_logprobs(tok, c.token_ids, c.logprobs or [], offsets[c.index])
             offsets[c.index] += sum(len(s) for s in lp.tokens)
-        return sse(CompletionResponse(id=rid, model=model, choices=[
+        return sse(CompletionResponse(id=rid, created=created, model=model, choices=[
             CompletionChoice(index=c.index, text=c.text, logprobs=lp, finish_reason=c.finish_reason)]))
 
     def usage_event(usage: Usage | None) -> str:
-        return sse(CompletionResponse(id=rid, model=model, choices=[], usage=usage_info(usage)))
+        return sse(CompletionResponse(id=rid, created=created, model=model, choices=[], usage=usage_info(usage)))
 
     async for event in _events(chunks, render, usage_event if include_usage else None):
         yield event
@@ -234,17 +236,18 @@ async def completion_events(sub: Any, chunks: AsyncIterator[OutputChunk], *, ech
 async def chat_events(sub: Submitted, chunks: AsyncIterator[OutputChunk], *, top_logprobs: int | None,
                       include_usage: bool) -> AsyncIterator[str]:
     tok, model, rid = sub.target.tokenizer, sub.target.model, sub.request_id
+    created = int(time.time())  # one for every chunk of the stream, as OpenAI's
     for i in range(sub.num_choices):
-        yield sse(ChatCompletionChunk(id=rid, model=model, choices=[
+        yield sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[
             ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))]))
 
     def render(c: OutputChunk) -> str:
         lp = chat_logprobs(tok, c.token_ids, c.logprobs or [], top_logprobs) if top_logprobs is not None else None
-        return sse(ChatCompletionChunk(id=rid, model=model, choices=[ChatChunkChoice(
+        return sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[ChatChunkChoice(
             index=c.index, delta=ChatDelta(content=c.text), logprobs=lp, finish_reason=c.finish_reason)]))
 
     def usage_event(usage: Usage | None) -> str:
-        return sse(ChatCompletionChunk(id=rid, model=model, choices=[], usage=usage_info(usage)))
+        return sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=usage_info(usage)))
 
     async for event in _events(chunks, render, usage_event if include_usage else None):
         yield event
