@@ -3,7 +3,7 @@ user pays nothing extra (no lazy kernel builds, first-touch page faults, allocat
 dispatch in the middle of their request).
 
 Three small rounds through the real engine API (scheduler, KV cache, runner, sampler, detokenizer): a long
-prefill (up to WARMUP_PROMPT_TOKENS, in chunks when the step budget is smaller) with greedy decoding; a batch
+prefill (up to WARMUP_PROMPT_TOKENS, at most half the KV cache; in chunks when the step budget is smaller) with greedy decoding; a batch
 of short requests decoding together with seeded sampling, top-p/top-k, penalties and logprobs; and n=2 (a
 forked prompt, copy-on-write). The prompts are fixed ids drawn from a seed, so their cached blocks match no
 real prompt and are the first evicted. Returns what it did and how long it took, for the start log.
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from gpu_worker.engine.llm_engine import LLMEngine
 from shared.sampling_params import SamplingParams
 
-WARMUP_PROMPT_TOKENS = 512  # the long prefill (capped by the context window)
+WARMUP_PROMPT_TOKENS = 512  # the long prefill (capped by the context window and half the KV cache)
 WARMUP_BATCH = 8  # short requests decoding together
 WARMUP_PREFIX = "kvfleet-warmup"
 
@@ -44,8 +44,9 @@ def warm_up(engine: LLMEngine, *, seed: int = 0) -> Warmup:
     def ids(n: int) -> list[int]:
         return [rng.randrange(low, vocab_size) for _ in range(n)]
 
-    long_len = max(1, min(WARMUP_PROMPT_TOKENS, max_model_len - 8))
-    short_len = max(1, min(24, max_model_len - 8))
+    room = min(max_model_len, engine.stats().total_blocks * engine.block_size // 2) - 8  # fits any cache
+    long_len = max(1, min(WARMUP_PROMPT_TOKENS, room))
+    short_len = max(1, min(24, room // 2))
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     sampled = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=seed, max_tokens=4, ignore_eos=True,
                              logprobs=2, repetition_penalty=1.1, presence_penalty=0.1)

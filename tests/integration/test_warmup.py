@@ -37,3 +37,12 @@ def test_warm_up_runs_every_round_and_leaves_the_engine_as_it_found_it(tiny_llam
     assert not e.has_unfinished_requests() and stats.num_running == stats.num_waiting == 0
     assert stats.free_blocks == stats.total_blocks  # cached blocks are free: the first evicted
     assert greedy(e) == cold
+
+
+def test_warm_up_fits_a_small_cache(tiny_llama_dir):
+    """A worker with a KV cache smaller than the long warm-up prompt: the prompt is cut to fit, nothing fails."""
+    e = LLMEngine.from_model(str(tiny_llama_dir), block_size=4, num_kv_blocks=40, max_num_batched_tokens=64,
+                             max_model_len=96)
+    report = warm_up(e)
+    assert report.prompt_tokens == (80 - 8) + (WARMUP_BATCH + 1) * 24
+    assert not e.has_unfinished_requests()
