@@ -42,7 +42,8 @@ def create_app(settings: Settings) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
-        state.redis = streams.connect_async(settings.redis_url, health_check_interval=30)
+        state.redis = streams.connect_async(settings.redis_url, health_check_interval=30,
+                                           max_connections=settings.redis_max_connections)
         from gateway.tokenizer import resolved_path
 
         if resolved_path(settings.model):  # warm the default model's tokenizer while workers start

@@ -30,9 +30,15 @@ def connect(url: str, **kwargs: Any) -> redis.Redis:
                                 **_retry_options(False) | kwargs)
 
 
-def connect_async(url: str, **kwargs: Any) -> aioredis.Redis:
-    return aioredis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=5,
-                                   **_retry_options(True) | kwargs)
+def connect_async(url: str, *, max_connections: int | None = None, **kwargs: Any) -> aioredis.Redis:
+    """With `max_connections` (a gateway: one connection per output stream read at once), a pool that makes a
+    command wait up to 30 s for a free connection past that many, instead of failing with "Too many connections"
+    (redis-py's default pool fails past 100)."""
+    options = dict(decode_responses=True, socket_connect_timeout=5) | _retry_options(True) | kwargs
+    if max_connections is None:
+        return aioredis.Redis.from_url(url, **options)
+    pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=30, **options)
+    return aioredis.Redis.from_pool(pool)
 
 
 # ---- errors callers catch -------------------------------------------------------------------------
