@@ -209,7 +209,8 @@ async def _route_and_enqueue(r: Any, settings: Settings, planned: Planned) -> Pl
                 turn = await streams.anext_turn(r)
             worker = route(routing_blocks, candidates, policy, view.reservations,
                            reserve_blocks=settings.reserve_blocks, turn=turn, prompt_blocks=len(hashes),
-                           prefix_overlap=overlap)
+                           prefix_overlap=overlap, prefill_weight=settings.prefix_weight,
+                           affinity_slack=settings.prefix_affinity_slack)
             note_route(span, worker, candidates, view.reservations)
         if worker is None:
             break

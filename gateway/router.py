@@ -8,7 +8,11 @@ Policies
   free_blocks   (default) workers whose free blocks, less promised and reserved ones, fit the request plus
                 `reserve_blocks`; the one with the most headroom left wins.
   prefix        among the same workers, the lowest cost w * (prompt blocks not cached there) + blocks in
-                use there (Dynamo's KV-aware cost), using `prefix_overlap[w]` cached prompt blocks.
+                use there (Dynamo's KV-aware cost; w = `prefill_weight`, Settings.prefix_weight), using
+                `prefix_overlap[w]` cached prompt blocks (prefix_overlap() below). With `affinity_slack` >= 0
+                (Settings.prefix_affinity_slack), only workers with at most that many requests (running +
+                waiting) more than the least loaded one compete: a large w cannot pile a popular prefix's
+                requests onto one worker. The defaults (16, 32) were chosen in `kvfleet bench fleet-sim`.
   least_loaded  fewest running + waiting (+ reserved) requests; ignores free blocks.
   round_robin   turn by turn; ignores free blocks.
 Every policy skips draining workers and workers whose whole cache cannot hold the request; and whatever the
@@ -40,6 +44,7 @@ def route(
     prompt_blocks: int = 0,
     prefix_overlap: Mapping[str, int] | None = None,
     prefill_weight: float = 1.0,
+    affinity_slack: int = -1,
 ) -> str | None:
     if policy not in POLICIES:
         raise ValueError(f"routing policy must be one of {POLICIES}, got {policy!r}")
@@ -58,6 +63,9 @@ def route(
     if policy == "free_blocks":
         return max(fits, key=lambda w: (headroom(w, request_blocks, reservations), -w.waiting)).worker_id
     overlap = prefix_overlap or {}
+    if affinity_slack >= 0:
+        least = min(w.running + w.waiting for w in fits)
+        fits = [w for w in fits if w.running + w.waiting <= least + affinity_slack]
 
     def cost(w: WorkerStatus) -> tuple[float, str]:
         uncached = max(prompt_blocks - overlap.get(w.worker_id, 0), 0)
@@ -68,9 +76,9 @@ def route(
 
 
 def prefix_overlap(owners: Sequence[str | None]) -> dict[str, int]:
-    """worker id -> the prompt's leading blocks last routed there, given the worker each block went to, in order
-    (None: none known; shared.streams.aprefix_owners): the run that the first block's worker holds."""
-    first = owners[0] if owners else None
-    if first is None:
-        return {}
-    return {first: next((i for i, o in enumerate(owners) if o != first), len(owners))}
+    """worker id -> how many of the prompt's leading blocks it holds, given the worker each block was last routed
+    to, in order (None: none known; shared.streams.aprefix_owners). A block's hash chains every block before it,
+    so the request that took block i to worker w took blocks 0..i there too: each worker is credited with its
+    deepest block. (A chat's next turn shares its first blocks with every chat on the same system prompt, last
+    routed anywhere; its deeper blocks name the worker that holds the conversation.)"""
+    return {w: i + 1 for i, w in enumerate(owners) if w is not None}

@@ -46,6 +46,11 @@ class Settings:
     reserve_blocks: int = 2
     # Routing counts a request's output at most this many tokens (the scheduler preempts past that).
     route_max_output_tokens: int = 512
+    # prefix routing's cost: prefix_weight * (prompt blocks not cached on the worker) + blocks in use there; only
+    # workers with at most prefix_affinity_slack requests (running + waiting) more than the least loaded compete
+    # (negative: no bound). Chosen with `kvfleet bench fleet-sim` (README "Routing").
+    prefix_weight: float = 16.0
+    prefix_affinity_slack: int = 32
     reservation_ttl_s: float = 30.0
     max_deliveries: int = 3
     output_ttl_s: float = 3600.0  # output streams nobody reads expire after this
@@ -57,6 +62,9 @@ class Settings:
     # A gateway holds a lease (this TTL, refreshed every third of it) on each request while its client is
     # connected; a worker aborts a request whose lease lapsed (the gateway died) within about this + 3 s.
     lease_ttl_s: float = 10.0
+    # Redis connections one gateway opens at most: each stream it relays holds one during its blocking read;
+    # past this many, a read waits for a free one (up to 30 s). Keep it under Redis's maxclients.
+    redis_max_connections: int = 1024
     queue_when_no_workers: bool = False  # scale-to-zero: queue in the shared stream instead of 503
     metrics_host: str = "127.0.0.1"  # where a worker serves /livez, /readyz, /metrics (0.0.0.0 in pods)
     # With api_keys set, the gateway's /metrics needs the key like every route; this opens /metrics alone, for

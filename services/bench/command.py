@@ -17,6 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from services.bench import calibrate, fleet_sim_cmd, serve
 from services.bench.peers import DEFAULT_VLLM_VENV
 from services.bench.workload import DEFAULT_WORKLOAD
 
@@ -45,11 +46,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--no-probe", action="store_true", help="skip the matmul FLOP/s probe")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--no-progress", action="store_true", help='no progress bars')
+    serve.add_arguments(sub)
+    calibrate.add_arguments(sub)
+    fleet_sim_cmd.add_parser(sub)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.bench == "throughput":
         return throughput(args)
+    if args.bench == "serve":
+        return serve.run(args)
+    if args.bench == "calibrate":
+        return calibrate.run(args)
+    if args.bench == "fleet-sim":
+        return fleet_sim_cmd.run(args)
     raise ValueError(f"unknown benchmark {args.bench!r}")  # pragma: no cover - argparse restricts it
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import os
@@ -57,6 +58,8 @@ def add_arguments(sub: Any) -> None:
     a("--served-model-name", help="the name sent as `model` (default: the first of the endpoint's /v1/models)")
     a("--workload", default="peer64", help="a peer .json or workload .jsonl path, or a name in ../shared/{peers,workloads} (default %(default)s)")
     a("--num-requests", type=int, help="the first N requests of the workload (default: all)")
+    a("--output-len", type=int, help="every request generates exactly this many tokens instead of the "
+      "workload's (e.g. 1: request throughput, the gateway's and the queue's cost per request)")
     a("--request-rate", type=float, default=math.inf, help="Poisson arrivals, requests/s (default inf: all at once)")
     a("--concurrency", type=int, help="at most C requests in flight (with no --request-rate: a closed loop)")
     a("--sweep", nargs="?", const="double", metavar="RATES",
@@ -206,6 +209,12 @@ def run(args: argparse.Namespace) -> int:
     cpu = cpu_info()
     vocab = _vocab_size(args.model)
     workload = load_workload(args.workload, vocab_size=vocab, num_requests=args.num_requests, seed=args.seed)
+    if args.output_len is not None:
+        if args.output_len < 1:
+            raise SystemExit(f"--output-len must be >= 1, got {args.output_len}")
+        workload = dataclasses.replace(workload, name=f"{workload.name}, {args.output_len} output tokens each",
+                                       requests=[dataclasses.replace(r, output_len=args.output_len)
+                                                 for r in workload.requests])
     starts = args.url is None or args.peer is not None
     log_dir = Path(tempfile.mkdtemp(prefix="kvfleet-bench-serve-")) if starts else None  # the servers' logs
     _note(f"workload {workload.name}: {len(workload.requests)} requests, {workload.prompt_tokens} prompt + "

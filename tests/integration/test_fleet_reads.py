@@ -63,7 +63,7 @@ def test_prefix_index_remembers_where_blocks_went(redis_url):
         await streams.aremember_prefix(r, a, "w1")
         await streams.aremember_prefix(r, b[2:], "w2")
         owners = await streams.aprefix_owners(r, b)
-        assert owners == ["w1", "w1", "w2"] and prefix_overlap(owners) == {"w1": 2}
+        assert owners == ["w1", "w1", "w2"] and prefix_overlap(owners) == {"w1": 2, "w2": 3}
         assert 0 < await r.ttl(keys.prefix_block(a[0])) <= streams.PREFIX_TTL_S
 
     run(redis_url, body)

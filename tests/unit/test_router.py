@@ -110,6 +110,33 @@ def test_prefix_hashes_chain_and_overlap_counts_leading_blocks():
     assert not set(c) & set(a)  # a block's hash covers every token before it
     assert block_hashes(list(range(40)), 16, "other-model") != a
     # the worker each of b's blocks was last routed to (shared.streams.aprefix_owners): a to w1, then b[2:] to w2
-    assert prefix_overlap(["w1", "w1", "w2"]) == {"w1": 2}  # w2 holds block 3 only after w1's blocks: no run
-    assert prefix_overlap(["w1", None, "w1"]) == {"w1": 1}
+    # block 3's hash chains blocks 1-2, so the request that took it to w2 took them there too
+    assert prefix_overlap(["w1", "w1", "w2"]) == {"w1": 2, "w2": 3}
+    assert prefix_overlap(["w1", None, "w1"]) == {"w1": 3}
     assert prefix_overlap([None, None]) == {} and prefix_overlap([]) == {}
+
+
+def test_a_chat_turn_goes_back_to_the_worker_holding_the_conversation():
+    """A chat's first blocks are its system prompt's, last routed to wherever another chat on it went (a); its
+    deeper blocks were last routed to b, which therefore holds the whole conversation so far."""
+    owners = ["a"] * 8 + ["b"] * 12 + [None] * 4  # 24 prompt blocks, the last 4 (the new message) nowhere yet
+    overlap = prefix_overlap(owners)
+    assert overlap == {"a": 8, "b": 20}
+    fleet = [ws("a", 90), ws("b", 80), ws("c", 95)]
+    assert route(30, fleet, "prefix", {}, prompt_blocks=24, prefix_overlap=overlap, prefill_weight=16) == "b"
+
+
+def test_prefix_weight_trades_cached_blocks_against_blocks_in_use():
+    fleet = [ws("a", 40), ws("b", 90)]  # a: 60 blocks in use and the prompt's 10 blocks; b: 10 in use, none
+    for weight, pick in ((1, "b"), (4, "b"), (6, "a"), (16, "a")):  # a: 60 vs b: 10 + 10 * weight
+        assert route(12, fleet, "prefix", {}, prompt_blocks=10, prefix_overlap={"a": 10}, prefill_weight=weight) == pick
+
+
+def test_affinity_slack_keeps_a_large_weight_off_an_overloaded_worker():
+    fleet = [ws("a", 90, running=40, waiting=3), ws("b", 90, running=10), ws("c", 95, running=12)]
+    kw = dict(prompt_blocks=20, prefix_overlap={"a": 20}, prefill_weight=64)
+    assert route(22, fleet, "prefix", {}, **kw) == "a"  # no bound: the cache wins whatever a's queue
+    assert route(22, fleet, "prefix", {}, affinity_slack=33, **kw) == "a"  # a: 43 requests <= 10 + 33
+    # a is 33 requests past b: out; of b and c, the fewer blocks in use (c) wins, the cache no longer counts
+    assert route(22, fleet, "prefix", {}, affinity_slack=32, **kw) == "c"
+    assert route(22, fleet, "prefix", {}, affinity_slack=0, **kw) == "b"  # only the least loaded is left
