@@ -52,8 +52,9 @@ def warm_up(engine: LLMEngine, *, seed: int = 0) -> Warmup:
                              logprobs=2, repetition_penalty=1.1, presence_penalty=0.1)
     forked = SamplingParams(n=2, temperature=0.7, seed=seed, max_tokens=3, ignore_eos=True)
     rounds = [[(ids(long_len), greedy)],
-              [(ids(short_len), sampled) for _ in range(WARMUP_BATCH)],
-              [(ids(short_len), forked)]]
+              [(ids(short_len), sampled) for _ in range(WARMUP_BATCH)]]
+    if engine.scheduler.config.max_num_seqs >= forked.n:
+        rounds.append([(ids(short_len), forked)])
     start, steps, requests, prompt_tokens, output_tokens = time.perf_counter(), 0, 0, 0, 0
     for round_ in rounds:
         for prompt, params in round_:

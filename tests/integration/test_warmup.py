@@ -46,3 +46,10 @@ def test_warm_up_fits_a_small_cache(tiny_llama_dir):
     report = warm_up(e)
     assert report.prompt_tokens == (80 - 8) + (WARMUP_BATCH + 1) * 24
     assert not e.has_unfinished_requests()
+
+
+def test_warm_up_of_a_one_sequence_engine_skips_n2(tiny_llama_dir):
+    e = LLMEngine.from_model(str(tiny_llama_dir), block_size=4, num_kv_blocks=128, max_num_seqs=1,
+                             max_num_batched_tokens=64, max_model_len=96)
+    report = warm_up(e)
+    assert report.requests == 1 + WARMUP_BATCH and report.output_tokens == 4 + WARMUP_BATCH * 4
