@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway import responses
 from gateway.errors import APIError, install_handlers
+from gateway.fleet_view import FleetViews
 from gateway.leases import Leases
 from gateway.middleware import BodyLimit, Instrumentation
 from gateway.openai_api import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -38,7 +39,8 @@ def create_app(settings: Settings) -> FastAPI:
     if settings.routing not in POLICIES:
         raise ValueError(f"routing policy must be one of {POLICIES}, got {settings.routing!r}")
     state = GatewayState(settings=settings, redis=None, tokenizers=Tokenizers(settings.tokenizer_threads),
-                         leases=Leases(settings.lease_ttl_s, max_idle_s=settings.request_timeout_s + 60))
+                         leases=Leases(settings.lease_ttl_s, max_idle_s=settings.request_timeout_s + 60),
+                         views=FleetViews(settings.fleet_view_max_age_s))
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):

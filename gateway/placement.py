@@ -19,6 +19,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from gateway.errors import APIError, bad_request
+from gateway.fleet_view import read_view
 from gateway.prompts import Prepared, Prompt, part_ids
 from gateway.router import prefix_overlap, route
 from gateway.state import GatewayState
@@ -47,7 +48,7 @@ class Target:
 
 async def target_for(state: GatewayState, model: str) -> Target:
     """The live workers serving `model` and its tokenizer; 503 when none lives, 404 for an unknown model."""
-    view = await streams.aread_fleet(state.redis)
+    view = await read_view(state.views, state.redis)
     settings = state.settings
     if not view.live and not settings.queue_when_no_workers:
         raise APIError(503, "no worker is alive to serve requests; start one with `kvfleet worker`",
@@ -174,7 +175,7 @@ async def place(state: GatewayState, planned: Planned) -> Submitted:
         planned.request.lease = True
         await state.leases.take(state.redis, rid)
     try:
-        placement = await _route_and_enqueue(state.redis, state.settings, planned)
+        placement = await _route_and_enqueue(state, planned)
     except BaseException:
         if state.leases is not None:
             state.leases.release(rid)
@@ -185,19 +186,20 @@ async def place(state: GatewayState, planned: Planned) -> Submitted:
     return sub
 
 
-async def _route_and_enqueue(r: Any, settings: Settings, planned: Planned) -> Placement:
+async def _route_and_enqueue(state: GatewayState, planned: Planned) -> Placement:
     """Among the live workers that serve the request, route, reserve and enqueue, routing again (up to
     MAX_ROUTE_TRIES, without the workers that refused) when the worker filled up meanwhile or has
     `worker_queue_bound` requests waiting (every policy); when none can take it, the shared stream; 429 (with
     Retry-After) when that is over its bound. The Lua checks in shared.streams keep gateway replicas from
     over-committing a worker."""
+    r, settings = state.redis, state.settings
     request, policy, routing_blocks = planned.request, settings.routing, planned.routing_blocks
     checks_room = policy in ("free_blocks", "prefix")
     refused: set[str] = set()
     for _ in range(MAX_ROUTE_TRIES):
         with t.span("kvfleet.route", attributes={t.KVFLEET_ROUTING_POLICY: policy,
                                                  t.KVFLEET_KV_BLOCKS: routing_blocks}) as span:
-            view = await streams.aread_fleet(r)
+            view = await read_view(state.views, r)
             candidates = [w for w in view.serving(planned.serves) if w.worker_id not in refused]
             hashes: list[str] = []
             overlap: dict[str, int] = {}
@@ -220,6 +222,8 @@ async def _route_and_enqueue(r: Any, settings: Settings, planned: Planned) -> Pl
                 r, request, worker, min_headroom=settings.reserve_blocks if checks_room else None,
                 queue_bound=settings.worker_queue_bound, reservation_ttl_s=settings.reservation_ttl_s)
         if entry_id is not None:
+            if state.views is not None:
+                state.views.reserved(worker, routing_blocks)
             if hashes:
                 await streams.aremember_prefix(r, hashes, worker)
             return Placement(worker, entry_id, policy)

@@ -1,6 +1,7 @@
 """What one gateway process holds for all its requests (and a services.fleet_calls.FleetCaller for its own):
 the settings, the asyncio Redis client, the tokenizers, the metrics, the lock that places one request at
-a time, and the leases on the requests it relays (None for a FleetCaller: services' requests run to the end)."""
+a time, the leases on the requests it relays (None for a FleetCaller: services' requests run to the end) and
+its fleet view (gateway.fleet_view)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.fleet_view import FleetViews
 from gateway.leases import Leases
 from gateway.metrics import GatewayMetrics
 from gateway.tokenizer import Tokenizers
@@ -23,6 +25,7 @@ class GatewayState:
     admission: asyncio.Lock = field(default_factory=asyncio.Lock)  # one placement at a time per gateway
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     leases: Leases | None = None
+    views: FleetViews | None = None  # the gateway's shared fleet view (None: read Redis for every request)
 
     def spawn(self, coro: Any) -> None:
         """Run `coro` to completion even if the caller's scope is being cancelled (a client disconnect)."""

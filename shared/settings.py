@@ -65,6 +65,9 @@ class Settings:
     # Redis connections one gateway opens at most: each stream it relays holds one during its blocking read;
     # past this many, a read waits for a free one (up to 30 s). Keep it under Redis's maxclients.
     redis_max_connections: int = 1024
+    # A gateway reads the fleet (every worker's status and reservations) at most this often, one read shared by
+    # the requests it places meanwhile (workers publish at most 20 times a second); 0: a read per request.
+    fleet_view_max_age_s: float = 0.05
     queue_when_no_workers: bool = False  # scale-to-zero: queue in the shared stream instead of 503
     metrics_host: str = "127.0.0.1"  # where a worker serves /livez, /readyz, /metrics (0.0.0.0 in pods)
     # With api_keys set, the gateway's /metrics needs the key like every route; this opens /metrics alone, for

@@ -1,0 +1,55 @@
+"""The fleet as one gateway sees it: read from Redis at most every `max_age_s`, one read shared by every
+request that asks meanwhile, instead of a read (SMEMBERS, then a GET and an HVALS per worker, and a JSON parse
+per status) for each request twice. Workers publish their status at most 20 times a second, so a view this
+young is as fresh as what Redis holds.
+
+What this gateway reserves between two reads it adds to the view itself (`reserved`), so a burst it places
+within one `max_age_s` spreads as if each placement read Redis. Other gateways' placements show at the next
+read; the enqueue's Lua check (shared.streams.aenqueue_routed) refuses a worker that is full whatever the view
+said, and placement then routes again without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any
+
+from shared import streams
+from shared.fleet_state import FleetView
+
+
+class FleetViews:
+    def __init__(self, max_age_s: float):
+        self.max_age_s = max_age_s
+        self._view: FleetView | None = None
+        self._read_at = 0.0
+        self._reading: asyncio.Future | None = None
+
+    async def get(self, r: Any) -> FleetView:
+        loop = asyncio.get_running_loop()
+        if self._view is not None and loop.time() - self._read_at < self.max_age_s:
+            return self._view
+        if self._reading is None:
+            self._reading = loop.create_task(self._read(r))
+        return await asyncio.shield(self._reading)
+
+    async def _read(self, r: Any) -> FleetView:
+        try:
+            view = await streams.aread_fleet(r)
+            self._view, self._read_at = view, asyncio.get_running_loop().time()
+            return view
+        finally:
+            self._reading = None
+
+    def reserved(self, worker_id: str, blocks: int) -> None:
+        """This gateway just reserved `blocks` on `worker_id`: count them until the next read."""
+        if self._view is not None:
+            reservations = dict(self._view.reservations)
+            reservations[worker_id] = reservations.get(worker_id, 0) + blocks
+            self._view = dataclasses.replace(self._view, reservations=reservations)
+
+
+async def read_view(views: FleetViews | None, r: Any) -> FleetView:
+    """The fleet view through `views`, or straight from Redis when there is none (a services FleetCaller)."""
+    return await (views.get(r) if views is not None else streams.aread_fleet(r))

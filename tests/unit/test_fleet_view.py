@@ -1,0 +1,77 @@
+"""gateway.fleet_view alone, with the Redis read replaced by a counting stand-in: concurrent requests share one
+read, a view younger than max_age_s is reused, the gateway's own reservations count until the next read, and
+a failed read is not cached."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway import fleet_view
+from gateway.fleet_view import FleetViews
+from shared.fleet_state import FleetView
+
+pytestmark = pytest.mark.unit
+
+
+class Reads:
+    def __init__(self, fail: int = 0):
+        self.count, self.fail = 0, fail
+
+    async def __call__(self, _r) -> FleetView:
+        self.count += 1
+        await asyncio.sleep(0.01)
+        if self.fail:
+            self.fail -= 1
+            raise ConnectionError("Redis away")
+        return FleetView(reservations={"w0": self.count})
+
+
+def test_concurrent_requests_share_one_read_and_a_young_view_is_reused(monkeypatch):
+    reads = Reads()
+    monkeypatch.setattr(fleet_view.streams, "aread_fleet", reads)
+
+    async def go() -> list:
+        views = FleetViews(max_age_s=0.2)
+        first = await asyncio.gather(*[views.get(None) for _ in range(10)])
+        again = await views.get(None)
+        await asyncio.sleep(0.25)
+        later = await views.get(None)
+        return [first, again, later]
+
+    first, again, later = asyncio.run(go())
+    assert reads.count == 2
+    assert all(v is first[0] for v in first) and again is first[0]
+    assert later.reservations == {"w0": 2}
+
+
+def test_own_reservations_count_until_the_next_read(monkeypatch):
+    reads = Reads()
+    monkeypatch.setattr(fleet_view.streams, "aread_fleet", reads)
+
+    async def go() -> tuple:
+        views = FleetViews(max_age_s=0.1)
+        await views.get(None)
+        views.reserved("w0", 5)
+        views.reserved("w1", 3)
+        mine = (await views.get(None)).reservations
+        await asyncio.sleep(0.15)
+        return mine, (await views.get(None)).reservations
+
+    mine, fresh = asyncio.run(go())
+    assert mine == {"w0": 1 + 5, "w1": 3}
+    assert fresh == {"w0": 2}  # what Redis holds now (it counts the reservations itself)
+
+
+def test_a_failed_read_is_not_cached(monkeypatch):
+    reads = Reads(fail=1)
+    monkeypatch.setattr(fleet_view.streams, "aread_fleet", reads)
+
+    async def go() -> FleetView:
+        views = FleetViews(max_age_s=10)
+        with pytest.raises(ConnectionError):
+            await views.get(None)
+        return await views.get(None)
+
+    assert asyncio.run(go()).reservations == {"w0": 2}
