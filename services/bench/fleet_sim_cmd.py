@@ -35,7 +35,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("fleet-sim", help="simulate routing policies on N workers (discrete-event, virtual clock)",
                        description=__doc__, formatter_class=_Formatter)
     p.add_argument("--workers", type=int, default=16, help="simulated workers (8-128 is the intended range)")
-    p.add_argument("--workload", default="shared-prefix", choices=WORKLOADS, help="generated workload")
+    p.add_argument("--workload", default="shared-prefix",
+                   help=f"a generated workload ({', '.join(WORKLOADS)}), or a fixed one of `kvfleet bench serve` "
+                        "(a name in ../shared/workloads or peer64, or a path) with the arrivals bench serve gives it "
+                        "at the same --rate and --seed: to check the simulator against a real run")
     p.add_argument("--rate", type=float, default=20.0, help="Poisson arrival rate, requests/s")
     p.add_argument("--num-requests", type=int, default=None, help="requests to send (default 2000)")
     p.add_argument("--duration", type=float, default=None, help="or: send for this many (virtual) seconds")
@@ -63,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     from gpu_worker.executor.cost_model import PROFILE_DIR, CostProfile
     from services.bench.fleet_sim import FleetSim, default_settings
     from services.bench.fleet_sim_report import format_table, summarize, write_plots
-    from services.bench.fleet_sim_workloads import generate
+    from services.bench.fleet_sim_workloads import WORKLOADS, from_bench_workload, generate
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if bad := [p for p in policies if p not in POLICIES]:
@@ -75,8 +78,11 @@ def run(args: argparse.Namespace) -> int:
         lo, hi = (int(v) for v in args.system_prompt_tokens.split("-"))
     except ValueError:
         raise ValueError(f"--system-prompt-tokens must be LO-HI (e.g. 1024-2048), got {args.system_prompt_tokens!r}") from None
-    requests = generate(args.workload, rate=args.rate, seed=args.seed, num_requests=num, duration_s=args.duration,
-                        system_prompts=args.system_prompts, system_tokens=(lo, hi))
+    if args.workload in WORKLOADS:
+        requests = generate(args.workload, rate=args.rate, seed=args.seed, num_requests=num,
+                            duration_s=args.duration, system_prompts=args.system_prompts, system_tokens=(lo, hi))
+    else:
+        requests = from_bench_workload(args.workload, rate=args.rate, seed=args.seed, num_requests=args.num_requests)
     if not requests:
         raise ValueError(f"no request arrives within --duration {args.duration}s at --rate {args.rate}; raise either")
     settings = default_settings().with_overrides(prefix_weight=args.prefix_weight,

@@ -80,6 +80,22 @@ def generate(workload: str, *, rate: float, seed: int, num_requests: int | None 
         out.append(make.next(f"r{len(out)}", t))
 
 
+def from_bench_workload(name: str, *, rate: float, seed: int, num_requests: int | None,
+                        vocab_size: int = VOCAB_SIZE) -> list[SimRequest]:
+    """A fixed workload of `kvfleet bench serve` (../shared/workloads/*.jsonl, peer64), with the arrival times
+    bench serve gives it at the same --request-rate and --seed: the simulator replays a real run's load
+    request for request (how its predictions are checked against real workers)."""
+    from services.bench.stats import poisson_arrivals
+    from services.bench.workload import load_workload
+
+    if rate <= 0:
+        raise ValueError(f"--rate must be > 0 requests/s, got {rate}")
+    reqs = load_workload(name, vocab_size=vocab_size, num_requests=num_requests, seed=seed).requests
+    arrivals = poisson_arrivals(len(reqs), rate, seed)
+    return [SimRequest(f"r{i}", t, list(r.prompt_token_ids), r.output_len, "fixed")
+            for i, (r, t) in enumerate(zip(reqs, arrivals, strict=True))]
+
+
 def _tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(FIRST_ID, VOCAB_SIZE) for _ in range(n)]
 

@@ -141,3 +141,17 @@ def test_the_command_writes_json_and_charts(tmp_path, capsys):
     assert "<svg" in out.with_suffix(".html").read_text()
     assert "prefix-cache hit rate" in capsys.readouterr().out
 
+
+
+def test_a_bench_workload_replays_bench_serves_requests_and_arrivals():
+    """--workload shared_prefix: the same requests and Poisson arrival times `kvfleet bench serve` sends at the
+    same rate and seed, so a simulated run can be set against a real one."""
+    from services.bench.fleet_sim_workloads import VOCAB_SIZE, from_bench_workload
+    from services.bench.stats import poisson_arrivals
+    from services.bench.workload import load_workload
+
+    sim = from_bench_workload("shared_prefix", rate=1.5, seed=3, num_requests=20)
+    real = load_workload("shared_prefix", vocab_size=VOCAB_SIZE, num_requests=20, seed=3).requests
+    assert [s.prompt for s in sim] == [r.prompt_token_ids for r in real]
+    assert [s.output_len for s in sim] == [r.output_len for r in real]
+    assert [s.arrival_s for s in sim] == poisson_arrivals(20, 1.5, 3)
