@@ -197,7 +197,8 @@ def read_cancels(r: redis.Redis, after: str, *, block_ms: int = 1000, count: int
 # One flush of the outbox, atomically. ARGV[1] is the plan (JSON; every key it names is an index into KEYS):
 #   owners   [stream, entry id, deliveries]: the deliveries the writes below are made under; deliveries 0 is
 #            not checked, else the entry must be pending on ARGV[2] with exactly that delivery count
-#   chunks   [owner (0: none), output stream, chunk JSON]: XADD, then PEXPIRE by `ttl`
+#   chunks   [owner (0: none), output stream, chunk JSON, expire (0/1)]: XADD, and PEXPIRE by `ttl` when
+#            `expire` (a stream's first chunk, every EXPIRE_EVERY-th and its last: not one PEXPIRE per token)
 #   requeued [owner, request JSON]: XADD to `any` (the hand-back), then the ack of the owner's entry
 #   acks     [owner]: XACK + XDEL of the owner's entry
 #   status   [key, JSON, ttl ms, workers set, reservations hash, taken request ids...] or absent
@@ -222,7 +223,7 @@ end
 for _, c in ipairs(plan['chunks']) do
   if c[1] == 0 or owned[c[1]] then
     redis.call('XADD', KEYS[c[2]], '*', field, c[3])
-    redis.call('PEXPIRE', KEYS[c[2]], plan['ttl'])
+    if c[4] == 1 then redis.call('PEXPIRE', KEYS[c[2]], plan['ttl']) end
   end
 end
 for _, q in ipairs(plan['requeued']) do
@@ -242,6 +243,9 @@ if s then
 end
 return refused
 """)
+
+
+EXPIRE_EVERY = 64  # an output stream's expiry is pushed out at its first chunk, every 64th and its last
 
 
 class _Plan:
@@ -276,7 +280,8 @@ def publish(r: redis.Redis, worker_id: str, *, output_ttl_s: float, chunks: Sequ
             requeued: Sequence[tuple[GenerationRequest, Ack]] = (), acks: Sequence[Ack] = (),
             owners: Mapping[str, Ack] | None = None, status: WorkerStatus | None = None,
             status_ttl_s: float = 0.0, taken: Sequence[str] = ()) -> list[Ack]:
-    """One flush, one script, in this order: the output chunks (XADD + expiry), the hand-backs (XADD to
+    """One flush, one script, in this order: the output chunks (XADD; the expiry pushed out to output_ttl_s at
+    a stream's first chunk, every EXPIRE_EVERY-th and its last), the hand-backs (XADD to
     kvfleet:req:any + ack of the old entry), the acks (XACK + XDEL, so an entry is acked only with or after
     the chunks before it), and with `status` its SET with a TTL of status_ttl_s, the worker's SADD to
     kvfleet:workers and the HDEL of the reservations of the `taken` requests, which that status now counts.
@@ -286,7 +291,8 @@ def publish(r: redis.Redis, worker_id: str, *, output_ttl_s: float, chunks: Sequ
     plan = _Plan()
     rows: dict[str, Any] = {"group": keys.GROUP, "field": keys.FIELD, "ttl": int(output_ttl_s * 1000)}
     rows["chunks"] = [[plan.owner(owners.get(c.request_id)), plan.key(keys.out_stream(c.request_id)),
-                       c.model_dump_json(exclude_defaults=True)] for c in chunks]
+                       c.model_dump_json(exclude_defaults=True), int(c.seq % EXPIRE_EVERY == 0 or c.final)]
+                      for c in chunks]
     if requeued:
         rows["any"] = plan.key(keys.REQ_ANY)
     rows["requeued"] = [[plan.owner(ack), request.model_dump_json()] for request, ack in requeued]

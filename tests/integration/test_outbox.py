@@ -115,6 +115,8 @@ def test_chunks_in_order_and_the_ack_with_the_final_one(r, outbox):
     assert ["XDEL", ack.stream, ack.entry_id] in block
     xadds = [words for b in mon.transactions() for words in b if words[:2] == ["XADD", out]]
     assert len(xadds) == 4, "each chunk written once"
+    pexpires = [words for b in mon.transactions() for words in b if words[:2] == ["PEXPIRE", out]]
+    assert len(pexpires) == 2, "the expiry is pushed out at the first chunk and the last, not per chunk"
 
 
 def test_status_published_with_its_ttl_and_refreshed_by_the_heartbeat(r, outbox):
