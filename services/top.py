@@ -87,7 +87,8 @@ def render(now: Sample, prev: Sample | None, width: int = 150) -> list[str]:
         tps = tokens_per_s(now, prev, w["worker_id"])
         total_tps += tps or 0.0
         ttft = "/".join(_ms(w.get(f"ttft_p{q}_s")) for q in (50, 95, 99))
-        flag = " draining" if w.get("draining") else ""
+        flag = (" draining" if w.get("draining") else "") + (f" simulated:{w['simulated']}" if w.get("simulated")
+                                                              else "")
         lines.append(f"{w['worker_id'][:20]:<20} {_model(w['model']):<{MODEL_WIDTH}} "
                      f"{bar(w['free_blocks'], w['total_blocks'])} {w['free_blocks']:>5}/{w['total_blocks']:<5} "
                      f"{w['reserved_blocks']:>5} {w['running']:>4} {w['waiting']:>4} "

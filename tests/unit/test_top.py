@@ -61,3 +61,10 @@ def test_frame_shows_restarts_per_worker():
     column = [line[at:at + len("RESTARTS")] for line in lines[1:3]]
     assert column == ["       3", "       0"]  # right-aligned under the header; a status without the field: 0
     assert lines[1].endswith("s draining")
+
+
+def test_frame_marks_simulated_workers_with_their_profile():
+    lines = render(Sample(snap(worker("w0", 8, 16, 0, simulated="smollm2-cpu"), worker("w1", 8, 16, 0)), 1.0), None,
+                   width=200)
+    assert lines[1].endswith("s simulated:smollm2-cpu")
+    assert "simulated" not in lines[2]
