@@ -143,11 +143,13 @@ def run_async(redis_url: str, body: Any) -> Any:
     return asyncio.run(main())
 
 
-def wait_for(predicate: Any, timeout_s: float = 10.0, what: str = "condition") -> Any:
-    """The first truthy value of predicate(), polled every 50 ms; AssertionError after timeout_s."""
+def wait_for(predicate: Any, timeout_s: float = 10.0, what: str = "condition", log: Path | None = None) -> Any:
+    """The first truthy value of predicate(), polled every 50 ms; AssertionError after timeout_s (with the end
+    of `log`, when given)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if value := predicate():
             return value
         time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+    tail = log.read_text(errors="replace")[-4000:] if log else ""
+    raise AssertionError(f"timed out waiting for {what}" + (f"\n{tail}" if tail else ""))

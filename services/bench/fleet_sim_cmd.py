@@ -63,7 +63,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gpu_worker.executor.cost_model import PROFILE_DIR, CostProfile
+    from gpu_worker.executor.cost_model import CostProfile
     from services.bench.fleet_sim import FleetSim, default_settings
     from services.bench.fleet_sim_report import format_table, summarize, write_plots
     from services.bench.fleet_sim_workloads import WORKLOADS, from_bench_workload, generate
@@ -71,8 +71,7 @@ def run(args: argparse.Namespace) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if bad := [p for p in policies if p not in POLICIES]:
         raise ValueError(f"--policies: {bad} unknown; choose from {','.join(POLICIES)}")
-    named = PROFILE_DIR / f"{args.profile}.json"  # a name with dots ("llama3.1-8b-...") looks like a path to load()
-    profile = CostProfile.load(named if named.is_file() else args.profile)
+    profile = CostProfile.load(args.profile)
     num = args.num_requests if args.num_requests is not None or args.duration is not None else 2000
     try:
         lo, hi = (int(v) for v in args.system_prompt_tokens.split("-"))

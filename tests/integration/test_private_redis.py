@@ -10,11 +10,11 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import redis
+from fleet_harness import wait_for
 
 from services import job_record, private_redis
 from services.client import FleetClient
@@ -26,15 +26,6 @@ from shared.settings import Settings
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def wait_for(predicate, what: str, timeout_s: float = 60.0, log: Path | None = None):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}\n{log.read_text(errors='replace')[-4000:] if log else ''}")
 
 
 def test_private_redis_persists_and_requires_its_password(tmp_path):
@@ -63,7 +54,7 @@ def test_private_redis_persists_and_requires_its_password(tmp_path):
         assert config["maxmemory"] == str(64 * 1024 * 1024) and config["maxmemory-policy"] == "noeviction"
         assert config["bind"] == "127.0.0.1" and Path(config["dir"]) == data
         r.set("kept", "yes")
-        wait_for(lambda: b"kept" in (data / "appendonly.aof").read_bytes(), "the AOF to hold the write")
+        wait_for(lambda: b"kept" in (data / "appendonly.aof").read_bytes(), 60, "the AOF to hold the write")
         r.close()
 
         pid, port = server.proc.pid, server.port
@@ -72,7 +63,7 @@ def test_private_redis_persists_and_requires_its_password(tmp_path):
 
         said, record = [], ChildRestarts(REDIS_POLICY)
         wait_for(lambda: private_redis.keep(server, record, lambda m, err=False: said.append(m)) and server.proc,
-                 "the private Redis to start again")
+                 60, "the private Redis to start again")
         assert server.port == port and server.proc.pid != pid
         assert "killed by SIGKILL; starting it again on port" in said[0] and "running again" in said[-1]
         r = redis.Redis.from_url(server.url, decode_responses=True)
@@ -94,7 +85,7 @@ def test_up_again_on_the_same_data_dir_answers_a_queued_request(tiny_llama_dir, 
         settings = Settings.from_env(redis_url=server.url, model=model, queue_when_no_workers=True)
         with FleetClient(settings=settings) as client:
             rid = client.submit("queued before the restart", **params).request_id
-        wait_for(lambda: rid.encode() in (data / "appendonly.aof").read_bytes(), "the AOF to hold the request")
+        wait_for(lambda: rid.encode() in (data / "appendonly.aof").read_bytes(), 60, "the AOF to hold the request")
         os.kill(server.proc.pid, signal.SIGKILL)
         server.proc.wait(10)
     finally:
@@ -108,7 +99,7 @@ def test_up_again_on_the_same_data_dir_answers_a_queued_request(tiny_llama_dir, 
                                "--model", model, "--num-kv-blocks", "64", "--data-dir", str(data), "--drain-timeout",
                                "5"], cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
-        wait_for(lambda: "kvfleet: ready" in log.read_text(), "the fleet to come up", 180, log)
+        wait_for(lambda: "kvfleet: ready" in log.read_text(), 180, "the fleet to come up", log)
         text = log.read_text()
         assert re.search(r"private Redis at redis://:\*\*\*@127\.0\.0\.1:\d+/0 \(pid \d+\)", text), text
         url = (data / private_redis.URL_FILE).read_text().strip()

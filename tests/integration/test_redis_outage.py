@@ -80,6 +80,15 @@ def _sse_events(fleet: Fleet, port: int | None, started: threading.Event, events
                 started.set()
 
 
+def _start_stream(fleet: Fleet, port: int | None = None) -> tuple[threading.Thread, list[str]]:
+    """A streaming greedy completion in a thread, started and with its first event in; -> (thread, events)."""
+    started, events = threading.Event(), []
+    reader = threading.Thread(target=_sse_events, args=(fleet, port, started, events), daemon=True)
+    reader.start()
+    assert started.wait(30), fleet.tail()
+    return reader, events
+
+
 def _ready(url: str) -> int:
     try:
         return httpx.get(url, timeout=2).status_code
@@ -111,10 +120,7 @@ def test_restart_without_data_worker_regroups_and_serves(fleet):
 def test_short_outage_with_aof_stream_goes_on(fleet):
     reference = _complete(fleet)
     port = fleet.redis.port
-    started, events = threading.Event(), []
-    reader = threading.Thread(target=_sse_events, args=(fleet, None, started, events), daemon=True)
-    reader.start()
-    assert started.wait(30), fleet.tail()
+    reader, events = _start_stream(fleet)
     _stop_redis(fleet, keep_data=True)
     time.sleep(0.5)  # what was in flight arrives
     before = len(events)
@@ -124,13 +130,7 @@ def test_short_outage_with_aof_stream_goes_on(fleet):
     reader.join(60)
     assert not reader.is_alive()
     assert len(events) > before + 1, "the outage did not hit the stream mid-way"
-    assert events[-1] == "[DONE]"
-    payloads = [json.loads(e) for e in events[:-1]]
-    assert not [p for p in payloads if "error" in p], payloads
-    text = "".join(c["text"] for p in payloads for c in p["choices"])
-    usage = [p["usage"] for p in payloads if p.get("usage")]
-    assert text == reference
-    assert usage[-1]["completion_tokens"] == MAX_TOKENS
+    assert _stream_text(events) == reference  # [DONE], no error event, all MAX_TOKENS tokens
 
 
 def test_outage_past_the_grace_ends_with_an_error_event(fleet):
@@ -186,10 +186,7 @@ def test_restart_without_data_mid_stream_the_gateway_places_it_again(fleet):
     reference = _complete(fleet)
     before_count = _placed_again(fleet)
     port = fleet.redis.port
-    started, events = threading.Event(), []
-    reader = threading.Thread(target=_sse_events, args=(fleet, None, started, events), daemon=True)
-    reader.start()
-    assert started.wait(30), fleet.tail()
+    reader, events = _start_stream(fleet)
     fleet.wait_for(lambda: len(events) > 5, timeout_s=30, what="a few tokens")
     _stop_redis(fleet, keep_data=False)
     time.sleep(1)
