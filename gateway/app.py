@@ -21,7 +21,7 @@ from gateway.leases import Leases
 from gateway.middleware import BodyLimit, Instrumentation
 from gateway.openai_api import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from gateway.placement import routing_header, submit, target_for
-from gateway.prompts import prepare
+from gateway.prompts import is_short, prepare
 from gateway.relay import relay, watch_disconnect
 from gateway.router import POLICIES
 from gateway.state import GatewayState
@@ -39,7 +39,8 @@ def create_app(settings: Settings) -> FastAPI:
     if settings.routing not in POLICIES:
         raise ValueError(f"routing policy must be one of {POLICIES}, got {settings.routing!r}")
     state = GatewayState(settings=settings, redis=None, tokenizers=Tokenizers(settings.tokenizer_threads),
-                         leases=Leases(settings.lease_ttl_s, max_idle_s=settings.request_timeout_s + 60),
+                         leases=Leases(settings.lease_ttl_s, max_idle_s=settings.request_timeout_s + 60,
+                                       read_out_ttl_s=settings.output_ttl_after_read_s),
                          views=FleetViews(settings.fleet_view_max_age_s))
 
     @contextlib.asynccontextmanager
@@ -63,7 +64,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(Instrumentation, metrics=state.metrics)  # outermost: it counts the 413s too
 
-    def authorized(request: Request) -> None:
+    async def authorized(request: Request) -> None:  # async: a sync dependency costs a thread hop per request
         if not settings.api_keys:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
@@ -73,10 +74,10 @@ def create_app(settings: Settings) -> FastAPI:
             raise APIError(401, "Incorrect or missing API key: send the header `Authorization: Bearer <key>`",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
-    def metrics_authorized(request: Request) -> None:
+    async def metrics_authorized(request: Request) -> None:
         """KVFLEET_METRICS_OPEN=1 opens /metrics (only it) to scrapers that cannot send a key."""
         if not settings.metrics_open:
-            authorized(request)
+            await authorized(request)
 
     @app.get("/openapi.json", dependencies=[Depends(authorized)], include_in_schema=False)
     async def openapi() -> JSONResponse:
@@ -107,7 +108,8 @@ def create_app(settings: Settings) -> FastAPI:
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(body: CompletionRequest, request: Request) -> Response:
         target = await target_for(state, body.model)
-        batch = await submit(state, target, await state.tokenizers.run(prepare, target, body), id_prefix="cmpl")
+        prepared = await state.tokenizers.run(prepare, target, body, inline=is_short(body))
+        batch = await submit(state, target, prepared, id_prefix="cmpl")
         headers = routing_header(batch)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -130,7 +132,7 @@ def create_app(settings: Settings) -> FastAPI:
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         target = await target_for(state, body.model)
-        prepared = await state.tokenizers.run(prepare, target, body)
+        prepared = await state.tokenizers.run(prepare, target, body, inline=is_short(body))
         batch = await submit(state, target, prepared, id_prefix="chatcmpl")
         sub, top, headers = batch.subs[0], prepared.logprobs, routing_header(batch)
         if body.stream:

@@ -1,15 +1,18 @@
 """The leases one gateway holds on the requests it relays (kvfleet:lease:{request}, shared.streams.leases).
 
-A lease is set when its request is placed, before the enqueue, and refreshed while the relay runs: one
-background task per gateway refreshes every lease it holds in one pipelined round trip every third of the
-TTL (never one timer per request). The relay releases it when it ends; a released lease is left to expire.
-When the gateway dies the refreshes stop, the leases lapse, and the workers abort the requests nobody reads
-(gpu_worker.serve.intake). A lease the relay stopped touching for request_timeout_s (a relay that never
-started) is dropped, so none is held forever.
+A lease is set by the enqueue itself (in the same Lua step, shared.streams.aenqueue_routed) and refreshed
+while the relay runs: one background task per gateway refreshes every lease it holds in one pipelined round
+trip every third of the TTL (never one timer per request). The relay releases it when it ends; a released
+lease is left to expire. When the gateway dies the refreshes stop, the leases lapse, and the workers abort
+the requests nobody reads (gpu_worker.serve.intake). A lease the relay stopped touching for request_timeout_s
+(a relay that never started) is dropped, so none is held forever.
 
 A refresh that finds a held lease gone tells the relay its request is lost (`is_lost`): Redis lost its data
 (a restart without persistence or the last second of an AOF, a FLUSHALL), or this gateway stalled past the
 TTL and the worker aborted the request. Either way nobody will answer it: the relay places it again.
+
+The same round trip shortens the expiry of the output streams the relays read to their end (`read_out`):
+no PEXPIRE of its own per request.
 """
 
 from __future__ import annotations
@@ -26,18 +29,28 @@ RETRY_S = 0.5  # after a failed refresh (Redis away), try again this soon: a lea
 
 
 class Leases:
-    def __init__(self, ttl_s: float, max_idle_s: float):
-        self.ttl_s, self.max_idle_s = ttl_s, max_idle_s
+    def __init__(self, ttl_s: float, max_idle_s: float, read_out_ttl_s: float = 120.0):
+        self.ttl_s, self.max_idle_s, self.read_out_ttl_s = ttl_s, max_idle_s, read_out_ttl_s
         self.held: dict[str, float] = {}  # request id -> loop time after which it is dropped unless touched
         self.lost: set[str] = set()  # held requests whose lease a refresh found gone
+        self.read_out: list[str] = []  # output streams read to their end, to expire in read_out_ttl_s
         self._task: asyncio.Task | None = None
+        self._r: Any = None
 
-    async def take(self, r: Any, request_id: str) -> None:
-        """Set the request's lease now (before it is enqueued) and keep it refreshed until released."""
-        await streams.ahold_leases(r, [request_id], self.ttl_s)
+    def hold(self, r: Any, request_id: str) -> None:
+        """Keep the request's lease (set by its enqueue) refreshed until released."""
         self.touch(request_id)
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._refresh(r))
+        self._r = r
+        self._run()
+
+    def expire_later(self, stream: str) -> None:
+        """A relay read this output stream to its end: it expires read_out_ttl_s after the next refresh."""
+        self.read_out.append(stream)
+        self._run()
+
+    def _run(self) -> None:
+        if (self._task is None or self._task.done()) and self._r is not None:
+            self._task = asyncio.get_running_loop().create_task(self._refresh(self._r))
 
     def touch(self, request_id: str) -> None:
         """The relay is still at work on it (called as chunks arrive: one dict write, no Redis)."""
@@ -60,19 +73,22 @@ class Leases:
     async def _refresh(self, r: Any) -> None:
         loop = asyncio.get_running_loop()
         wait = self.ttl_s / 3
-        while self.held:
+        while self.held or self.read_out:
             await asyncio.sleep(wait)
             now = loop.time()
             for rid in [rid for rid, until in self.held.items() if until < now]:
                 log.warning("lease on %s dropped: its relay did not touch it for %.0fs", rid, self.max_idle_s)
                 del self.held[rid]
+            read_out, self.read_out = self.read_out, []
             try:
-                gone = await streams.ahold_leases(r, list(self.held), self.ttl_s) & self.held.keys()
+                gone = await streams.ahold_leases(r, list(self.held), self.ttl_s, expire=read_out,
+                                                  expire_s=self.read_out_ttl_s) & self.held.keys()
                 if gone:
                     log.warning("%d lease(s) were gone from Redis (lost with its data, or lapsed): %s",
                                 len(gone), ", ".join(sorted(gone)[:5]))
                 self.lost |= gone
                 wait = self.ttl_s / 3
             except streams.RedisError as e:
+                self.read_out[:0] = read_out
                 wait = min(RETRY_S, self.ttl_s / 3)
                 log.warning("could not refresh %d lease(s): %s; retrying in %.1fs", len(self.held), e, wait)

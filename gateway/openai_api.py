@@ -50,8 +50,8 @@ def lone_surrogate_path(value: Any) -> str | None:
                 if isinstance(k, str) and _SURROGATE.search(k):
                     return sub
                 todo.append((sub, item))
-        elif isinstance(v, list):
-            todo.extend((f"{path}[{i}]", item) for i, item in enumerate(v))
+        elif isinstance(v, list):  # (a prompt of token ids: no path string per id)
+            todo.extend((f"{path}[{i}]", item) for i, item in enumerate(v) if isinstance(item, str | dict | list))
     return None
 
 

@@ -99,7 +99,7 @@ class Submitted:
 
     @property
     def num_choices(self) -> int:
-        return self.request.params().n
+        return self.request.sampling_params.get("n", 1)
 
     def prompt_of(self, _choice: int) -> str | None:
         return self.request.prompt
@@ -152,9 +152,9 @@ def build_request(settings: Settings, target: Target, prompt: Prompt, *, priorit
 
 def _routing_blocks(settings: Settings, target: Target, request: GenerationRequest) -> int:
     """What routing counts for a request: prompt plus (capped) output, times n, at most the largest cache."""
-    params = request.params()
-    out_tokens = min(params.max_tokens or 1, settings.route_max_output_tokens)
-    blocks = request_blocks(len(request.prompt_token_ids), out_tokens, params.n, target.block_size)
+    sp = request.sampling_params  # (checked when built: no SamplingParams to make again)
+    out_tokens = min(sp.get("max_tokens") or 1, settings.route_max_output_tokens)
+    blocks = request_blocks(len(request.prompt_token_ids), out_tokens, sp.get("n", 1), target.block_size)
     return min(blocks, target.max_total_blocks)
 
 
@@ -169,24 +169,20 @@ def replan(settings: Settings, sub: Submitted, request_id: str) -> Planned:
 async def place(state: GatewayState, planned: Planned) -> Submitted:
     """Route, reserve and enqueue a built request (429 when the fleet is full). The caller holds
     state.admission: one placement at a time per gateway (or per FleetCaller). A gateway (state.leases set)
-    takes the request's lease first: its relay keeps it, and the worker aborts the request once it lapses."""
-    rid = planned.request.request_id
-    if state.leases is not None:
-        planned.request.lease = True
-        await state.leases.take(state.redis, rid)
-    try:
-        placement = await _route_and_enqueue(state, planned)
-    except BaseException:
-        if state.leases is not None:
-            state.leases.release(rid)
-        raise
+    has the enqueue set the request's lease: its relay keeps it, and the worker aborts the request once it
+    lapses."""
+    leases = state.leases
+    planned.request.lease = leases is not None
+    placement = await _route_and_enqueue(state, planned, None if leases is None else leases.ttl_s)
+    if leases is not None:
+        leases.hold(state.redis, planned.request.request_id)
     state.metrics.routed(placement.policy, placement.worker_id)
     sub = Submitted(planned.request.request_id, planned.target, planned.request, placement)
     annotate_request(sub)
     return sub
 
 
-async def _route_and_enqueue(state: GatewayState, planned: Planned) -> Placement:
+async def _route_and_enqueue(state: GatewayState, planned: Planned, lease_ttl_s: float | None) -> Placement:
     """Among the live workers that serve the request, route, reserve and enqueue, routing again (up to
     MAX_ROUTE_TRIES, without the workers that refused) when the worker filled up meanwhile or has
     `worker_queue_bound` requests waiting (every policy); when none can take it, the shared stream; 429 (with
@@ -220,7 +216,8 @@ async def _route_and_enqueue(state: GatewayState, planned: Planned) -> Placement
         with enqueue_span(request, keys.req_stream(worker)):
             entry_id = await streams.aenqueue_routed(
                 r, request, worker, min_headroom=settings.reserve_blocks if checks_room else None,
-                queue_bound=settings.worker_queue_bound, reservation_ttl_s=settings.reservation_ttl_s)
+                queue_bound=settings.worker_queue_bound, reservation_ttl_s=settings.reservation_ttl_s,
+                lease_ttl_s=lease_ttl_s)
         if entry_id is not None:
             if state.views is not None:
                 state.views.reserved(worker, routing_blocks)
@@ -230,7 +227,7 @@ async def _route_and_enqueue(state: GatewayState, planned: Planned) -> Placement
         refused.add(worker)
     request.kv_blocks = 0
     with enqueue_span(request, keys.REQ_ANY) as span:
-        entry_id = await streams.aenqueue_shared(r, request, bound=settings.queue_bound)
+        entry_id = await streams.aenqueue_shared(r, request, bound=settings.queue_bound, lease_ttl_s=lease_ttl_s)
         if entry_id is None:
             t.set_error(span, "shared queue full")
     if entry_id is None:

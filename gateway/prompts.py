@@ -110,11 +110,28 @@ def check_vocab(body: CompletionRequest | ChatCompletionRequest, vocab: int) -> 
                               f"logit_bias.{key}", "invalid_value")
 
 
+SHORT_INPUT_CHARS = 2048  # inputs up to this long are tokenized on the event loop (see is_short)
+
+
+def is_short(body: CompletionRequest | ChatCompletionRequest) -> bool:
+    """Is the input short enough to tokenize on the event loop? Up to SHORT_INPUT_CHARS characters take
+    well under a millisecond, less than the hop to a tokenizer thread and back (and its GIL handovers)."""
+    if isinstance(body, ChatCompletionRequest):
+        pieces = [m.content if isinstance(m.content, str) else [p.text for p in m.content or []]
+                  for m in body.messages]
+    else:
+        pieces = [body.prompt]
+    total = 0
+    for piece in pieces:
+        total += len(piece) if isinstance(piece, str) else sum(len(x) for x in piece if isinstance(x, str))
+    return total <= SHORT_INPUT_CHARS
+
+
 def prepare(target: Any, body: CompletionRequest | ChatCompletionRequest) -> Prepared:
     """Check against the vocabulary, tokenize, check the window, build the sampling params: what every door does
     before placing. 400s name the field. `target`: the gateway.placement.Target the request goes to (its
     tokenizer and window). It tokenizes: callers on an event loop run it in the tokenizer threads
-    (gateway.tokenizer.Tokenizers.run)."""
+    (gateway.tokenizer.Tokenizers.run) unless the input `is_short`."""
     tok = target.tokenizer
     check_vocab(body, len(tok))
     if isinstance(body, ChatCompletionRequest):

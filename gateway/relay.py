@@ -95,7 +95,8 @@ def _chunks(state: GatewayState, sub: Submitted, after_seq: int) -> AsyncIterato
     lost = (lambda: leases.is_lost(sub.request_id)) if leases is not None else None
     return streams.aiter_output(state.redis, sub.request_id, timeout_s=settings.request_timeout_s,
                                 expire_after_s=settings.output_ttl_after_read_s, grace_s=settings.redis_grace_s,
-                                entry=entry, after_seq=after_seq, lost=lost)
+                                entry=entry, after_seq=after_seq, lost=lost,
+                                expire_later=leases.expire_later if leases is not None else None)
 
 
 async def _place_again(state: GatewayState, sub: Submitted, relayed: list[OutputChunk], n: int) -> Submitted:

@@ -190,21 +190,26 @@ def sse(obj: Any) -> str:
 
 async def _events(chunks: AsyncIterator[OutputChunk], render: Any, usage_event: Any) -> AsyncIterator[str]:
     """Shared SSE loop: one event per chunk, the usage event, [DONE]; an error becomes an error event.
-    Closing this stream early (client gone) closes `chunks` at once, which cancels the request."""
+    The last chunk's event, the usage event and [DONE] go out in one write (for a short answer, most of
+    what the gateway sends). Closing this stream early (client gone) closes `chunks` at once, which cancels
+    the request."""
+    tail = ""
     try:
         async for c in chunks:
             if c.error is not None:
-                yield sse(chunk_error(c).body())
+                tail = sse(chunk_error(c).body())
                 break
-            if c.token_ids or c.text or c.finish_reason:
-                yield render(c)
-            if c.final and usage_event is not None:
-                yield usage_event(c.usage)
+            event = render(c) if c.token_ids or c.text or c.finish_reason else ""
+            if not c.final:
+                if event:
+                    yield event
+                continue
+            tail = event + (usage_event(c.usage) if usage_event is not None else "")
     except APIError as e:
-        yield sse(e.body())
+        tail += sse(e.body())
     finally:
         await chunks.aclose()
-    yield "data: [DONE]\n\n"
+    yield tail + "data: [DONE]\n\n"
 
 
 async def completion_events(sub: Any, chunks: AsyncIterator[OutputChunk], *, echo: bool,

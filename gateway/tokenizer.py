@@ -66,8 +66,11 @@ class Tokenizers:
         self._loads: dict[str, asyncio.Task] = {}
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvfleet-tokenize")
 
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """fn(*args) in a tokenizer thread (at most `threads` at once; the rest wait in line)."""
+    async def run(self, fn: Callable[..., T], *args: Any, inline: bool = False) -> T:
+        """fn(*args) in a tokenizer thread (at most `threads` at once; the rest wait in line), or here and
+        now when `inline` (work shorter than the hop to a thread)."""
+        if inline:
+            return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def close(self) -> None:

@@ -33,7 +33,7 @@ from gateway.placement import (
     place,
     target_for,
 )
-from gateway.prompts import part_ids, prepare, prompt_count
+from gateway.prompts import is_short, part_ids, prepare, prompt_count
 from gateway.responses import chat_body, completion_body, merge_completions
 from gateway.state import GatewayState
 from gateway.tokenizer import Tokenizers
@@ -195,7 +195,7 @@ class FleetCaller:
         """What the gateway's endpoints do before placing (gateway.prompts.prepare, then build_request), under
         the given request ids; and a function giving each planned request its CallInfo."""
         target = await target_for(self.gateway, body.model)
-        prepared = await self.gateway.tokenizers.run(prepare, target, body)
+        prepared = await self.gateway.tokenizers.run(prepare, target, body, inline=is_short(body))
         planned = [build_request(self.settings, target, p, priority=prepared.priority, request_id=part)
                    for p, part in zip(prepared.prompts, parts, strict=True)]
         tokenizer = (target.workers[0].model_path if target.workers else "") or self.settings.model

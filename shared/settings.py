@@ -36,7 +36,7 @@ class Settings:
     worker_queue_bound: int = 64
     # A request body larger than this gets 413 before it is parsed or its API key checked.
     max_body_bytes: int = 4 * 1024 * 1024
-    tokenizer_threads: int = 4  # the gateway tokenizes in this many threads, never on its event loop
+    tokenizer_threads: int = 4  # the gateway tokenizes inputs over 2 KiB in this many threads, off its event loop
     retry_after_s: int = 1
     # A worker's status lives this long unless refreshed; heartbeats come every heartbeat_s.
     status_ttl_s: float = 5.0

@@ -12,16 +12,20 @@ import redis.asyncio as aioredis
 from shared import keys
 
 
-async def ahold_leases(r: aioredis.Redis, request_ids: Iterable[str], ttl_s: float) -> set[str]:
+async def ahold_leases(r: aioredis.Redis, request_ids: Iterable[str], ttl_s: float, *,
+                       expire: Iterable[str] = (), expire_s: float = 0.0) -> set[str]:
     """Set (or refresh) the lease of every request in `request_ids` to expire in `ttl_s`: one round trip.
     SET, not PEXPIRE, so a lease that expired while Redis was away comes back. -> the requests whose lease
-    was not there (SET ... GET): Redis lost it (a restart without the data, a FLUSHALL), or it lapsed."""
+    was not there (SET ... GET): Redis lost it (a restart without the data, a FLUSHALL), or it lapsed.
+    In the same round trip, the keys in `expire` (output streams read to their end) expire in `expire_s`."""
     ms = max(1, int(ttl_s * 1000))
     ids = list(request_ids)
     pipe = r.pipeline(transaction=False)
     for rid in ids:
         pipe.set(keys.lease(rid), 1, px=ms, get=True)
-    previous = await pipe.execute()
+    for key in expire:
+        pipe.pexpire(key, max(1, int(expire_s * 1000)))
+    previous = (await pipe.execute())[:len(ids)]
     return {rid for rid, old in zip(ids, previous, strict=True) if old is None}
 
 

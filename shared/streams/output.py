@@ -195,10 +195,12 @@ def iter_output(r: redis.Redis, request_id: str, *, timeout_s: float = 600.0, bl
 async def aiter_output(r: aioredis.Redis, request_id: str, *, timeout_s: float = 600.0, block_ms: int = 1000,
                        expire_after_s: float = 120.0, grace_s: float = 15.0,
                        entry: tuple[str, str] | None = None, after_seq: int = -1,
-                       lost: Callable[[], bool] | None = None) -> AsyncIterator[OutputChunk]:
+                       lost: Callable[[], bool] | None = None,
+                       expire_later: Callable[[str], None] | None = None) -> AsyncIterator[OutputChunk]:
     """The asyncio twin of `iter_output`, for a gateway's relay: it may start after chunk `after_seq` (a
-    request placed again with the chunks already relayed restored), and `lost()`, asked after every read,
-    turns true when the request's lease vanished (-> OutputLost)."""
+    request placed again with the chunks already relayed restored), `lost()`, asked after every read,
+    turns true when the request's lease vanished (-> OutputLost), and `expire_later(stream)`, when given,
+    takes over the expiry after the final chunk (the gateway batches them: gateway.leases)."""
     cursor = _OutputCursor(request_id, timeout_s, grace_s, entry, after_seq)
     while True:
         cursor.check_lease(lost)
@@ -214,6 +216,9 @@ async def aiter_output(r: aioredis.Redis, request_id: str, *, timeout_s: float =
         for chunk in cursor.new_chunks(reply):
             yield chunk
             if chunk.final:
+                if expire_later is not None:
+                    expire_later(cursor.stream)
+                    return
                 with contextlib.suppress(*CONNECTION_ERRORS):
                     await r.pexpire(cursor.stream, int(expire_after_s * 1000))
                 return

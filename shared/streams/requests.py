@@ -23,6 +23,8 @@ CANCEL_MARK_TTL_S = 3600
 # reservations are re-read inside Redis, so concurrent gateways never over-commit a worker. Whatever the
 # policy, a worker with `queue_bound` requests waiting (entries of its stream no consumer took yet, plus those
 # it took and has not started: its status' `waiting`) takes no more, so no stream grows without bound.
+# With a lease TTL, the request's lease (KEYS[4], shared.streams.leases) is set in the same step: no round trip
+# of its own, and never a lease without its request nor a leased request without its lease.
 _ENQUEUE_ROUTED = LuaScript("""
 local blocks, min_headroom, queue_bound = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[7])
 local raw = redis.call('GET', KEYS[1])
@@ -44,10 +46,12 @@ if blocks > 0 then
   redis.call('HSET', KEYS[2], ARGV[1], blocks)
   redis.call('PEXPIRE', KEYS[2], ARGV[4])
 end
+if tonumber(ARGV[9]) > 0 then redis.call('SET', KEYS[4], 1, 'PX', ARGV[9]) end
 return redis.call('XADD', KEYS[3], '*', ARGV[6], ARGV[5])
 """)
 
-# Atomic "enqueue on the shared stream unless more than `bound` requests already wait there untaken".
+# Atomic "enqueue on the shared stream unless more than `bound` requests already wait there untaken" (and its
+# lease, KEYS[2], as above).
 _ENQUEUE_SHARED = LuaScript("""
 local bound = tonumber(ARGV[1])
 if bound >= 0 then
@@ -56,6 +60,7 @@ if bound >= 0 then
   if type(pending) == 'table' and pending['err'] == nil then waiting = waiting - pending[1] end
   if waiting >= bound then return false end
 end
+if tonumber(ARGV[5]) > 0 then redis.call('SET', KEYS[2], 1, 'PX', ARGV[5]) end
 return redis.call('XADD', KEYS[1], '*', ARGV[4], ARGV[3])
 """)
 
@@ -85,22 +90,31 @@ async def aenqueue(r: aioredis.Redis, request: GenerationRequest, worker_id: str
 
 async def aenqueue_routed(r: aioredis.Redis, request: GenerationRequest, worker_id: str, *,
                           min_headroom: int | None, queue_bound: int | None = None,
-                          reservation_ttl_s: float = 30.0) -> str | None:
+                          reservation_ttl_s: float = 30.0, lease_ttl_s: float | None = None) -> str | None:
     """Reserve `request.kv_blocks` on the worker and enqueue there, atomically; with `min_headroom` set, only
     if the worker's free blocks less queued and reserved ones still leave that many after this request; with
     `queue_bound` set, only while fewer requests than that wait for the worker (untaken in its stream, or
-    taken and not started). None: it cannot take it now (route elsewhere)."""
+    taken and not started); with `lease_ttl_s`, the request's lease is set with it. None: it cannot take it
+    now (route elsewhere)."""
     return await arun_script(
-        r, _ENQUEUE_ROUTED, [keys.status(worker_id), keys.reserved(worker_id), keys.req_stream(worker_id)],
+        r, _ENQUEUE_ROUTED,
+        [keys.status(worker_id), keys.reserved(worker_id), keys.req_stream(worker_id), keys.lease(request.request_id)],
         [request.request_id, request.kv_blocks, -1 if min_headroom is None else min_headroom,
          int(reservation_ttl_s * 1000), request.model_dump_json(), keys.FIELD,
-         -1 if queue_bound is None else queue_bound, keys.GROUP])
+         -1 if queue_bound is None else queue_bound, keys.GROUP, _lease_ms(lease_ttl_s)])
 
 
-async def aenqueue_shared(r: aioredis.Redis, request: GenerationRequest, *, bound: int | None) -> str | None:
-    """Enqueue on kvfleet:req:any, atomically refusing (None) when `bound` requests already wait untaken."""
-    return await arun_script(r, _ENQUEUE_SHARED, [keys.REQ_ANY],
-                             [-1 if bound is None else bound, keys.GROUP, request.model_dump_json(), keys.FIELD])
+async def aenqueue_shared(r: aioredis.Redis, request: GenerationRequest, *, bound: int | None,
+                          lease_ttl_s: float | None = None) -> str | None:
+    """Enqueue on kvfleet:req:any, atomically refusing (None) when `bound` requests already wait untaken; with
+    `lease_ttl_s`, the request's lease is set with it."""
+    return await arun_script(r, _ENQUEUE_SHARED, [keys.REQ_ANY, keys.lease(request.request_id)],
+                             [-1 if bound is None else bound, keys.GROUP, request.model_dump_json(), keys.FIELD,
+                              _lease_ms(lease_ttl_s)])
+
+
+def _lease_ms(ttl_s: float | None) -> int:
+    return 0 if ttl_s is None else max(1, int(ttl_s * 1000))
 
 
 def parse_request(fields: dict[str, str]) -> GenerationRequest:

@@ -25,6 +25,9 @@ class Pipe:
         assert get  # SET ... GET: the refresh learns which leases were gone
         self.sets.append((key, px))
 
+    def pexpire(self, key, ms):
+        self.redis.expired.append((key, ms, len(self.redis.round_trips)))
+
     async def execute(self):
         if self.redis.fail:
             self.redis.fail -= 1
@@ -35,11 +38,18 @@ class Pipe:
         return previous
 
 
+def place(leases: Leases, r: FakeRedis, rid: str) -> None:
+    """What placing a request does to its lease: the enqueue sets it (a SET, here), the gateway holds it."""
+    r.stored.add(keys.lease(rid))
+    leases.hold(r, rid)
+
+
 class FakeRedis:
     def __init__(self):
         self.round_trips: list[list[tuple[str, int]]] = []
         self.fail = 0
         self.stored: set[str] = set()  # lease keys Redis holds (none ever expire here)
+        self.expired: list[tuple[str, int, int]] = []  # (key, ms, the round trip it went with)
 
     def pipeline(self, transaction):
         assert not transaction
@@ -54,10 +64,8 @@ def test_every_held_lease_is_refreshed_in_one_round_trip_per_turn():
     async def go(r: FakeRedis) -> None:
         leases = Leases(ttl_s=0.3, max_idle_s=60)
         for rid in ("a", "b", "c"):
-            await leases.take(r, rid)  # one SET each, before the enqueue
-        assert refreshed(r) == [{keys.lease("a")}, {keys.lease("b")}, {keys.lease("c")}]
-        assert all(px == 300 for trip in r.round_trips for _, px in trip)
-        del r.round_trips[:]
+            place(leases, r, rid)  # no round trip of its own: the enqueue set the lease
+        assert r.round_trips == []
         await asyncio.sleep(0.25)  # ~ttl/3: one refresh of all three
         leases.release("b")
         await asyncio.sleep(0.2)
@@ -65,6 +73,7 @@ def test_every_held_lease_is_refreshed_in_one_round_trip_per_turn():
 
     r = FakeRedis()
     asyncio.run(go(r))
+    assert all(px == 300 for trip in r.round_trips for _, px in trip)
     trips, all3, kept = refreshed(r), {keys.lease(x) for x in "abc"}, {keys.lease("a"), keys.lease("c")}
     assert all(len(trip) == len(set(trip)) for trip in r.round_trips)  # one SET per lease and round trip
     released_at = trips.index(kept)
@@ -75,9 +84,9 @@ def test_every_held_lease_is_refreshed_in_one_round_trip_per_turn():
 def test_a_lease_found_gone_marks_its_request_lost_until_released():
     async def go(r: FakeRedis) -> tuple[bool, bool, bool]:
         leases = Leases(ttl_s=0.3, max_idle_s=60)
-        await leases.take(r, "kept")
-        await leases.take(r, "flushed")
-        assert not leases.is_lost("flushed")  # its first SET found nothing, as every first SET does
+        place(leases, r, "kept")
+        place(leases, r, "flushed")
+        assert not leases.is_lost("flushed")
         r.stored.discard(keys.lease("flushed"))  # Redis lost it (a restart without its data, a FLUSHALL)
         await asyncio.sleep(0.2)  # one refresh
         lost = leases.is_lost("flushed"), leases.is_lost("kept")
@@ -91,8 +100,8 @@ def test_a_lease_found_gone_marks_its_request_lost_until_released():
 def test_an_untouched_lease_is_dropped_and_a_failed_refresh_is_retried():
     async def go(r: FakeRedis) -> Leases:
         leases = Leases(ttl_s=0.3, max_idle_s=0.15)
-        await leases.take(r, "idle")
-        await leases.take(r, "busy")
+        place(leases, r, "idle")
+        place(leases, r, "busy")
         del r.round_trips[:]
         r.fail = 1
         for _ in range(8):
@@ -105,6 +114,24 @@ def test_an_untouched_lease_is_dropped_and_a_failed_refresh_is_retried():
     leases = asyncio.run(go(r))
     assert list(leases.held) == ["busy"]
     assert refreshed(r) and all(t == {keys.lease("busy")} for t in refreshed(r)), refreshed(r)
+
+
+def test_output_streams_read_to_their_end_expire_with_the_next_refresh_not_one_round_trip_each():
+    async def go(r: FakeRedis) -> None:
+        leases = Leases(ttl_s=0.3, max_idle_s=60, read_out_ttl_s=120)
+        place(leases, r, "a")
+        leases.expire_later(keys.out_stream("a"))
+        leases.expire_later(keys.out_stream("b"))
+        leases.release("a")
+        assert r.expired == []  # nothing sent yet
+        await asyncio.sleep(0.2)  # one refresh turn; the loop then ends (nothing held, nothing to expire)
+        assert leases._task is not None and leases._task.done()
+        await leases.close()
+
+    r = FakeRedis()
+    asyncio.run(go(r))
+    assert r.expired == [(keys.out_stream("a"), 120_000, 0), (keys.out_stream("b"), 120_000, 0)]
+    assert r.round_trips == [[]]  # both went in that turn's one round trip
 
 
 def test_the_worker_cancels_a_request_only_once_its_lease_stayed_gone(monkeypatch):

@@ -214,3 +214,16 @@ def test_bodies_over_the_limit_get_413_before_parsing_or_the_key_check():
     assert "is 2008 bytes" in big.json()["error"]["message"]
     assert bad_utf8.status_code == 400 and "UTF-8" in bad_utf8.json()["error"]["message"]
     assert seen == [{"a": "x" * 100}]
+
+
+def test_sampling_params_to_dict_is_asdicts_copy_and_round_trips():
+    import dataclasses
+
+    p = SamplingParams(n=2, stop="x", stop_token_ids=[7], logit_bias={"5": 1.5}, seed=3, max_tokens=None)
+    d = p.to_dict()
+    assert d == dataclasses.asdict(p)
+    d["stop"].append("y")
+    d["stop_token_ids"].append(8)
+    d["logit_bias"][6] = 2.0
+    assert (p.stop, p.stop_token_ids, p.logit_bias) == (["x"], [7], {5: 1.5})  # a copy, not a view
+    assert SamplingParams.from_dict(p.to_dict()) == p
