@@ -41,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="HF directory, .gguf file or alias (default smollm2; env KVFLEET_MODEL)")
     p.add_argument("--host", default="127.0.0.1", help='address the gateway listens on')
     p.add_argument("--port", type=int, default=8000, help="HTTP port of the gateway's OpenAI-compatible API")
+    p.add_argument("--gateways", type=int, default=1,
+                   help="gateway replicas, on --port, --port+1, ... (each a process of its own, as Kubernetes "
+                   "runs replicas behind a Service; put a load balancer in front, or spread clients over them)")
     p.add_argument("--redis-url", help="use this Redis instead of starting a private one")
     p.add_argument("--data-dir", help="AOF directory of the private Redis; `kvfleet up` on the same one resumes "
                    "queued work (default ~/.local/share/kvfleet/redis-<port>)")
@@ -65,12 +68,14 @@ def _child_env(settings: Settings) -> dict[str, str]:
 
 
 def fleet_commands(args: argparse.Namespace, settings: Settings, private: bool) -> list[tuple[str, list[str]]]:
-    """(name, command) of each child: the gateway, then the workers (named by their worker id)."""
+    """(name, command) of each child: the gateways, then the workers (named by their worker id)."""
     cli = [sys.executable, "-m", "services.cli"]
-    gateway = cli + ["gateway", "--host", args.host, "--port", str(args.port), "--model", settings.model]
-    if args.routing:
-        gateway += ["--routing", args.routing]
-    cmds = [("gateway", gateway)]
+    cmds = []
+    for g in range(args.gateways):
+        gateway = cli + ["gateway", "--host", args.host, "--port", str(args.port + g), "--model", settings.model]
+        if args.routing:
+            gateway += ["--routing", args.routing]
+        cmds.append(("gateway" if g == 0 else f"gateway-{g}", gateway))
     shares = cpu_shares(args)
     for i in range(args.workers):
         wid = f"w{i}" if private else f"{os.uname().nodename}-{args.port}-w{i}"
@@ -209,6 +214,8 @@ def run(args: argparse.Namespace) -> int:
         return start_docker_fleet(args)
     if args.workers < 1:
         raise SystemExit("--workers must be >= 1")
+    if args.gateways < 1:
+        raise SystemExit(f"--gateways must be >= 1, got {args.gateways}")
     settings = Settings.from_env(redis_url=args.redis_url, model=args.model, api_keys=args.api_keys)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
@@ -230,17 +237,23 @@ def run(args: argparse.Namespace) -> int:
         for name, cmd in fleet_commands(args, settings, private=redis_server is not None):
             children.append(Child(name, cmd, env, ChildRestarts()))
             children[-1].start()
-        say(f"starting gateway (pid {children[0].pid}) and {args.workers} worker(s) "
-            f"({', '.join(str(c.pid) for c in children[1:])}) serving {settings.model}; Redis "
+        gateways, workers = children[:args.gateways], children[args.gateways:]
+        say(f"starting {'gateway' if len(gateways) == 1 else f'{len(gateways)} gateways'} "
+            f"(pid {', '.join(str(c.pid) for c in gateways)}) and {args.workers} worker(s) "
+            f"({', '.join(str(c.pid) for c in workers)}) serving {settings.model}; Redis "
             f"{redacted_url(settings.redis_url)}")
         base = f"http://{args.host}:{args.port}"
-        why = _wait_ready(base + "/health", children, args.startup_timeout, stopping)
+        why = None
+        for g in range(args.gateways):
+            why = why or _wait_ready(f"http://{args.host}:{args.port + g}/health", children, args.startup_timeout,
+                                     stopping)
         if why is not None:
             if not stopping:  # a child that dies while the fleet starts has a configuration to fix
                 say(f"the fleet did not come up: {why}", err=True)
                 code = 1
             return code
-        say(f"ready. OpenAI-compatible API at {base}/v1  (model {settings.model!r}; "
+        more = "".join(f", http://{args.host}:{args.port + g}/v1" for g in range(1, args.gateways))
+        say(f"ready. OpenAI-compatible API at {base}/v1{more}  (model {settings.model!r}; "
             f"try: curl {base}/v1/models). Ctrl-C stops the fleet.")
         redis_record = ChildRestarts(REDIS_POLICY)
         while not stopping:

@@ -10,6 +10,7 @@ and its output tokens are the usage event's `completion_tokens`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -58,6 +59,12 @@ class Endpoint:
     url: str  # the server's root, e.g. http://127.0.0.1:8000 (no /v1)
     model: str  # the name sent as "model"
     api_key: str | None = None
+    replicas: tuple[str, ...] = ()  # more roots of the same service (gateway replicas): requests go round-robin
+    # over url and these, as a Kubernetes Service spreads them
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        return (self.url, *self.replicas)
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -132,21 +139,25 @@ async def send_one(client: httpx.AsyncClient, ep: Endpoint, req: BenchRequest, t
     return res
 
 
-def client_for(ep: Endpoint, max_connections: int, timeout_s: float) -> httpx.AsyncClient:
+def client_for(url: str, max_connections: int, timeout_s: float) -> httpx.AsyncClient:
     limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-    return httpx.AsyncClient(base_url=ep.url, limits=limits, timeout=httpx.Timeout(timeout_s, connect=10.0))
+    return httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(timeout_s, connect=10.0))
 
 
 async def run_load(ep: Endpoint, requests: Sequence[BenchRequest], *, rate: float, concurrency: int | None,
                    seed: int, timeout_s: float, on_done: Callable[[RequestResult], None] | None = None) -> LoadRun:
     """Send `requests` at Poisson arrival times of `rate` (inf: all at once), at most `concurrency` in flight
-    (None: no cap); return every request's result (in request order) and the run's duration."""
+    (None: no cap); return every request's result (in request order) and the run's duration. Request i goes
+    to the endpoint's i-th URL, round-robin (one URL: all to it)."""
     arrivals = poisson_arrivals(len(requests), rate, seed)
     gate = asyncio.Semaphore(concurrency) if concurrency else None
-    async with client_for(ep, concurrency or len(requests), timeout_s) as client:
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [await stack.enter_async_context(client_for(url, concurrency or len(requests), timeout_s))
+                   for url in ep.urls]
         t0, cpu0 = time.perf_counter(), time.process_time()
 
-        async def one(req: BenchRequest, at: float) -> RequestResult:
+        async def one(i: int, req: BenchRequest, at: float) -> RequestResult:
+            client = clients[i % len(clients)]
             delay = at - (time.perf_counter() - t0)
             if delay > 0:
                 await asyncio.sleep(delay)
@@ -159,6 +170,6 @@ async def run_load(ep: Endpoint, requests: Sequence[BenchRequest], *, rate: floa
                 on_done(res)
             return res
 
-        results = await asyncio.gather(*(one(r, at) for r, at in zip(requests, arrivals, strict=True)))
+        results = await asyncio.gather(*(one(i, r, at) for i, (r, at) in enumerate(zip(requests, arrivals, strict=True))))
         duration, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     return LoadRun(results=list(results), duration_s=duration, client_cpu_s=cpu)

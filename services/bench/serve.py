@@ -4,7 +4,8 @@ TPOT, inter-token latency and end-to-end latency (mean, p50, p90, p99), output a
 throughput, goodput under an SLO, failures with their errors, and for a kvfleet gateway the requests each
 worker served and the peak queue lag (from /v1/fleet).
 
-Endpoint: --url (one endpoint), or none: a fleet is started for the run (`kvfleet up`: a private Redis, the
+Endpoint: --url (one endpoint; repeated, replicas of one service such as `kvfleet up --gateways N`'s gateways,
+which the requests go to round-robin), or none: a fleet is started for the run (`kvfleet up`: a private Redis, the
 gateway, --workers workers with --routing) and stopped afterwards. --peer vllm then runs the identical load
 against vLLM's OpenAI server (started from the peer venv with ../shared/peers/vllm_env.sh's settings, on the
 same model as a float32 safetensors directory) and prints both side by side with ratios.
@@ -51,7 +52,9 @@ def add_arguments(sub: Any) -> None:
     p = sub.add_parser("serve", help="latency and throughput through an OpenAI-compatible endpoint, under load",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
-    a("--url", help="root of the endpoint (http://HOST:PORT, without /v1); default: start a kvfleet fleet")
+    a("--url", action="append", help="root of the endpoint (http://HOST:PORT, without /v1); repeat it for "
+      "replicas of one service (gateway replicas: requests go round-robin over them); default: start a kvfleet "
+      "fleet")
     a("--api-key", help="bearer key the endpoint requires")
     a("--model", default="smollm2", help="the model: alias, Hugging Face directory or .gguf file (the started "
       "fleet and vLLM serve it; its vocabulary bounds the prompt ids of .jsonl workloads; default %(default)s)")
@@ -221,8 +224,9 @@ def run(args: argparse.Namespace) -> int:
           f"{workload.output_tokens} output tokens" + (f"; server logs in {log_dir}" if log_dir else ""))
     systems: dict[str, dict[str, Any]] = {}
     server = None
-    url = args.url.rstrip("/") if args.url else None
-    config = "(given by --url)"
+    urls = [u.rstrip("/") for u in args.url or []]
+    url = urls[0] if urls else None
+    config = "(given by --url)" if len(urls) < 2 else f"(given by --url: {len(urls)} replicas, round-robin)"
     if url is None:
         config = f"(kvfleet up: {args.workers} worker(s), routing {args.routing or 'default'}, {args.model})"
         _note(f"starting a fleet {config} ...")
@@ -233,9 +237,9 @@ def run(args: argparse.Namespace) -> int:
             url = server.url
             _note(f"fleet ready in {server.started_s:.1f} s at {url}")
         name = args.served_model_name or _served_name(url, args.api_key)
-        runs = drive(Endpoint(url, name, args.api_key), workload, args, slo, "kvfleet", given_rates or [],
+        runs = drive(Endpoint(url, name, args.api_key, tuple(urls[1:])), workload, args, slo, "kvfleet", given_rates or [],
                      vocab)
-        systems["kvfleet"] = _system(server, url, config, runs)
+        systems["kvfleet"] = _system(server, ", ".join(urls) or url, config, runs)
     except ServerFailed as e:
         raise SystemExit(str(e)) from None
     finally:

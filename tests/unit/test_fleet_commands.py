@@ -1,0 +1,27 @@
+"""The children `kvfleet up` starts (services.launcher.fleet_commands): --gateways N gateway replicas on
+consecutive ports, each with the same routing, then the workers."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.cli import build_parser
+from services.launcher import fleet_commands
+from shared.settings import Settings
+
+pytestmark = pytest.mark.unit
+
+
+def test_gateway_replicas_listen_on_consecutive_ports_before_the_workers():
+    args = build_parser().parse_args(["up", "--gateways", "3", "--workers", "2", "--port", "9100",
+                                      "--routing", "prefix"])
+    cmds = fleet_commands(args, Settings(model="smollm2"), private=True)
+    assert [name for name, _ in cmds] == ["gateway", "gateway-1", "gateway-2", "w0", "w1"]
+    gateways = [cmd for _, cmd in cmds[:3]]
+    assert [cmd[cmd.index("--port") + 1] for cmd in gateways] == ["9100", "9101", "9102"]
+    assert all(cmd[cmd.index("--routing") + 1] == "prefix" and "gateway" in cmd for cmd in gateways)
+
+
+def test_one_gateway_by_default():
+    cmds = fleet_commands(build_parser().parse_args(["up"]), Settings(model="smollm2"), private=True)
+    assert [name for name, _ in cmds] == ["gateway", "w0"]
