@@ -1,11 +1,14 @@
 """The cost model of a simulated worker: how long one engine step takes for one model on one device, and
 which token ids it "generates".
 
-One step costs `a + b * prefill_tokens + c * decode_seqs + d * context_tokens` seconds, where prefill_tokens
-are the prompt (or recomputed) tokens the step runs, decode_seqs the sequences that run one new token, and
-context_tokens the keys/values attention reads (the sum of every scheduled sequence's context length). The
-fixed part `a` is the per-step overhead (scheduling, launch, sampling), `b` the weight-bound cost of a
-prefill token, `c` that of a decode row, `d` the memory-bound cost of attention.
+One step costs `a + b * prefill_tokens + c * decode_seqs + d * context_tokens + e * prefill_pairs` seconds,
+where prefill_tokens are the prompt (or recomputed) tokens the step runs, decode_seqs the sequences that run
+one new token, context_tokens the keys/values attention reads (the sum of every scheduled sequence's context
+length), and prefill_pairs the (query, key) pairs a prefill's attention computes (n tokens after s already in
+the cache: n * s + n * (n + 1) / 2). The fixed part `a` is the per-step overhead (scheduling, launch,
+sampling), `b` the weight-bound cost of a prefill token, `c` that of a decode row, `d` the memory-bound cost of
+attention, `e` its compute in a prefill: quadratic in the prompt, which a CPU feels (on a GPU, flash attention
+hides it at these lengths, and the derived GPU profiles leave e at 0).
 
 A profile is a JSON file: fitted on the real engine here (`kvfleet bench calibrate`) or derived from
 published figures (its `source` says which). Names without a path are looked up in profiles/ beside this
@@ -30,22 +33,25 @@ PROFILE_DIR = Path(__file__).parent / "profiles"
 
 @dataclass(frozen=True)
 class StepShape:
-    """What a step costs depends on only these three numbers."""
+    """What a step costs depends on only these numbers."""
 
     prefill_tokens: int
     decode_seqs: int
     context_tokens: int
+    prefill_pairs: int = 0
 
     @classmethod
     def of(cls, sched: SchedulerOutput) -> StepShape:
-        prefill = decode = context = 0
+        prefill = decode = context = pairs = 0
         for s in sched.seqs:
-            if len(s.token_ids) == 1 and s.start_pos > 0:
+            n = len(s.token_ids)
+            if n == 1 and s.start_pos > 0:
                 decode += 1
             else:
-                prefill += len(s.token_ids)
+                prefill += n
+                pairs += n * s.start_pos + n * (n + 1) // 2
             context += s.context_len
-        return cls(prefill, decode, context)
+        return cls(prefill, decode, context, pairs)
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,7 @@ class CostProfile:
     b_s_per_prefill_token: float
     c_s_per_decode_seq: float
     d_s_per_context_token: float
+    e_s_per_prefill_pair: float = 0.0
     num_kv_blocks: int = 4096  # the KV cache a worker of this kind holds
     block_size: int = 16
     max_num_seqs: int = 128
@@ -64,7 +71,8 @@ class CostProfile:
 
     def step_seconds(self, shape: StepShape) -> float:
         return (self.a_s + self.b_s_per_prefill_token * shape.prefill_tokens
-                + self.c_s_per_decode_seq * shape.decode_seqs + self.d_s_per_context_token * shape.context_tokens)
+                + self.c_s_per_decode_seq * shape.decode_seqs + self.d_s_per_context_token * shape.context_tokens
+                + self.e_s_per_prefill_pair * shape.prefill_pairs)
 
     @classmethod
     def load(cls, name_or_path: str | Path) -> CostProfile:

@@ -6,9 +6,9 @@ designed set of requests: single prompts of 32..1024 tokens (prefill-only steps)
 with contexts of 64..768 tokens (their chunked prefills, the mixed steps where the first ones decode while
 the last ones prefill, then pure decode steps). It times every engine step (scheduler, forward, sampler,
 detokenizer: what a step of a worker costs) with the step's shape, and fits
-    seconds = a + b * prefill_tokens + c * decode_seqs + d * context_tokens
-by non-negative least squares of the relative error (every subset of the four terms, the best fit with no
-negative coefficient). It prints the fit (r2, mean relative error, per kind of step) and writes the profile.
+    seconds = a + b * prefill_tokens + c * decode_seqs + d * context_tokens + e * prefill_pairs
+by non-negative least squares of the relative error (every subset of the five terms, the best fit with no
+negative coefficient; gpu_worker.executor.cost_model says what each term counts). It prints the fit (r2, mean relative error, per kind of step) and writes the profile.
 
 On a busy machine the wall clock counts the time a step waited for a core: `--threads 1 --clock cpu` times
 each step by the process's CPU time instead (the shipped smollm2-cpu profile was made so).
@@ -51,7 +51,7 @@ class Sample:
 
 @dataclass
 class Fit:
-    coefficients: tuple[float, float, float, float]  # a, b, c, d
+    coefficients: tuple[float, ...]  # a, b, c, d, e
     r2: float
     mean_rel_error: float
     rel_error_by_kind: dict[str, float]
@@ -60,26 +60,28 @@ class Fit:
 def design_matrix(samples: list[Sample]) -> Any:
     import numpy as np
 
-    return np.array([[1.0, s.shape.prefill_tokens, s.shape.decode_seqs, s.shape.context_tokens] for s in samples])
+    return np.array([[1.0, s.shape.prefill_tokens, s.shape.decode_seqs, s.shape.context_tokens, s.shape.prefill_pairs]
+                     for s in samples])
 
 
 def fit_nonnegative(samples: list[Sample]) -> Fit:
     """Least squares of the relative error (each step weighted by 1 / its time, so the many short decode steps
-    count as much as the long prefills) with a, b, c, d >= 0: every subset of the terms fitted freely, the best
-    whose coefficients are all >= 0 kept (exact for four terms, and simpler than an iterative NNLS)."""
+    count as much as the long prefills) with a, b, c, d, e >= 0: every subset of the terms fitted freely, the
+    best whose coefficients are all >= 0 kept (exact for five terms, and simpler than an iterative NNLS)."""
     import numpy as np
 
-    if len(samples) < 4:
-        raise ValueError(f"calibration needs at least 4 timed steps, got {len(samples)}")
     x, y = design_matrix(samples), np.array([s.seconds for s in samples])
+    terms = x.shape[1]
+    if len(samples) < terms:
+        raise ValueError(f"calibration needs at least {terms} timed steps, got {len(samples)}")
     xw = x / y[:, None]  # rows scaled so that the target is 1: the residuals are relative errors
     best: tuple[float, Any] | None = None
-    for k in range(1, 5):
-        for cols in itertools.combinations(range(4), k):
+    for k in range(1, terms + 1):
+        for cols in itertools.combinations(range(terms), k):
             coef, *_ = np.linalg.lstsq(xw[:, cols], np.ones(len(y)), rcond=None)
             if (coef < 0).any():
                 continue
-            full = np.zeros(4)
+            full = np.zeros(terms)
             full[list(cols)] = coef
             residual = float(((xw @ full - 1.0) ** 2).sum())
             if best is None or residual < best[0]:
@@ -177,11 +179,11 @@ def calibrate(model: str, *, dtype: str = "float32", name: str | None = None, qu
               "or with --threads 1 --clock cpu",
               file=sys.stderr)
     fit = fit_nonnegative(samples)
-    a, b, c, d = fit.coefficients
+    a, b, c, d, e = fit.coefficients
     cfg = engine.scheduler.config
     profile = CostProfile(
         name=name or f"{Path(str(model)).stem}-cpu", a_s=a, b_s_per_prefill_token=b, c_s_per_decode_seq=c,
-        d_s_per_context_token=d, num_kv_blocks=engine.runner.num_blocks, block_size=engine.block_size,
+        d_s_per_context_token=d, e_s_per_prefill_pair=e, num_kv_blocks=engine.runner.num_blocks, block_size=engine.block_size,
         max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
         source=(f"calibrated: {model} {dtype} on {cpu_description()}, {torch.get_num_threads()} torch thread(s), "
                 f"{'CPU-time' if cpu_clock else 'wall'} clock, "
@@ -198,6 +200,7 @@ def report(profile: CostProfile, fit: Fit, samples: list[Sample]) -> str:
              f"  b = {profile.b_s_per_prefill_token * 1e6:.2f} us per prefill token",
              f"  c = {profile.c_s_per_decode_seq * 1e6:.2f} us per decode sequence",
              f"  d = {profile.d_s_per_context_token * 1e9:.2f} ns per context token",
+             f"  e = {profile.e_s_per_prefill_pair * 1e9:.3f} ns per prefill (query, key) pair",
              f"  fit over {len(samples)} steps: r2 {fit.r2:.4f}, mean relative error {fit.mean_rel_error:.1%} ("
              + ", ".join(f"{k} {v:.1%} over {sum(s.kind == k for s in samples)}"
                          for k, v in fit.rel_error_by_kind.items()) + ")"]

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.unit
 
 VOCAB = 1000
 PROFILE = CostProfile("test", a_s=0.005, b_s_per_prefill_token=2e-4, c_s_per_decode_seq=1e-3,
-                      d_s_per_context_token=1e-6, num_kv_blocks=64)
+                      d_s_per_context_token=1e-6, e_s_per_prefill_pair=1e-7, num_kv_blocks=64)
 
 
 def runner(**kw) -> tuple[SimulatedRunner, list[float]]:
@@ -47,10 +47,11 @@ def test_a_step_costs_what_the_profile_says_and_sleeps_no_longer():
     r, slept = runner()
     sched = step()
     logits = r.execute(sched)
-    shape = StepShape(prefill_tokens=42, decode_seqs=2, context_tokens=32 + 10 + 41 + 8)
+    # the prefills' attention: 32 tokens from position 0 (32 * 33 / 2 query-key pairs), then 10 (10 * 11 / 2)
+    shape = StepShape(prefill_tokens=42, decode_seqs=2, context_tokens=32 + 10 + 41 + 8, prefill_pairs=528 + 55)
     assert r.last_shape == shape
     assert r.last_step_s == pytest.approx(PROFILE.step_seconds(shape))
-    assert r.last_step_s == pytest.approx(0.005 + 42 * 2e-4 + 2 * 1e-3 + 91 * 1e-6)
+    assert r.last_step_s == pytest.approx(0.005 + 42 * 2e-4 + 2 * 1e-3 + 91 * 1e-6 + 583 * 1e-7)
     assert len(slept) == 1 and 0 < slept[0] <= r.last_step_s  # less the time the call itself took
     assert logits.shape == (3, VOCAB) and logits.dtype == torch.float32
 
@@ -133,14 +134,17 @@ def test_every_shipped_profile_loads_and_says_where_it_comes_from():
 
 
 def test_the_fit_recovers_known_coefficients():
-    truth = (0.01, 3e-4, 2e-3, 5e-7)
+    truth = (0.01, 3e-4, 2e-3, 5e-7, 2e-8)
     rng = random.Random(0)
     samples = []
-    for _ in range(60):
-        shape = StepShape(rng.choice([0, 0, 64, 512]), rng.randrange(0, 64), rng.randrange(0, 40000))
+    for _ in range(80):
+        prefill, cached = rng.choice([0, 0, 64, 512, 1024]), rng.choice([0, 512])
+        shape = StepShape(prefill, rng.randrange(0, 64), rng.randrange(0, 40000),
+                          prefill * cached + prefill * (prefill + 1) // 2)
         if shape.prefill_tokens == shape.decode_seqs == 0:
             continue
-        t = truth[0] + truth[1] * shape.prefill_tokens + truth[2] * shape.decode_seqs + truth[3] * shape.context_tokens
+        t = (truth[0] + truth[1] * shape.prefill_tokens + truth[2] * shape.decode_seqs
+             + truth[3] * shape.context_tokens + truth[4] * shape.prefill_pairs)
         samples.append(Sample(shape, t * rng.uniform(0.98, 1.02)))
     fit = fit_nonnegative(samples)
     for got, want in zip(fit.coefficients, truth, strict=True):
