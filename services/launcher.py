@@ -22,6 +22,7 @@ import time
 from collections import deque
 from typing import IO
 
+from gpu_worker.serve.worker_cmd import cpu_list
 from services import private_redis
 from services.supervisor import REDIS_POLICY, ChildRestarts, exit_reason
 from shared.settings import Settings, child_env, is_set, redacted_url
@@ -55,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--docker", action="store_true", help="start the fleet as Docker containers instead")
     for flag, dest in WORKER_FLAGS:
         p.add_argument(flag, dest=dest, help="passed to every worker (see `kvfleet worker --help`)")
+    p.add_argument("--worker-cpus", type=cpu_list, metavar="LIST",
+                   help="CPUs the CPU workers share out among themselves (e.g. 1-7), leaving the others to the "
+                   "gateway, Redis and clients; default: every CPU this process may use")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false", help='turn off automatic prefix caching on every worker')
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for the fleet")
 
@@ -95,11 +99,12 @@ def cpu_shares(args: argparse.Namespace) -> list[list[str]]:
     """Per worker, the flags that share this machine's CPUs out: with N CPU workers on C >= N cores, worker i
     gets its own C // N cores (--cpus) and as many threads; with more workers than cores, one thread each.
     Workers that compete for cores slow each other's every step (each waits for its slowest thread). Nothing
-    for GPU or simulated workers, or one worker (it takes every core)."""
-    n = args.workers
-    if n <= 1 or getattr(args, "simulate", None) or (getattr(args, "device", None) or "cpu") != "cpu":
+    for GPU or simulated workers, or one worker (it takes every core) unless --worker-cpus names the cores
+    the workers may have."""
+    n, given = args.workers, getattr(args, "worker_cpus", None)
+    if (n <= 1 and not given) or getattr(args, "simulate", None) or (getattr(args, "device", None) or "cpu") != "cpu":
         return [[] for _ in range(n)]
-    cores = sorted(os.sched_getaffinity(0))
+    cores = given or sorted(os.sched_getaffinity(0))
     per = len(cores) // n
     if per == 0:
         return [["--threads", "1"] for _ in range(n)]

@@ -29,8 +29,9 @@ def _scheduling_policy(spec: str) -> str:
     return spec
 
 
-def _cpu_list(spec: str) -> list[int]:
-    """--cpus: "0-3", "0,2", "0-1,4" -> the CPU ids, which must exist and be allowed to this process."""
+def cpu_list(spec: str) -> list[int]:
+    """--cpus (and `kvfleet up --worker-cpus`): "0-3", "0,2", "0-1,4" -> the CPU ids, which must exist and be
+    allowed to this process."""
     cpus: set[int] = set()
     try:
         for part in spec.split(","):
@@ -82,7 +83,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-memory-usage", type=float, default=0.0, metavar="SECONDS",
                    help="log the KV cache's blocks used / free / cached, fragmentation and preemptions every "
                         "SECONDS (0: off)")
-    p.add_argument("--cpus", type=_cpu_list, metavar="LIST",
+    p.add_argument("--cpus", type=cpu_list, metavar="LIST",
                    help="bind the worker to these CPUs (e.g. 0-3 or 0,2): its compute threads then never share a "
                         "core with another worker's (`kvfleet up` gives each worker its own when cores suffice)")
     p.add_argument("--threads", type=int,

@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 class _Progress:
-    """tqdm on stderr over virtual seconds (up to the last arrival; the drain after it shows as overflow)."""
+    """tqdm on stderr over virtual seconds (up to the last arrival, then the total grows with the drain)."""
 
     def __init__(self, policy: str, total_s: float, *, disabled: bool):
         from tqdm import tqdm
@@ -128,6 +128,8 @@ class _Progress:
 
     def advance(self, now: float) -> None:
         if now > self.shown:
+            if now > (self.bar.total or 0):  # past the last arrival: tqdm drops a total that n overran
+                self.bar.total = round(now, 1) + 0.1
             self.bar.update(round(now - self.shown, 3))
             self.shown = now
 

@@ -36,7 +36,13 @@ def test_one_worker_gpu_workers_and_simulated_workers_are_left_alone(monkeypatch
 
 def test_cpu_lists_parse_and_must_be_allowed(monkeypatch):
     monkeypatch.setattr(worker_cmd.os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3})
-    assert worker_cmd._cpu_list("0-1,3") == [0, 1, 3]
+    assert worker_cmd.cpu_list("0-1,3") == [0, 1, 3]
     for bad in ("7", "a-b", "2-", ""):
         with pytest.raises(argparse.ArgumentTypeError, match="--cpus"):
-            worker_cmd._cpu_list(bad)
+            worker_cmd.cpu_list(bad)
+
+
+def test_worker_cpus_confine_the_workers_even_one(monkeypatch):
+    assert shares(monkeypatch, 4, 1, worker_cpus=[1, 2, 3]) == [["--cpus", "1,2,3", "--threads", "3"]]
+    assert shares(monkeypatch, 4, 2, worker_cpus=[2, 3]) == [["--cpus", "2", "--threads", "1"],
+                                                               ["--cpus", "3", "--threads", "1"]]
