@@ -11,7 +11,7 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway import responses
@@ -24,6 +24,7 @@ from gateway.placement import routing_header, submit, target_for
 from gateway.prompts import is_short, prepare
 from gateway.relay import relay, watch_disconnect
 from gateway.router import POLICIES
+from gateway.sse import EventStream
 from gateway.state import GatewayState
 from gateway.tokenizer import Tokenizers
 from shared import streams, telemetry
@@ -116,7 +117,7 @@ def create_app(settings: Settings) -> FastAPI:
             chunks = responses.merge_chunks([relay(state, s, request.is_disconnected) for s in batch.subs], batch.n)
             events = responses.completion_events(batch, chunks, echo=body.echo, logprobs=body.logprobs,
                                                  include_usage=include_usage)
-            return StreamingResponse(events, media_type="text/event-stream", headers=headers | SSE_HEADERS)
+            return EventStream(events, headers=headers | SSE_HEADERS)
 
         async def whole() -> Any:
             parts = [asyncio.ensure_future(responses.completion_body(s, relay(state, s), echo=body.echo,
@@ -139,7 +140,7 @@ def create_app(settings: Settings) -> FastAPI:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             events = responses.chat_events(sub, relay(state, sub, request.is_disconnected), top_logprobs=top,
                                            include_usage=include_usage)
-            return StreamingResponse(events, media_type="text/event-stream", headers=headers | SSE_HEADERS)
+            return EventStream(events, headers=headers | SSE_HEADERS)
         return await finish(request, responses.chat_body(sub, relay(state, sub), top_logprobs=top), headers)
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
