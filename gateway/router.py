@@ -75,10 +75,15 @@ def route(
     return min(fits, key=cost).worker_id
 
 
-def prefix_overlap(owners: Sequence[str | None]) -> dict[str, int]:
-    """worker id -> how many of the prompt's leading blocks it holds, given the worker each block was last routed
-    to, in order (None: none known; shared.streams.aprefix_owners). A block's hash chains every block before it,
-    so the request that took block i to worker w took blocks 0..i there too: each worker is credited with its
-    deepest block. (A chat's next turn shares its first blocks with every chat on the same system prompt, last
-    routed anywhere; its deeper blocks name the worker that holds the conversation.)"""
-    return {w: i + 1 for i, w in enumerate(owners) if w is not None}
+def prefix_overlap(owners: Sequence[Sequence[str]]) -> dict[str, int]:
+    """worker id -> how many of the prompt's leading blocks it holds, given the workers each block was last
+    routed to, in order ([]: none known; shared.streams.aprefix_owners). A block's hash chains every block
+    before it, so the request that took block i to worker w took blocks 0..i there too: each worker is credited
+    with its deepest block. (A chat's next turn shares its first blocks with every chat on the same system
+    prompt, last routed anywhere; its deeper blocks name the workers that hold the conversation. A hot prompt
+    that outgrew one worker names each worker it went to.)"""
+    overlap: dict[str, int] = {}
+    for i, workers in enumerate(owners):
+        for w in workers:
+            overlap[w] = i + 1
+    return overlap

@@ -5,8 +5,8 @@ state, calling the real router (gateway.router.route, prefix_overlap) and the re
 What Redis holds for the gateway is kept here as it would be: each worker's last published status (the router
 sees only that), the reservations (kvfleet:reserved:{worker}: request id -> blocks, dropped when a status that
 covers them is published; the whole hash expires `reservation_ttl_s` after its last write), the prefix index
-(block hash -> the worker it was last routed to, PREFIX_TTL_S), the round-robin turn. The atomic enqueue checks
-of shared.streams.requests (_ENQUEUE_ROUTED's Lua: the worker's queue bound for every policy, the headroom for
+(block hash -> the last PREFIX_OWNERS workers it was routed to, PREFIX_TTL_S), the round-robin turn. The atomic
+enqueue checks of shared.streams.requests (_ENQUEUE_ROUTED's Lua: the worker's queue bound for every policy, the headroom for
 free_blocks and prefix) are re-stated in `_enqueue_ok`.
 """
 
@@ -20,7 +20,7 @@ from services.bench.fleet_sim_worker import SimWorker, Trace
 from shared.blocks import block_hashes, request_blocks
 from shared.messages import WorkerStatus
 from shared.settings import Settings
-from shared.streams.fleet import PREFIX_TTL_S
+from shared.streams.fleet import PREFIX_OWNERS, PREFIX_TTL_S
 
 
 class SimGateway:
@@ -30,7 +30,7 @@ class SimGateway:
         self.statuses: dict[str, WorkerStatus] = {}  # worker -> its last published status
         self.reserved: dict[str, dict[str, int]] = {w: {} for w in workers}
         self.reserved_until: dict[str, float] = {w: 0.0 for w in workers}
-        self.prefix_index: dict[str, tuple[str, float]] = {}  # block hash -> (worker, expires at)
+        self.prefix_index: dict[str, tuple[list[str], float]] = {}  # block hash -> (workers, expires at)
         self.turn = 0
         self.shared: deque[Trace] = deque()  # kvfleet:req:any
         self.routed_to_shared = 0
@@ -69,7 +69,7 @@ class SimGateway:
             reservations = self.reservations(now)
             overlap: dict[str, int] = {}
             if hashes:
-                overlap = prefix_overlap([self._owner(h, now) for h in hashes])
+                overlap = prefix_overlap([self._owners(h, now) for h in hashes])
             elif policy == "round_robin":
                 self.turn += 1
             worker = route(blocks, candidates, policy, reservations, reserve_blocks=settings.reserve_blocks,
@@ -81,8 +81,9 @@ class SimGateway:
             if self._enqueue_ok(worker, blocks, reservations):
                 self.reserved[worker][req.request_id] = blocks
                 self.reserved_until[worker] = now + settings.reservation_ttl_s
-                for h in hashes:
-                    self.prefix_index[h] = (worker, now + PREFIX_TTL_S)
+                for h in hashes:  # shared.streams.aremember_prefix's script
+                    kept = [w for w in self._owners(h, now) if w != worker][:PREFIX_OWNERS - 1]
+                    self.prefix_index[h] = ([worker, *kept], now + PREFIX_TTL_S)
                 self.workers[worker].stream.append(trace)
                 return worker
             refused.add(worker)
@@ -90,9 +91,9 @@ class SimGateway:
         self.routed_to_shared += 1
         return None
 
-    def _owner(self, block_hash: str, now: float) -> str | None:
-        owner = self.prefix_index.get(block_hash)
-        return owner[0] if owner is not None and now < owner[1] else None
+    def _owners(self, block_hash: str, now: float) -> list[str]:
+        entry = self.prefix_index.get(block_hash)
+        return entry[0] if entry is not None and now < entry[1] else []
 
     def _enqueue_ok(self, worker_id: str, blocks: int, reservations: dict[str, int]) -> bool:
         """_ENQUEUE_ROUTED's checks: fewer than worker_queue_bound waiting (untaken in its stream plus its

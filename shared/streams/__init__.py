@@ -27,6 +27,7 @@ from shared.streams.client import (  # noqa: F401
     run_script,
 )
 from shared.streams.fleet import (  # noqa: F401
+    PREFIX_OWNERS,
     PREFIX_TTL_S,
     afleet_snapshot,
     anext_turn,

@@ -11,6 +11,7 @@ import redis.asyncio as aioredis
 from shared import fleet_state, keys
 from shared.fleet_state import FleetSnapshot, FleetView, StreamInfo
 from shared.messages import WorkerStatus
+from shared.streams.client import LuaScript, arun_script
 
 # ---- fleet reads ----------------------------------------------------------------------------------
 # What the gateway routes on, and what GET /v1/fleet, `kvfleet status` / `top` and the gateway's fleet
@@ -66,21 +67,40 @@ async def anext_turn(r: aioredis.Redis) -> int:
 
 
 # ---- prefix index ---------------------------------------------------------------------------------
-# The `prefix` routing policy's approximate view of each worker's prefix cache: the worker each prompt block
-# (by its chained hash, shared.blocks.block_hashes) was last routed to, shared by gateway replicas, with a TTL.
+# The `prefix` routing policy's approximate view of each worker's prefix cache: the workers each prompt block
+# (by its chained hash, shared.blocks.block_hashes) was last routed to, most recent first, up to PREFIX_OWNERS
+# of them (a hot prompt outgrows one worker; those that took it before still hold it), shared by gateway
+# replicas, with a TTL from the last routing. One string per block: "w7,w2,w9".
 
 PREFIX_TTL_S = 600
+PREFIX_OWNERS = 4
+
+# For each block: the worker first, then the earlier owners but it, at most ARGV[3] in all; expires in ARGV[2] s.
+_REMEMBER_PREFIX = LuaScript("""
+local worker, ttl, most = ARGV[1], ARGV[2], tonumber(ARGV[3])
+for _, key in ipairs(KEYS) do
+  local owners = {worker}
+  local old = redis.call('GET', key)
+  if old then
+    for owner in string.gmatch(old, '[^,]+') do
+      if owner ~= worker and #owners < most then owners[#owners + 1] = owner end
+    end
+  end
+  redis.call('SET', key, table.concat(owners, ','), 'EX', ttl)
+end
+""")
 
 
-async def aprefix_owners(r: aioredis.Redis, hashes: list[str]) -> list[str | None]:
-    """The worker each block was last routed to; None where none was (or its entry expired)."""
-    return await r.mget([keys.prefix_block(h) for h in hashes]) if hashes else []
+async def aprefix_owners(r: aioredis.Redis, hashes: list[str]) -> list[list[str]]:
+    """The workers each block was last routed to, most recent first; [] where none was (or its entry expired)."""
+    if not hashes:
+        return []
+    return [v.split(",") if v else [] for v in await r.mget([keys.prefix_block(h) for h in hashes])]
 
 
 async def aremember_prefix(r: aioredis.Redis, hashes: list[str], worker_id: str, *,
-                           ttl_s: float = PREFIX_TTL_S) -> None:
-    """These blocks were just routed to `worker_id`."""
-    pipe = r.pipeline(transaction=False)
-    for h in hashes:
-        pipe.set(keys.prefix_block(h), worker_id, ex=int(ttl_s))
-    await pipe.execute()
+                           ttl_s: float = PREFIX_TTL_S, owners: int = PREFIX_OWNERS) -> None:
+    """These blocks were just routed to `worker_id` (one script run: it keeps up to `owners` per block)."""
+    if hashes:
+        await arun_script(r, _REMEMBER_PREFIX, [keys.prefix_block(h) for h in hashes],
+                          [worker_id, int(ttl_s), owners])

@@ -59,11 +59,16 @@ def test_prefix_index_remembers_where_blocks_went(redis_url):
         a = block_hashes(list(range(40)), 16, "m")
         b = block_hashes(list(range(32)) + [99] * 20, 16, "m")
         assert await streams.aprefix_owners(r, []) == []
-        assert await streams.aprefix_owners(r, b) == [None, None, None]
+        assert await streams.aprefix_owners(r, b) == [[], [], []]
         await streams.aremember_prefix(r, a, "w1")
         await streams.aremember_prefix(r, b[2:], "w2")
         owners = await streams.aprefix_owners(r, b)
-        assert owners == ["w1", "w1", "w2"] and prefix_overlap(owners) == {"w1": 2, "w2": 3}
+        assert owners == [["w1"], ["w1"], ["w2"]] and prefix_overlap(owners) == {"w1": 2, "w2": 3}
         assert 0 < await r.ttl(keys.prefix_block(a[0])) <= streams.PREFIX_TTL_S
+        # a hot prompt outgrows w1: each worker it goes to is kept, most recent first, up to PREFIX_OWNERS
+        for w in ("w3", "w1", "w4", "w5", "w6"):
+            await streams.aremember_prefix(r, a, w)
+        assert await streams.aprefix_owners(r, a) == [["w6", "w5", "w4", "w1"]] * 2
+        assert streams.PREFIX_OWNERS == 4
 
     run(redis_url, body)

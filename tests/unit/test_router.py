@@ -109,17 +109,19 @@ def test_prefix_hashes_chain_and_overlap_counts_leading_blocks():
     assert len(a) == 2 and b[:2] == a and len(b) == 3
     assert not set(c) & set(a)  # a block's hash covers every token before it
     assert block_hashes(list(range(40)), 16, "other-model") != a
-    # the worker each of b's blocks was last routed to (shared.streams.aprefix_owners): a to w1, then b[2:] to w2
+    # the workers each of b's blocks was last routed to (shared.streams.aprefix_owners): a to w1, then b[2:] to w2
     # block 3's hash chains blocks 1-2, so the request that took it to w2 took them there too
-    assert prefix_overlap(["w1", "w1", "w2"]) == {"w1": 2, "w2": 3}
-    assert prefix_overlap(["w1", None, "w1"]) == {"w1": 3}
-    assert prefix_overlap([None, None]) == {} and prefix_overlap([]) == {}
+    assert prefix_overlap([["w1"], ["w2", "w1"], ["w2"]]) == {"w1": 2, "w2": 3}
+    assert prefix_overlap([["w1"], [], ["w1"]]) == {"w1": 3}
+    assert prefix_overlap([[], []]) == {} and prefix_overlap([]) == {}
+    # a hot prompt that went to w1, then (w1 full) to w3: both hold it, both are credited
+    assert prefix_overlap([["w3", "w1"], ["w3", "w1"]]) == {"w1": 2, "w3": 2}
 
 
 def test_a_chat_turn_goes_back_to_the_worker_holding_the_conversation():
     """A chat's first blocks are its system prompt's, last routed to wherever another chat on it went (a); its
     deeper blocks were last routed to b, which therefore holds the whole conversation so far."""
-    owners = ["a"] * 8 + ["b"] * 12 + [None] * 4  # 24 prompt blocks, the last 4 (the new message) nowhere yet
+    owners = [["a"]] * 8 + [["b"]] * 12 + [[]] * 4  # 24 prompt blocks, the last 4 (the new message) nowhere yet
     overlap = prefix_overlap(owners)
     assert overlap == {"a": 8, "b": 20}
     fleet = [ws("a", 90), ws("b", 80), ws("c", 95)]
