@@ -42,9 +42,11 @@ MAX_TICK_FAILURES = 5  # main-loop errors in a row after which the worker gives 
 
 class Worker:
     def __init__(self, engine: Any, settings: Settings, *, model_name: str, model_path: str = "",
-                 drain_timeout_s: float = 30.0, max_backlog: int | None = None, simulated: str | None = None):
+                 drain_timeout_s: float = 30.0, max_backlog: int | None = None, simulated: str | None = None,
+                 step_log: Any = None):
         self.engine, self.settings = engine, settings
         self.simulated = simulated  # the cost profile's name of a simulated worker (`kvfleet worker --simulate`)
+        self.step_log = step_log  # a gpu_worker.serve.step_log.StepLog (`--step-log`), or None
         self.worker_id = keys.validate_worker_id(settings.worker_id)
         self.model_name, self.model_path = model_name, model_path
         self.drain_timeout_s = drain_timeout_s
@@ -129,7 +131,11 @@ class Worker:
         if self.draining:
             self._drain_step()
         if self.engine.has_unfinished_requests() and not self.stopped:
-            for output in self.engine.step():
+            began = time.perf_counter()
+            outputs = self.engine.step()
+            if self.step_log is not None:
+                self.step_log.step(time.perf_counter() - began)
+            for output in outputs:
                 self._emit(output)
             self.telemetry.after_step()
         self.status = self._status()

@@ -92,6 +92,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip the warm-up (a long prefill, a batch of sampled decodes and n=2 through the engine "
                         "before the worker registers, so the first request pays no first-call costs)")
+    p.add_argument("--step-log", metavar="FILE",
+                   help="append one JSON line per engine step (its shape and wall-clock seconds) to FILE, for "
+                        "`kvfleet bench calibrate --from-steps FILE`")
     p.add_argument("--metrics-port", type=int, help="serve /livez, /readyz, /metrics on this port")
     p.add_argument("--metrics-host", help="address for --metrics-port (default 127.0.0.1; 0.0.0.0 in pods; env "
                                           "KVFLEET_METRICS_HOST)")
@@ -156,13 +159,22 @@ def run(args: argparse.Namespace) -> int:
 
             log.info("%s; ready %.1f s after start", warm_up(engine, seed=args.seed).describe(),
                      time.monotonic() - started)
+        step_log = None
+        if args.step_log:
+            from gpu_worker.serve.step_log import StepLog
+
+            step_log = StepLog(args.step_log, engine)  # after the warm-up: only served steps are logged
         worker = Worker(engine, settings, model_name=args.served_model_name or engine.model_name,
                         model_path=str(resolve_model(settings.model)), drain_timeout_s=args.drain_timeout,
                         max_backlog=engine.scheduler.config.max_num_seqs,
-                        simulated=getattr(engine, "simulated", None))
+                        simulated=getattr(engine, "simulated", None), step_log=step_log)
         if health:
             health.registry = worker.metrics.registry
-        return worker.run()
+        try:
+            return worker.run()
+        finally:
+            if step_log is not None:
+                step_log.close()
     finally:
         if health:
             health.stop()

@@ -12,6 +12,9 @@ negative coefficient; gpu_worker.executor.cost_model says what each term counts)
 
 On a busy machine the wall clock counts the time a step waited for a core: `--threads 1 --clock cpu` times
 each step by the process's CPU time instead (the shipped smollm2-cpu profile was made so).
+
+`--from-steps FILE` fits on the steps a real worker ran under load instead (`kvfleet worker --step-log FILE`):
+what its steps cost where it runs, with the mixes of prefill chunks, prefix-cache hits and decodes its load made.
 """
 
 from __future__ import annotations
@@ -222,10 +225,43 @@ def add_arguments(sub: Any) -> None:
                    help="time steps by the wall clock, or by the process's CPU time (with --threads 1 only: on a "
                         "busy machine, what a step costs on an idle core)")
     p.add_argument("--quick", action="store_true", help="a few steps only (seconds): a smoke run, a rough fit")
+    p.add_argument("--from-steps", metavar="FILE",
+                   help="fit on the steps a worker ran and logged (`kvfleet worker --step-log FILE`, wall clock) "
+                        "instead of running the engine here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def from_steps(path: str, name: str | None) -> tuple[CostProfile, Fit, list[Sample]]:
+    """A profile fitted on a worker's step log (gpu_worker.serve.step_log), with that worker's engine limits."""
+    from gpu_worker.serve.step_log import read_step_log
+
+    try:
+        engine, steps = read_step_log(path)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--from-steps: {e}") from None
+    samples = [Sample(shape, seconds) for shape, seconds in steps if seconds > 0]
+    try:
+        fit = fit_nonnegative(samples)
+    except ValueError as e:
+        raise SystemExit(f"--from-steps {path}: {e}") from None
+    a, b, c, d, e = fit.coefficients
+    model = Path(str(engine.get("model", "model"))).stem
+    profile = CostProfile(
+        name=name or f"{model}-steps", a_s=a, b_s_per_prefill_token=b, c_s_per_decode_seq=c, d_s_per_context_token=d,
+        e_s_per_prefill_pair=e, num_kv_blocks=engine["num_kv_blocks"], block_size=engine["block_size"],
+        max_num_seqs=engine["max_num_seqs"], max_num_batched_tokens=engine["max_num_batched_tokens"],
+        source=(f"fitted on {len(samples)} steps a {engine.get('model')} worker ran under load ({path}, wall clock) "
+                f"on {cpu_description()}, {datetime.date.today().isoformat()} (`kvfleet bench calibrate "
+                "--from-steps`)"),
+        fit={"r2": round(fit.r2, 4), "mean_rel_error": round(fit.mean_rel_error, 4), "steps": len(samples),
+             **{f"mean_rel_error_{k}": round(v, 4) for k, v in fit.rel_error_by_kind.items()}})
+    return profile, fit, samples
+
+
 def run(args: Any) -> int:
+    if args.from_steps:
+        profile, fit, samples = from_steps(args.from_steps, args.name)
+        return _write(profile, fit, samples, args)
     import torch
 
     if args.clock == "cpu" and args.threads != 1:
@@ -235,6 +271,10 @@ def run(args: Any) -> int:
         torch.set_num_threads(args.threads)
     profile, fit, samples = calibrate(args.model, dtype=args.dtype, name=args.name, quick=args.quick,
                                       cpu_clock=args.clock == "cpu", progress=not args.no_progress)
+    return _write(profile, fit, samples, args)
+
+
+def _write(profile: CostProfile, fit: Fit, samples: list[Sample], args: Any) -> int:
     out = Path(args.out or f"{profile.name}.json")
     if args.name is None and args.out:
         profile = replace(profile, name=out.stem)
