@@ -80,10 +80,12 @@ class Tokenizers:
         self._task(model)
 
     def _task(self, model: str) -> asyncio.Task:
-        task = self._loads.get(model)
+        key = resolved_path(model) or model  # an alias and its path share one load (the gateway preloads by
+        # alias; workers report their path)
+        task = self._loads.get(key)
         if task is None or (task.done() and task.exception() is not None):
             task = asyncio.get_running_loop().create_task(asyncio.to_thread(load_tokenizer, model))
-            self._loads[model] = task
+            self._loads[key] = task
         return task
 
     async def get(self, model: str) -> Any:
