@@ -60,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="CPUs the CPU workers share out among themselves (e.g. 1-7), leaving the others to the "
                    "gateway, Redis and clients; default: every CPU this process may use")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false", help='turn off automatic prefix caching on every worker')
+    p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="workers register without their warm-up (faster start; the first requests pay first-call "
+                        "costs)")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for the fleet")
 
 
@@ -89,6 +92,8 @@ def fleet_commands(args: argparse.Namespace, settings: Settings, private: bool) 
                 cmd += [flag, str(getattr(args, dest))]
         if not args.enable_prefix_caching:
             cmd.append("--no-enable-prefix-caching")
+        if not args.warmup:
+            cmd.append("--no-warmup")
         if args.metrics_port_base is not None:
             cmd += ["--metrics-port", str(args.metrics_port_base + i)]
         cmds.append((wid, cmd))

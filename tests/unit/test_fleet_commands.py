@@ -25,3 +25,9 @@ def test_gateway_replicas_listen_on_consecutive_ports_before_the_workers():
 def test_one_gateway_by_default():
     cmds = fleet_commands(build_parser().parse_args(["up"]), Settings(model="smollm2"), private=True)
     assert [name for name, _ in cmds] == ["gateway", "w0"]
+
+
+def test_no_warmup_reaches_every_worker():
+    cmds = fleet_commands(build_parser().parse_args(["up", "--workers", "2", "--no-warmup"]), Settings(model="smollm2"),
+                          private=True)
+    assert [("--no-warmup" in cmd) for _, cmd in cmds] == [False, True, True]
