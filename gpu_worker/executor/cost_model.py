@@ -25,6 +25,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from gpu_worker.core.sched_output import SchedulerOutput
 
@@ -52,6 +53,29 @@ class StepShape:
                 pairs += n * s.start_pos + n * (n + 1) // 2
             context += s.context_len
         return cls(prefill, decode, context, pairs)
+
+
+class StepShapes:
+    """Notes the shape of each step a model runner executes (it wraps `runner.execute`): `take()` returns the
+    last one noted, once (None when no forward ran since). `close()` unwraps the runner. For timing steps by
+    their shape: `kvfleet bench calibrate` and a worker's --step-log."""
+
+    def __init__(self, runner: Any):
+        self.runner, self._forward = runner, runner.execute
+        self._last: StepShape | None = None
+
+        def execute(sched: SchedulerOutput) -> Any:
+            self._last = StepShape.of(sched)
+            return self._forward(sched)
+
+        runner.execute = execute
+
+    def take(self) -> StepShape | None:
+        shape, self._last = self._last, None
+        return shape
+
+    def close(self) -> None:
+        self.runner.execute = self._forward
 
 
 @dataclass(frozen=True)

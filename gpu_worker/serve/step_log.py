@@ -11,7 +11,7 @@ import dataclasses
 import json
 from typing import Any
 
-from gpu_worker.executor.cost_model import StepShape
+from gpu_worker.executor.cost_model import StepShape, StepShapes
 
 
 class StepLog:
@@ -21,22 +21,16 @@ class StepLog:
         self.file.write(json.dumps({"engine": {"model": engine.model_name, "block_size": kv.block_size,
                                                "num_kv_blocks": kv.num_blocks, "max_num_seqs": cfg.max_num_seqs,
                                                "max_num_batched_tokens": cfg.max_num_batched_tokens}}) + "\n")
-        self.shape: StepShape | None = None
-        forward = engine.runner.execute
-
-        def execute(sched: Any) -> Any:  # notes the shape of the step that is running
-            self.shape = StepShape.of(sched)
-            return forward(sched)
-
-        engine.runner.execute = execute
+        self.shapes = StepShapes(engine.runner)
 
     def step(self, seconds: float) -> None:
         """The step just taken lasted `seconds` (nothing is written for a step without a forward)."""
-        if self.shape is not None:
-            self.file.write(json.dumps(dataclasses.asdict(self.shape) | {"seconds": round(seconds, 6)}) + "\n")
-            self.shape = None
+        shape = self.shapes.take()
+        if shape is not None:
+            self.file.write(json.dumps(dataclasses.asdict(shape) | {"seconds": round(seconds, 6)}) + "\n")
 
     def close(self) -> None:
+        self.shapes.close()
         self.file.close()
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import datetime
 import itertools
 import os
-import platform
 import random
 import sys
 import time
@@ -30,7 +29,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from gpu_worker.executor.cost_model import CostProfile, StepShape
+from gpu_worker.executor.cost_model import CostProfile, StepShape, StepShapes
+from services.bench.cpu import describe
 
 # (requests, prompt tokens, output tokens): prefills of one prompt, then batches that decode. About 28k prompt
 # tokens in all, so the default run of a small model stays near two minutes on two cores.
@@ -100,38 +100,13 @@ def fit_nonnegative(samples: list[Sample]) -> Fit:
     return Fit(tuple(float(c) for c in coef), 1.0 - residual / total if total > 0 else 1.0, float(rel.mean()), by_kind)
 
 
-def cpu_description() -> str:
-    """'<model name> (family F model M; flags)' from /proc/cpuinfo, with the flags that matter to the kernels."""
-    info: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                info.setdefault(key.strip(), value.strip())
-                if not line.strip():
-                    break
-    except OSError:
-        return platform.processor() or platform.machine()
-    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
-    flags = [f for f in wanted if f in info.get("flags", "").split()]
-    return (f"{info.get('model name', platform.machine())} (family {info.get('cpu family', '?')} model "
-            f"{info.get('model', '?')}; {' '.join(flags) or 'no AVX2'})")
-
-
 def measure(engine: Any, cases: list[tuple[int, int, int]], vocab: int, progress: bool,
             clock: Any = time.perf_counter) -> list[Sample]:
     """Run each case (requests added at once, stepped until all finish) and time each step that ran a forward
     with `clock` (wall time, or the process's CPU time)."""
     from shared.sampling_params import SamplingParams
 
-    shapes: list[StepShape] = []
-    forward = engine.runner.execute
-
-    def execute(sched: Any) -> Any:  # records the shape of the step being timed
-        shapes.append(StepShape.of(sched))
-        return forward(sched)
-
-    engine.runner.execute = execute
+    shapes = StepShapes(engine.runner)
     rng = random.Random(0)
     samples: list[Sample] = []
     bar = None
@@ -146,16 +121,15 @@ def measure(engine: Any, cases: list[tuple[int, int, int]], vocab: int, progress
             for i in range(n):
                 engine.add_request(f"cal-{case}-{i}", [rng.randrange(3, vocab) for _ in range(prompt_len)], params)
             while engine.has_unfinished_requests():
-                shapes.clear()
                 start = clock()
                 engine.step()
                 seconds = clock() - start
-                if shapes:
-                    samples.append(Sample(shapes[-1], seconds))
+                if (shape := shapes.take()) is not None:
+                    samples.append(Sample(shape, seconds))
                     if bar is not None:
-                        bar.update(shapes[-1].prefill_tokens + shapes[-1].decode_seqs)
+                        bar.update(shape.prefill_tokens + shape.decode_seqs)
     finally:
-        engine.runner.execute = forward
+        shapes.close()
         if bar is not None:
             bar.close()
     return samples
@@ -188,7 +162,7 @@ def calibrate(model: str, *, dtype: str = "float32", name: str | None = None, qu
         name=name or f"{Path(str(model)).stem}-cpu", a_s=a, b_s_per_prefill_token=b, c_s_per_decode_seq=c,
         d_s_per_context_token=d, e_s_per_prefill_pair=e, num_kv_blocks=engine.runner.num_blocks, block_size=engine.block_size,
         max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-        source=(f"calibrated: {model} {dtype} on {cpu_description()}, {torch.get_num_threads()} torch thread(s), "
+        source=(f"calibrated: {model} {dtype} on {describe()}, {torch.get_num_threads()} torch thread(s), "
                 f"{'CPU-time' if cpu_clock else 'wall'} clock, "
                 f"{datetime.date.today().isoformat()} (`kvfleet bench calibrate`, {len(samples)} steps, load "
                 f"average {load:.1f} after)"),
@@ -251,7 +225,7 @@ def from_steps(path: str, name: str | None) -> tuple[CostProfile, Fit, list[Samp
         e_s_per_prefill_pair=e, num_kv_blocks=engine["num_kv_blocks"], block_size=engine["block_size"],
         max_num_seqs=engine["max_num_seqs"], max_num_batched_tokens=engine["max_num_batched_tokens"],
         source=(f"fitted on {len(samples)} steps a {engine.get('model')} worker ran under load ({path}, wall clock) "
-                f"on {cpu_description()}, {datetime.date.today().isoformat()} (`kvfleet bench calibrate "
+                f"on {describe()}, {datetime.date.today().isoformat()} (`kvfleet bench calibrate "
                 "--from-steps`)"),
         fit={"r2": round(fit.r2, 4), "mean_rel_error": round(fit.mean_rel_error, 4), "steps": len(samples),
              **{f"mean_rel_error_{k}": round(v, 4) for k, v in fit.rel_error_by_kind.items()}})

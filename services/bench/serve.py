@@ -35,11 +35,12 @@ from typing import Any
 import httpx
 
 from gateway.router import POLICIES
+from services.bench.cpu import cpu_info
 from services.bench.load_gen import Endpoint, RequestResult, run_load, send_one, shifted
 from services.bench.peers import DEFAULT_VLLM_VENV
 from services.bench.serve_endpoints import Server, ServerFailed, start_kvfleet, start_vllm, stop, wait_ready
 from services.bench.serve_fleet import SETTLE_S, FleetWatch
-from services.bench.serve_report import cpu_info, format_table, ratios, summarize_run, write_plots
+from services.bench.serve_report import format_table, ratios, summarize_run, write_plots
 from services.bench.stats import SLO, saturated
 from services.bench.workload import BenchRequest, Workload
 

@@ -4,36 +4,17 @@ the report, the plots (latency against rate, TTFT distribution) and the CPU it r
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from services.bench.cpu import describe
 from services.bench.load_gen import LoadRun
 from services.bench.plots import CdfChart, LineChart, Series, write_html
 from services.bench.stats import SLO, Summary, goodput
 
 LABELS = {"kvfleet": "kvfleet", "vllm": "vLLM"}
-SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16",
-              "avx512_vnni", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
 METRICS = (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E"))
-
-
-def cpu_info() -> dict[str, Any]:
-    """This machine's CPU: model name, logical cores, its SIMD flags (the kernels' paths), every flag, and the
-    load average when the benchmark began (other work on the machine skews what it measures)."""
-    model, flags = "unknown", []
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and model == "unknown":
-                model = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = value.split()
-    except OSError:
-        pass
-    return {"model": model, "cores": os.cpu_count(), "simd": [f for f in SIMD_FLAGS if f in flags],
-            "load_average_1m": round(os.getloadavg()[0], 2), "flags": flags}
 
 
 def _summary(values: list[float]) -> dict[str, float] | None:
@@ -101,7 +82,7 @@ def format_table(report: dict[str, Any]) -> str:
     cpu, wl, systems = report["cpu"], report["workload"], report["systems"]
     lines = [f"kvfleet bench serve: {wl['name']} ({wl['num_requests']} requests, {wl['prompt_tokens']} prompt + "
              f"{wl['output_tokens']} output tokens)",
-             f"CPU: {cpu['model']}, {cpu['cores']} logical cores, {' '.join(cpu['simd'])}; load average "
+             f"CPU: {describe(cpu)}, {cpu['cores']} logical cores; load average "
              f"{cpu['load_average_1m']:g} at the start",
              f"SLO for goodput: {report['slo']['text']}"]
     for key, sys_ in systems.items():

@@ -5,8 +5,9 @@ import re
 
 import pytest
 
+from services.bench.cpu import cpu_info
 from services.bench.load_gen import LoadRun, RequestResult
-from services.bench.serve_report import cpu_info, format_table, ratios, summarize_run, write_plots
+from services.bench.serve_report import format_table, ratios, summarize_run, write_plots
 from services.bench.stats import SLO
 
 pytestmark = pytest.mark.unit
