@@ -69,9 +69,9 @@ def _run_all(fleet: Fleet, kill_after_chunks: int | None = None) -> tuple[list[S
     if kill_after_chunks is not None:
         fleet.wait_for(lambda: sum(t.chunks >= kill_after_chunks for t in threads) >= N_REQUESTS // 2,
                        timeout_s=60, what="streams to get going")
-        per_worker: dict[str, int] = {}
+        per_worker: dict[str, int] = {}  # streams midway (as `killed` counts them below) per worker
         for t in threads:
-            if t.worker and t.finish is None:
+            if t.worker and t.finish is None and 0 < t.chunks < MAX_TOKENS:
                 per_worker[t.worker] = per_worker.get(t.worker, 0) + 1
         victim = max(per_worker, key=per_worker.get)
         fleet.signal_worker(victim)
