@@ -17,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from gateway import responses
 from gateway.errors import APIError, install_handlers
 from gateway.fleet_view import FleetViews
+from gateway.inbox import Inbox, gateway_id
 from gateway.leases import Leases
 from gateway.middleware import BodyLimit, Instrumentation
 from gateway.openai_api import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -48,12 +49,15 @@ def create_app(settings: Settings) -> FastAPI:
     async def lifespan(_app: FastAPI):
         state.redis = streams.connect_async(settings.redis_url, health_check_interval=30,
                                            max_connections=settings.redis_max_connections)
+        state.inbox = Inbox(state.redis, gateway_id(), ttl_s=settings.output_ttl_after_read_s)
+        await state.inbox.start()
         from gateway.tokenizer import resolved_path
 
         if resolved_path(settings.model):  # warm the default model's tokenizer while workers start
             state.tokenizers.preload(settings.model)
         yield
         await state.leases.close()
+        await state.inbox.close()
         await state.redis.aclose()
         state.tokenizers.close()
         telemetry.flush()  # the last requests' spans: uvicorn ends the process by re-raising SIGTERM

@@ -11,8 +11,9 @@ A refresh that finds a held lease gone tells the relay its request is lost (`is_
 (a restart without persistence or the last second of an AOF, a FLUSHALL), or this gateway stalled past the
 TTL and the worker aborted the request. Either way nobody will answer it: the relay places it again.
 
-The same round trip shortens the expiry of the output streams the relays read to their end (`read_out`):
-no PEXPIRE of its own per request.
+The same round trip shortens the expiry of the output streams the relays are done with (`read_out`: the
+streams a relay restored its chunks into when it placed a request again, gateway.relay): no PEXPIRE of its
+own per request.
 """
 
 from __future__ import annotations

@@ -170,12 +170,19 @@ async def place(state: GatewayState, planned: Planned) -> Submitted:
     """Route, reserve and enqueue a built request (429 when the fleet is full). The caller holds
     state.admission: one placement at a time per gateway (or per FleetCaller). A gateway (state.leases set)
     has the enqueue set the request's lease: its relay keeps it, and the worker aborts the request once it
-    lapses."""
-    leases = state.leases
+    lapses; and it opens the request's mailbox in its inbox, which the workers write its output to."""
+    leases, inbox, rid = state.leases, state.inbox, planned.request.request_id
     planned.request.lease = leases is not None
-    placement = await _route_and_enqueue(state, planned, None if leases is None else leases.ttl_s)
+    if inbox is not None:  # its output comes back batched with the gateway's other requests
+        planned.request.reply_to = inbox.key
+        inbox.open(rid)
+    try:
+        placement = await _route_and_enqueue(state, planned, None if leases is None else leases.ttl_s)
+    except BaseException:
+        state.let_go(rid)
+        raise
     if leases is not None:
-        leases.hold(state.redis, planned.request.request_id)
+        leases.hold(state.redis, rid)
     state.metrics.routed(placement.policy, placement.worker_id)
     sub = Submitted(planned.request.request_id, planned.target, planned.request, placement)
     annotate_request(sub)
@@ -252,8 +259,7 @@ async def submit(state: GatewayState, target: Target, prepared: Prepared, *, id_
                 subs.append(await place(state, p))
     except BaseException:
         for sub in subs:
-            if state.leases is not None:
-                state.leases.release(sub.request_id)
+            state.let_go(sub.request_id)
             state.spawn(streams.acancel(state.redis, sub.request_id))
         raise
     return Batch(rid, subs)

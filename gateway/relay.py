@@ -14,6 +14,7 @@ from typing import Any
 from opentelemetry import trace
 
 from gateway.errors import APIError, bad_request
+from gateway.inbox import WorkerLost
 from gateway.metrics import GatewayMetrics
 from gateway.placement import Submitted, place, replan
 from gateway.state import GatewayState
@@ -43,14 +44,16 @@ async def relay(state: GatewayState, sub: Submitted, disconnected: Any = None) -
     [DONE], when streaming). When Redis lost the request (restarted without its data or the last second of
     its AOF, flushed; or the lease lapsed while this gateway stalled) the relay places it again under a new
     id, with the chunks already relayed restored, so a worker resumes after them: the client sees every
-    token once (MAX_REPLACEMENTS times; then a 503)."""
+    token once (MAX_REPLACEMENTS times; then a 503). So it does when the worker running it died (the worker
+    that took its entry over hands it back: gateway.inbox.WorkerLost), up to max_deliveries times in all."""
     settings = state.settings
     finished, next_check, relayed = False, 0.0, []
     loop = asyncio.get_running_loop()
     observer = RelayObserver(state.metrics, sub)
     leases = state.leases
+    redis_lost = worker_lost = 0
     try:
-        for replacement in range(MAX_REPLACEMENTS + 1):
+        while True:
             try:
                 async for chunk in _chunks(state, sub, relayed[-1].seq if relayed else -1):
                     if leases is not None:
@@ -65,10 +68,19 @@ async def relay(state: GatewayState, sub: Submitted, disconnected: Any = None) -
                             return
                 return
             except streams.OutputLost as e:
-                if replacement == MAX_REPLACEMENTS:
+                redis_lost += 1
+                if redis_lost > MAX_REPLACEMENTS:
                     raise
                 log.warning("request %s: %s; placing it again", sub.request_id, e)
-                sub = await _place_again(state, sub, relayed, replacement + 1)
+            except WorkerLost as e:
+                worker_lost += 1
+                if worker_lost >= settings.max_deliveries:
+                    log.error("request %s: its worker was lost %d times: giving up", sub.request_id, worker_lost)
+                    raise APIError(500, f"request {sub.request_id}: the workers running it were lost {worker_lost} "
+                                        f"times (max_deliveries {settings.max_deliveries}); it may crash them",
+                                   type="server_error", code="dead_letter") from None
+                log.warning("request %s: %s; placing it again", sub.request_id, e)
+            sub = await _place_again(state, sub, relayed, redis_lost + worker_lost)
     except streams.OutputTimeout:
         raise APIError(504, f"no output within {settings.request_timeout_s:g}s; the request was cancelled",
                        code="timeout") from None
@@ -82,8 +94,10 @@ async def relay(state: GatewayState, sub: Submitted, disconnected: Any = None) -
                             f"{type(e).__name__}: {e}; retry the request", code="redis_unavailable",
                        headers={"Retry-After": str(settings.retry_after_s)}) from None
     finally:
-        if leases is not None:
-            leases.release(sub.request_id)
+        state.let_go(sub.request_id)
+        if leases is not None and relayed and (redis_lost or worker_lost):  # the restored streams: not needed now
+            for n in range(1, redis_lost + worker_lost + 1):
+                leases.expire_later(keys.out_stream(f"{sub.request_id.split('~')[0]}~{n}"))
         if not finished:
             log.info("cancelling %s (client gone or timed out)", sub.request_id)
             state.spawn(_cancel(state, sub.request_id))
@@ -91,8 +105,11 @@ async def relay(state: GatewayState, sub: Submitted, disconnected: Any = None) -
 
 def _chunks(state: GatewayState, sub: Submitted, after_seq: int) -> AsyncIterator[OutputChunk]:
     settings, where, leases = state.settings, sub.placement, state.leases
-    entry = (keys.req_stream(where.worker_id) if where.worker_id else keys.REQ_ANY, where.entry_id)
     lost = (lambda: leases.is_lost(sub.request_id)) if leases is not None else None
+    if state.inbox is not None:
+        return state.inbox.chunks(sub.request_id, timeout_s=settings.request_timeout_s,
+                                  grace_s=settings.redis_grace_s, lost=lost, after_seq=after_seq)
+    entry = (keys.req_stream(where.worker_id) if where.worker_id else keys.REQ_ANY, where.entry_id)
     return streams.aiter_output(state.redis, sub.request_id, timeout_s=settings.request_timeout_s,
                                 expire_after_s=settings.output_ttl_after_read_s, grace_s=settings.redis_grace_s,
                                 entry=entry, after_seq=after_seq, lost=lost,
@@ -100,17 +117,22 @@ def _chunks(state: GatewayState, sub: Submitted, after_seq: int) -> AsyncIterato
 
 
 async def _place_again(state: GatewayState, sub: Submitted, relayed: list[OutputChunk], n: int) -> Submitted:
-    """Redis lost `sub`: cancel it (a worker may still run it), write the chunks relayed so far into the
-    output stream of a new request id, and place that one (one attempt later, so its worker resumes)."""
-    if state.leases is not None:
-        state.leases.release(sub.request_id)
+    """Redis lost `sub`, or its worker: cancel it (a worker may still run it), write the chunks relayed so far
+    into the output stream of a new request id, and place that one (one attempt later, so its worker resumes)."""
+    state.let_go(sub.request_id)
     await _cancel(state, sub.request_id)
+    if state.inbox is not None:
+        await state.inbox.ensure()
     planned = replan(state.settings, sub, f"{sub.request_id.split('~')[0]}~{n}")
     if relayed:
         await streams.arestore_output(state.redis, planned.request.request_id, relayed, state.settings.output_ttl_s)
     async with state.admission:
         again = await place(state, planned)
     state.metrics.replaced.inc()
+    span = trace.get_current_span()
+    if span.is_recording():
+        span.add_event("placed_again", {t.KVFLEET_REQUEST_ID: again.request_id,
+                                        t.KVFLEET_RESUMED_TOKENS: sum(len(c.token_ids) for c in relayed)})
     log.warning("request %s placed again as %s (%s), resuming after %d chunk(s)", sub.request_id,
                 again.request_id, again.placement.worker_id or "shared queue", len(relayed))
     return again

@@ -1,7 +1,8 @@
 """What one gateway process holds for all its requests (and a services.fleet_calls.FleetCaller for its own):
 the settings, the asyncio Redis client, the tokenizers, the metrics, the lock that places one request at
-a time, the leases on the requests it relays (None for a FleetCaller: services' requests run to the end) and
-its fleet view (gateway.fleet_view)."""
+a time, the leases on the requests it relays and the inbox their output comes back through (None for a
+FleetCaller: services' requests run to the end, and their output has streams of its own) and its fleet view
+(gateway.fleet_view)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.fleet_view import FleetViews
+from gateway.inbox import Inbox
 from gateway.leases import Leases
 from gateway.metrics import GatewayMetrics
 from gateway.tokenizer import Tokenizers
@@ -25,7 +27,15 @@ class GatewayState:
     admission: asyncio.Lock = field(default_factory=asyncio.Lock)  # one placement at a time per gateway
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     leases: Leases | None = None
+    inbox: Inbox | None = None
     views: FleetViews | None = None  # the gateway's shared fleet view (None: read Redis for every request)
+
+    def let_go(self, request_id: str) -> None:
+        """Its relay ended (or never started): stop refreshing its lease and collecting its output."""
+        if self.leases is not None:
+            self.leases.release(request_id)
+        if self.inbox is not None:
+            self.inbox.close_box(request_id)
 
     def spawn(self, coro: Any) -> None:
         """Run `coro` to completion even if the caller's scope is being cancelled (a client disconnect)."""

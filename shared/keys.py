@@ -3,7 +3,11 @@
 Streams (consumer group GROUP on each request stream):
   kvfleet:req:{worker}    requests the router placed on one worker
   kvfleet:req:any         requests any worker with room takes (no worker fitted when they came)
-  kvfleet:out:{request}   numbered OutputChunks of one request; expires after it is read
+  kvfleet:out:{request}   numbered OutputChunks of one request; expires after it is read (requests without a
+                          reply_to: services' jobs; and a gateway's restore of what it relayed, on re-placing)
+  kvfleet:inbox:{gateway} one gateway's output: each worker flush adds one entry holding every chunk it wrote
+                          for that gateway's requests (their reply_to); the gateway reads it, trims what it
+                          read and keeps its expiry (workers never create it: a gateway's death ends it)
   kvfleet:cancel          cancels, read by every worker (plain XREAD, no group)
   kvfleet:dead            dead letters: requests that failed on max_deliveries workers
 Keys:
@@ -41,6 +45,10 @@ def req_stream(worker_id: str) -> str:
 
 def out_stream(request_id: str) -> str:
     return f"{PREFIX}:out:{request_id}"
+
+
+def inbox(gateway_id: str) -> str:
+    return f"{PREFIX}:inbox:{gateway_id}"
 
 
 def status(worker_id: str) -> str:

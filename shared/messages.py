@@ -1,7 +1,8 @@
 """Wire messages: what travels through Redis between gateways, workers and clients (pydantic, JSON).
 
 GenerationRequest  gateway/Celery/client -> kvfleet:req:{worker} or kvfleet:req:any
-OutputChunk        worker -> kvfleet:out:{request_id}; numbered by `seq` so a reader drops repeats
+OutputChunk        worker -> kvfleet:out:{request_id}, or batched per flush into kvfleet:inbox:{gateway} (the
+                   request's reply_to); numbered by `seq` so a reader drops repeats
 WorkerStatus       worker -> kvfleet:status:{worker} (with a TTL)
 DeadLetter         worker -> kvfleet:dead
 """
@@ -18,7 +19,9 @@ from shared.sampling_params import SamplingParams
 
 FinishReason = Literal["stop", "length", "abort", "error"]  # "error": the request failed (the chunk's `error` says why)
 # What went wrong, when a chunk carries an error: the gateway maps it to an HTTP status.
-ErrorKind = Literal["invalid_request", "dead_letter", "internal"]
+# "worker_lost": the worker that ran a gateway's request died; another one took the entry over and tells the
+# gateway, which places the request again with the chunks it relayed (a worker cannot read a gateway's inbox).
+ErrorKind = Literal["invalid_request", "dead_letter", "internal", "worker_lost"]
 
 
 SCHEMA_VERSION = 1  # of GenerationRequest: a worker dead-letters a request of a version it does not speak
@@ -41,6 +44,9 @@ class GenerationRequest(BaseModel):
     # The gateway holds kvfleet:lease:{request_id} while its client waits: a worker aborts the request once
     # the lease lapsed. False (services' jobs, older producers): it runs to the end whoever reads it.
     lease: bool = False
+    # The stream its output goes to, batched with the gateway's other requests (kvfleet:inbox:{gateway}); None:
+    # its own kvfleet:out:{request_id}, which any reader can follow and a worker taking it over resumes from.
+    reply_to: str | None = None
 
     def params(self) -> SamplingParams:
         return SamplingParams.from_dict(self.sampling_params)
@@ -115,6 +121,9 @@ class WorkerStatus(BaseModel):
     pid: int = 0
     host: str = ""
     started_at: float = 0.0
+    # A fresh id for each run of the worker: its flushes skip the per-request ownership checks while the status
+    # in Redis is still this run's (shared.streams.publish); it is not, once the status expired or was taken over.
+    run_id: str = ""
     heartbeat: float = Field(default_factory=time.time)
     draining: bool = False
     restarts: int = 0  # times its supervisor (`kvfleet up`) started it again after it exited

@@ -11,6 +11,7 @@ started with `python -m services.cli ...`, stopped by PID. Logs go to files; `ta
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -23,7 +24,8 @@ import httpx
 
 from services.launcher import stop_all
 from services.redis_server import RedisServer, free_port
-from shared import streams
+from shared import keys, streams
+from shared.messages import OutputChunk
 
 REPO = Path(__file__).resolve().parent.parent
 API_KEY = "test-key-0123"
@@ -153,3 +155,15 @@ def wait_for(predicate: Any, timeout_s: float = 10.0, what: str = "condition", l
         time.sleep(0.05)
     tail = log.read_text(errors="replace")[-4000:] if log else ""
     raise AssertionError(f"timed out waiting for {what}" + (f"\n{tail}" if tail else ""))
+
+
+def inbox_chunks(r, request_id: str) -> list[OutputChunk]:
+    """The chunks of a gateway's request as the workers wrote them (not deduplicated), from whichever gateway
+    inbox holds them (kvfleet:inbox:*: one entry per worker flush, a JSON array of chunks)."""
+    found = []
+    for inbox in r.scan_iter(match=keys.inbox("*")):
+        for _entry_id, fields in r.xrange(inbox):
+            if keys.FIELD in fields:
+                found += [OutputChunk.model_validate(c) for c in json.loads(fields[keys.FIELD])
+                          if c["request_id"] == request_id]
+    return found

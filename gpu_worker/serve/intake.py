@@ -7,8 +7,10 @@ Requests come from, in order of preference:
      room (room is needed to run, not to claim: the engine queues them like new work): XPENDING for the dead
      consumer, then XCLAIM with a minimum idle time, so two live workers never take the same entry (this, not
      XAUTOCLAIM by idle time alone, because a live worker's long request also looks idle); the output already
-     written seeds the Job, so the stream continues where it stopped. Each claim bumps the entry's delivery
-     count: the new owner token, which fences the old owner's writes out (shared.streams.worker);
+     written seeds the Job, so the stream continues where it stopped (a gateway's request, whose output went to
+     its gateway's inbox, goes back to that gateway instead, which places it again: `_back_to_gateway`). Each
+     claim bumps the entry's delivery count: the new owner token, which fences the old owner's writes out
+     (shared.streams.worker);
   3. its own stream kvfleet:req:{worker} (the router's choice), and new entries on dead workers' own streams,
      while its backlog is short;
   4. when it has room (nothing waiting, free blocks to spare, and everything it took already accounted), the
@@ -270,6 +272,9 @@ class Intake:
         except (TypeError, ValueError) as e:
             self._dead_letter(job, f"invalid sampling_params: {e}", kind="invalid_request")
             return
+        if d.deliveries > 1 and request.reply_to:
+            self._back_to_gateway(job)
+            return
         if d.deliveries > 1 or request.attempt > 0:
             job.resume_from(streams.read_all_chunks(self.r, request.request_id))
         if job.done:
@@ -303,13 +308,23 @@ class Intake:
         log.info("request %s needs %d blocks > this cache: forwarded to %s", job.request_id, need, target)
         streams.forward(self.r, requeue(job.request), target, job.ack)
 
+    def _back_to_gateway(self, job: Job) -> None:
+        """A gateway's request taken over from a worker that died (or a drained one): its output so far is in
+        that gateway's inbox, which only the gateway reads. Tell the gateway (a final `worker_lost` chunk): it
+        places the request again with the chunks it relayed, so the worker that takes that one resumes after
+        them. A gateway that is gone gets nothing, and the request ends here."""
+        log.warning("request %s was taken over from a lost worker: handing it back to its gateway", job.request_id)
+        self._finish(job, error=ChunkError(kind="worker_lost", message=(
+            f"the worker running request {job.request_id} was lost; {self.worker_id} took its entry over")))
+
     def _finish(self, job: Job, **kw) -> None:
         """Close a request that never reaches the engine: final chunk, then ack, in one step (fenced)."""
         tracker = RequestTracker(self.worker_id)
         tracker.add(job)
         chunk = tracker.final_chunk(job, **kw)
+        rid, reply_to = job.request_id, job.request.reply_to
         streams.publish(self.r, self.worker_id, output_ttl_s=self.settings.output_ttl_s, chunks=[chunk],
-                        acks=[job.ack], owners={job.request_id: job.ack})
+                        acks=[job.ack], owners={rid: job.ack}, reply_to={rid: reply_to} if reply_to else None)
 
     def _dead_letter(self, job: Job, reason: str, kind: ErrorKind = "dead_letter") -> None:
         log.error("request %s -> %s: %s", job.request_id, keys.DEAD, reason)

@@ -1,10 +1,12 @@
 """The worker's writer thread: everything the worker writes to Redis, so the engine's step loop never waits
 on the network.
 
-In one atomic script per flush (streams.publish), in order: output chunks (XADD + expiry), hand-backs, acks
-of finished requests (XACK + XDEL, after their final chunk), and the status (SET with a TTL, plus HDEL of the
-reservations it now accounts for). Every write for a request is fenced: made only while this worker still
-owns the request's stream entry (its owner token: consumer and delivery count). Writes for a request another
+In one atomic script per flush (streams.publish), in order: output chunks (one XADD per gateway inbox with
+all of this flush's chunks for that gateway's requests; XADD + expiry to a request's own stream for the
+others), hand-backs, acks of finished requests (XACK + XDEL, after their final chunk), and the status (SET with
+a TTL, plus HDEL of the reservations it now accounts for). Every write for a request is fenced: made only
+while this worker still owns the request's stream entry (its owner token: consumer and delivery count; the
+status of this run, `run_id`, vouches for all of them between acks). Writes for a request another
 worker took over (this one was paused or cut off past the status TTL) are refused; its id comes out of
 `lost`, and the main thread aborts it. The status goes out when it changes, at most `status_max_hz` times a second, and every
 `heartbeat_s` regardless (from this thread, so a long engine step does not make the worker look dead).
@@ -21,6 +23,8 @@ import logging
 import queue
 import threading
 import time
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shared import streams
@@ -42,6 +46,7 @@ class HandBack:
 class _Batch:
     chunks: list[OutputChunk] = field(default_factory=list)
     owners: dict[str, streams.Ack] = field(default_factory=dict)  # request id -> the delivery its chunks need
+    reply_to: dict[str, str] = field(default_factory=dict)  # request id -> the gateway inbox its chunks go to
     acks: list[streams.Ack] = field(default_factory=list)
     handbacks: list[HandBack] = field(default_factory=list)
     taken: list[str] = field(default_factory=list)  # request ids whose reservation the status now covers
@@ -49,8 +54,11 @@ class _Batch:
 
 
 class Outbox:
-    def __init__(self, r: streams.Client, settings: Settings, worker_id: str):
+    def __init__(self, r: streams.Client, settings: Settings, worker_id: str, run_id: str = "",
+                 held: Callable[[], dict[str, streams.Ack]] | None = None):
         self.r, self.settings, self.worker_id = r, settings, worker_id
+        self.held = held or dict  # request id -> delivery, of every request the worker holds (from any thread)
+        self.run_id = run_id or uuid.uuid4().hex  # in every status this run publishes: the flushes' fence
         self._q: queue.Queue = queue.Queue()
         self._status: WorkerStatus | None = None  # latest snapshot from the main thread
         self._published: WorkerStatus | None = None
@@ -58,7 +66,9 @@ class Outbox:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvfleet-outbox", daemon=True)
         self.healthy = False  # the last flush reached Redis
-        self.lost: queue.SimpleQueue[str] = queue.SimpleQueue()  # requests another worker owns now (fenced out)
+        # (request id, delivery) of the requests another worker owns now (fenced out)
+        self.lost: queue.SimpleQueue[tuple[str, streams.Ack]] = queue.SimpleQueue()
+        self.fenced_out: set[streams.Ack] = set()  # the deliveries whose writes were refused: never written again
 
     # ---- main thread -------------------------------------------------------------------------
     def start(self) -> Outbox:
@@ -71,12 +81,15 @@ class Outbox:
         return self._thread.ident is None or self._thread.is_alive() or self._stop.is_set()
 
     def send(self, chunks: list[OutputChunk], ack: streams.Ack | None = None,
-             dead_letter: DeadLetter | None = None, *, owner: streams.Ack | None = None) -> None:
-        """Write `chunks` under `owner` (default: `ack`, the delivery they finish), then the ack. Writes for a
-        delivery this worker no longer owns are refused; its request id then comes out of `lost`."""
+             dead_letter: DeadLetter | None = None, *, owner: streams.Ack | None = None,
+             reply_to: str | None = None) -> None:
+        """Write `chunks` (into the `reply_to` inbox, else their request's own stream) under `owner` (default:
+        `ack`, the delivery they finish), then the ack. Writes for a delivery this worker no longer owns are
+        refused; its request id then comes out of `lost`."""
         owner = owner or ack
         owners = {c.request_id: owner for c in chunks} if owner is not None else {}
         self._q.put(_Batch(chunks=list(chunks), owners=owners, acks=[ack] if ack else [],
+                           reply_to={c.request_id: reply_to for c in chunks} if reply_to else {},
                            dead_letters=[dead_letter] if dead_letter else []))
 
     def hand_back(self, request: GenerationRequest, ack: streams.Ack) -> None:
@@ -145,6 +158,7 @@ class Outbox:
             return
         into.chunks += item.chunks
         into.owners.update(item.owners)
+        into.reply_to.update(item.reply_to)
         into.acks += item.acks
         into.handbacks += item.handbacks
         into.taken += item.taken
@@ -187,11 +201,13 @@ class Outbox:
         """One script (streams.publish); if it fails with an error that is not Redis's (something in the batch cannot be
         written), each chunk alone, dropping only those that cannot be written, then the rest."""
         publish = functools.partial(streams.publish, self.r, self.worker_id, output_ttl_s=self.settings.output_ttl_s,
-                                    status_ttl_s=self.settings.status_ttl_s)
+                                    status_ttl_s=self.settings.status_ttl_s, run_id=self.run_id)
+        self._drop_fenced_out(batch)
+        held = self.held() if status is not None else {}
         rest = dict(requeued=[(hb.request, hb.ack) for hb in batch.handbacks], status=status, taken=batch.taken,
-                    acks=batch.acks, owners=batch.owners)
+                    acks=batch.acks, owners=batch.owners, reply_to=batch.reply_to, held=list(held.values()))
         try:
-            self._refused(batch, publish(chunks=batch.chunks, **rest))
+            self._refused(batch, publish(chunks=batch.chunks, **rest), held)
             return
         except streams.RedisError:
             raise
@@ -199,21 +215,34 @@ class Outbox:
             log.exception("writing %d chunk(s) failed; writing them one by one", len(batch.chunks))
         for chunk in batch.chunks:
             try:
-                self._refused(batch, publish(chunks=[chunk], owners=batch.owners))
+                self._refused(batch, publish(chunks=[chunk], owners=batch.owners, reply_to=batch.reply_to))
             except streams.RedisError:
                 raise
             except Exception:  # noqa: BLE001
                 log.exception("dropping output chunk %d of %s: it cannot be written", chunk.seq, chunk.request_id)
         batch.chunks = []  # written or dropped: a retry of the rest must not write them again
-        self._refused(batch, publish(**rest))
+        self._refused(batch, publish(**rest), held)
 
-    def _refused(self, batch: _Batch, refused: list[streams.Ack] | None) -> None:
+    def _drop_fenced_out(self, batch: _Batch) -> None:
+        """Drop what is queued under a delivery that was refused before: the status this run wrote since vouches
+        for the deliveries it holds, not for those it lost (the main thread aborts them, a step or so later)."""
+        if not self.fenced_out:
+            return
+        out = self.fenced_out
+        batch.chunks = [c for c in batch.chunks if batch.owners.get(c.request_id) not in out]
+        batch.acks = [a for a in batch.acks if a not in out]
+        batch.handbacks = [hb for hb in batch.handbacks if hb.ack not in out]
+
+    def _refused(self, batch: _Batch, refused: list[streams.Ack] | None,
+                 held: dict[str, streams.Ack] | None = None) -> None:
         """Tell the main thread which requests it lost to another worker (their writes were refused)."""
         lost = set(refused or ())
         if not lost:
             return
-        rids = {rid for rid, owner in batch.owners.items() if owner in lost}
-        rids |= {hb.request.request_id for hb in batch.handbacks if hb.ack in lost}
-        for rid in sorted(rids):
+        self.fenced_out |= lost
+        named = {owner: rid for rid, owner in [*batch.owners.items(), *(held or {}).items()] if owner in lost}
+        named |= {hb.ack: hb.request.request_id for hb in batch.handbacks if hb.ack in lost}
+        for owner in sorted(lost, key=lambda a: (a.stream, a.entry_id)):
+            rid = named.get(owner, f"(entry {owner.entry_id} of {owner.stream})")
             log.warning("request %s is owned by another worker now: its writes here were refused", rid)
-            self.lost.put(rid)
+            self.lost.put((rid, owner))

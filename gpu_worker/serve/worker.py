@@ -23,6 +23,7 @@ import queue
 import signal
 import socket
 import time
+import uuid
 from collections import OrderedDict
 from typing import Any
 
@@ -64,6 +65,7 @@ class Worker:
         self.broken: str | None = None  # why the worker stopped serving (it is then not ready, not live)
         self.last_tick = time.monotonic()
         self.started_at = time.time()
+        self.run_id = uuid.uuid4().hex  # this run's, in its status: the outbox's fence (shared.streams.publish)
         self.last_stats: Any = None  # the scheduler's stats at the last tick (metrics read it at scrape time)
         self.metrics = WorkerMetrics(model_name, self.worker_id, lambda: self.last_stats)
         self.telemetry = RequestTelemetry(self.worker_id, engine, self.metrics)
@@ -72,7 +74,7 @@ class Worker:
     # ---- lifecycle ---------------------------------------------------------------------------
     def run(self) -> int:
         r = streams.connect(self.settings.redis_url, health_check_interval=30)
-        self.outbox = Outbox(r, self.settings, self.worker_id).start()
+        self.outbox = Outbox(r, self.settings, self.worker_id, self.run_id, held=self._held).start()
         self.outbox.set_status(self.status)
         self.intake = Intake(r, self.settings, self.worker_id, self.inbox, lambda: self._room,
                              metrics=self.metrics, on_regroup=self.outbox.republish, leased=self._leased).start()
@@ -203,12 +205,16 @@ class Worker:
         """Abort the requests another worker took over (this one was paused or cut off past the status TTL):
         the outbox's writes for them were refused, so they end here without a word and free their blocks."""
         while not self.outbox.lost.empty():
-            rid = self.outbox.lost.get_nowait()
-            if (job := self.tracker.pop(rid)) is not None:
+            rid, ack = self.outbox.lost.get_nowait()
+            if self.tracker.pop(rid) is not None:
                 log.warning("request %s was taken over by another worker: aborted here", rid)
                 self.engine.abort_request(rid)
                 self.telemetry.ended(rid, "taken over by another worker")
-                self.intake.recheck(job.ack)
+            self.intake.recheck(ack)  # even when it had finished here: its final chunk and ack were refused
+
+    def _held(self) -> dict[str, streams.Ack]:
+        """Request id -> delivery of every request it holds (called from the outbox thread: the copy is atomic)."""
+        return {rid: job.ack for rid, job in self.tracker.jobs.copy().items()}
 
     def _leased(self) -> list[str]:
         """The requests it holds whose gateway holds a lease (called from the cancel thread: the copy is atomic)."""
@@ -229,7 +235,8 @@ class Worker:
         error = final.get("error")
         self.telemetry.ended(job.request_id, final.get("finish_reason") or "error",
                              error=error.message if error else None)
-        self.outbox.send([self.tracker.final_chunk(job, **final)], job.ack, dead_letter)
+        self.outbox.send([self.tracker.final_chunk(job, **final)], job.ack, dead_letter,
+                         reply_to=job.request.reply_to)
 
     def _dead_letter(self, job: Job, reason: str) -> DeadLetter:
         log.error("request %s -> %s: %s", job.request_id, keys.DEAD, reason)
@@ -260,9 +267,9 @@ class Worker:
             self.num_finished += output.error is None
             self.tracker.pop(job.request_id)
             letter = self._dead_letter(job, output.error) if output.error is not None else None
-            self.outbox.send(chunks, job.ack, letter)
+            self.outbox.send(chunks, job.ack, letter, reply_to=job.request.reply_to)
         elif chunks:
-            self.outbox.send(chunks, owner=job.ack)
+            self.outbox.send(chunks, owner=job.ack, reply_to=job.request.reply_to)
 
     # ---- drain -------------------------------------------------------------------------------
     def _drain_step(self) -> None:
@@ -291,7 +298,7 @@ class Worker:
             promised_blocks=self.tracker.promised_blocks(self.engine.block_size,
                                                          self.settings.route_max_output_tokens), running=stats.num_running, waiting=stats.num_waiting,
             num_preemptions=stats.num_preemptions, num_finished=self.num_finished, pid=os.getpid(), host=socket.gethostname(),
-            started_at=self.started_at, draining=self.draining, restarts=self.settings.restarts,
+            started_at=self.started_at, run_id=self.run_id, draining=self.draining, restarts=self.settings.restarts,
             simulated=self.simulated,
             **self.metrics.recent())
 

@@ -1,5 +1,6 @@
 """Output streams: a worker appends numbered chunks; the gateway, Celery tasks and the client read them back,
-each chunk once (sequence-number dedup), sync or asyncio. A reader rides out a Redis outage of up to its
+each chunk once (sequence-number dedup), sync or asyncio. A gateway's requests (reply_to set) have no stream of
+their own: their chunks arrive batched in the gateway's inbox (one entry per worker flush; `aread_inbox`). A reader rides out a Redis outage of up to its
 grace and goes on after the last entry it read; it fails with RedisAway past the grace, and with OutputLost
 when Redis came back without the request (restarted without its data), instead of waiting for its timeout."""
 
@@ -13,6 +14,7 @@ from typing import Any
 
 import redis
 import redis.asyncio as aioredis
+from pydantic import TypeAdapter, ValidationError
 
 from shared import keys
 from shared.messages import OutputChunk
@@ -231,3 +233,47 @@ def output_exists(r: redis.Redis, request_id: str) -> bool:
 
 async def aoutput_exists(r: aioredis.Redis, request_id: str) -> bool:
     return bool(await r.exists(keys.out_stream(request_id)))
+
+
+# ---- a gateway's inbox ----------------------------------------------------------------------------
+# kvfleet:inbox:{gateway}: each entry is one worker flush's chunks for that gateway's requests, a JSON array
+# (shared.streams.worker._FLUSH). The gateway creates it and keeps its expiry; workers never create it.
+
+_CHUNK_LIST = TypeAdapter(list[OutputChunk])
+_OPENED = "opened"  # the field of the entry that creates an inbox (no chunks)
+
+
+async def acreate_inbox(r: aioredis.Redis, inbox: str, ttl_s: float) -> None:
+    """Create the inbox (an entry with no chunks) with its expiry; one round trip."""
+    pipe = r.pipeline(transaction=False)
+    pipe.xadd(inbox, {_OPENED: "1"})
+    pipe.pexpire(inbox, int(ttl_s * 1000))
+    await pipe.execute()
+
+
+async def akeep_inbox(r: aioredis.Redis, inbox: str, read_up_to: str, ttl_s: float) -> bool:
+    """Drop the entries before `read_up_to` (read already) and push the expiry out; False when the inbox is
+    gone (Redis lost it): create it again. One round trip."""
+    pipe = r.pipeline(transaction=False)
+    pipe.xtrim(inbox, minid=read_up_to, approximate=True)
+    pipe.pexpire(inbox, int(ttl_s * 1000))
+    return bool((await pipe.execute())[1])
+
+
+async def aread_inbox(r: aioredis.Redis, inbox: str, after: str, *, block_ms: int,
+                      count: int = 1024) -> tuple[str, list[OutputChunk]]:
+    """The chunks of the entries after `after` (waiting up to block_ms for one), and the new cursor. An entry
+    that cannot be read is skipped (logged by the caller's count: it only comes from a foreign writer)."""
+    reply = await r.xread({inbox: after}, block=block_ms, count=count)
+    chunks: list[OutputChunk] = []
+    for _stream, entries in reply or []:
+        for entry_id, fields in entries:
+            after = entry_id
+            raw = fields.get(keys.FIELD)
+            if raw is None:
+                continue
+            try:
+                chunks += _CHUNK_LIST.validate_json(raw)
+            except ValidationError:
+                continue
+    return after, chunks

@@ -6,7 +6,10 @@ Fencing: a worker writes a request's chunks, hand-back and ack only while it own
 token is (consumer, delivery count) of the entry's pending-list record: Redis sets both atomically with every
 XREADGROUP and XCLAIM (each claim bumps the count), so a worker that lost the entry to another (or to a
 later run under its own id) no longer matches, with no owner key to set at claim time or to expire. The
-flush script checks each request it touches once (XPENDING of that one entry), then writes."""
+flush script checks a request (XPENDING of that one entry) before its ack or hand-back, and before its chunks
+only when the worker's status in Redis is not its run's: a takeover needs the owner's status gone, and the taker
+deletes it again after claiming, so while the status stays the run's nobody took anything (one GET per flush
+instead of one XPENDING per request per flush)."""
 
 from __future__ import annotations
 
@@ -86,7 +89,9 @@ def claim_pending(r: redis.Redis, stream: str, owner: str, consumer: str, *, min
     """Move to `consumer` every entry `owner` left pending on `stream`, CLAIM_PAGE at a time: XPENDING for that
     one consumer, then XCLAIM with `min_idle_ms`, so of two claimers only one gets each entry (XAUTOCLAIM by
     idle time alone would also take a live worker's long request). [] when the stream or group does not exist.
-    Each Delivery's count is the one XCLAIM set (the one it saw plus one): its owner token."""
+    Each Delivery's count is the one XCLAIM set (the one it saw plus one): its owner token. After each page
+    that claimed something the owner's status is deleted (it had expired; an owner that came back meanwhile and
+    wrote it again must not keep it): so the owner's flushes check ownership again and are refused (_FLUSH)."""
     claimed: list[Delivery] = []
     start = "-"
     while True:
@@ -97,7 +102,10 @@ def claim_pending(r: redis.Redis, stream: str, owner: str, consumer: str, *, min
         if not pending:
             return claimed
         counts = {p["message_id"]: p["times_delivered"] for p in pending}
-        for entry_id, fields in r.xclaim(stream, keys.GROUP, consumer, min_idle_ms, list(counts)):
+        got = r.xclaim(stream, keys.GROUP, consumer, min_idle_ms, list(counts))
+        if got and owner != consumer:  # the fence: the owner's next flush finds no status of its run
+            r.delete(keys.status(owner))
+        for entry_id, fields in got:
             claimed.append(Delivery(stream, entry_id, fields or None, counts[entry_id] + 1))
         if len(pending) < CLAIM_PAGE:
             return claimed
@@ -194,21 +202,38 @@ def read_cancels(r: redis.Redis, after: str, *, block_ms: int = 1000, count: int
 # ---- worker side: outbox --------------------------------------------------------------------------
 # The worker's writer thread (gpu_worker.serve.outbox): everything it writes goes in one script per flush.
 
-# One flush of the outbox, atomically. ARGV[1] is the plan (JSON; every key it names is an index into KEYS):
-#   owners   [stream, entry id, deliveries]: the deliveries the writes below are made under; deliveries 0 is
-#            not checked, else the entry must be pending on ARGV[2] with exactly that delivery count
+# One flush of the outbox, atomically. ARGV[1] is the plan (JSON; every key it names is an index into KEYS),
+# ARGV[2] the worker id, ARGV[3] its run id:
+#   fence    the worker's status key: when it holds this run's status (GET, or SET ... GET with `status`), no
+#            other worker can have taken over its entries (a takeover needs the status gone, and the taker
+#            deletes it again after claiming), so chunk writes skip their ownership check
+#   owners   [stream, entry id, deliveries, always]: the deliveries the writes below are made under, and
+#            every other one the worker holds (`held`); deliveries 0 is not checked, else the entry must be
+#            pending on ARGV[2] with exactly that delivery count: checked when `always` (acks and hand-backs,
+#            once per request) or when the fence failed (then all of them are, before the status re-arms it)
 #   chunks   [owner (0: none), output stream, chunk JSON, expire (0/1)]: XADD, and PEXPIRE by `ttl` when
 #            `expire` (a stream's first chunk, every EXPIRE_EVERY-th and its last: not one PEXPIRE per token)
+#   inboxes  [inbox, [[owner, chunk JSON]...]]: one XADD per gateway inbox of all its owned chunks (a JSON
+#            array), NOMKSTREAM: a gateway that is gone reads nothing, so nothing is written
 #   requeued [owner, request JSON]: XADD to `any` (the hand-back), then the ack of the owner's entry
 #   acks     [owner]: XACK + XDEL of the owner's entry
-#   status   [key, JSON, ttl ms, workers set, reservations hash, taken request ids...] or absent
+#   status   [JSON, ttl ms, workers set, reservations hash, taken request ids...] or absent; SADD to the
+#            workers set only when the fence failed (a first flush, or after the status was lost)
 # Writes under an owner that fails its check are skipped; the reply lists those owners (1-based).
 _FLUSH = LuaScript("""
 local plan = cjson.decode(ARGV[1])
 local group, field = plan['group'], plan['field']
+local s = plan['status']
+local before
+if s then
+  before = redis.call('SET', KEYS[plan['fence']], s[1], 'PX', s[2], 'GET')
+else
+  before = redis.call('GET', KEYS[plan['fence']])
+end
+local trusted = ARGV[3] ~= '' and type(before) == 'string' and string.find(before, ARGV[3], 1, true) ~= nil
 local owned, refused = {}, {}
 for i, o in ipairs(plan['owners']) do
-  local ok = o[3] == 0
+  local ok = o[3] == 0 or (trusted and o[4] == 0)
   if not ok then
     local p = redis.pcall('XPENDING', KEYS[o[1]], group, o[2], o[2], 1)
     ok = type(p) == 'table' and p['err'] == nil and p[1] ~= nil and p[1][2] == ARGV[2] and p[1][4] == o[3]
@@ -226,6 +251,15 @@ for _, c in ipairs(plan['chunks']) do
     if c[4] == 1 then redis.call('PEXPIRE', KEYS[c[2]], plan['ttl']) end
   end
 end
+for _, box in ipairs(plan['inboxes']) do
+  local parts = {}
+  for _, c in ipairs(box[2]) do
+    if c[1] == 0 or owned[c[1]] then parts[#parts + 1] = c[2] end
+  end
+  if #parts > 0 then
+    redis.call('XADD', KEYS[box[1]], 'NOMKSTREAM', '*', field, '[' .. table.concat(parts, ',') .. ']')
+  end
+end
 for _, q in ipairs(plan['requeued']) do
   if owned[q[1]] then
     redis.call('XADD', KEYS[plan['any']], '*', field, q[2])
@@ -235,11 +269,9 @@ end
 for _, a in ipairs(plan['acks']) do
   if owned[a[1]] then ack(plan['owners'][a[1]]) end
 end
-local s = plan['status']
 if s then
-  redis.call('SET', KEYS[s[1]], s[2], 'PX', s[3])
-  redis.call('SADD', KEYS[s[4]], ARGV[2])
-  if #s > 5 then redis.call('HDEL', KEYS[s[5]], unpack(s, 6)) end
+  if not trusted then redis.call('SADD', KEYS[s[3]], ARGV[2]) end
+  if #s > 4 then redis.call('HDEL', KEYS[s[4]], unpack(s, 5)) end
 end
 return refused
 """)
@@ -256,6 +288,7 @@ class _Plan:
         self._key_ix: dict[str, int] = {}
         self.owners: list[Ack] = []
         self._owner_ix: dict[Ack, int] = {}
+        self._always: set[Ack] = set()
 
     def key(self, name: str) -> int:
         if name not in self._key_ix:
@@ -263,9 +296,11 @@ class _Plan:
             self._key_ix[name] = len(self.keys)
         return self._key_ix[name]
 
-    def owner(self, ack: Ack | None) -> int:
+    def owner(self, ack: Ack | None, *, always: bool = False) -> int:
         if ack is None:
             return 0
+        if always:
+            self._always.add(ack)
         if ack not in self._owner_ix:
             self.owners.append(ack)
             self._owner_ix[ack] = len(self.owners)
@@ -273,35 +308,51 @@ class _Plan:
         return self._owner_ix[ack]
 
     def owner_rows(self) -> list[list[Any]]:
-        return [[self._key_ix[a.stream], a.entry_id, a.deliveries] for a in self.owners]
+        return [[self._key_ix[a.stream], a.entry_id, a.deliveries, int(a in self._always)] for a in self.owners]
 
 
 def publish(r: redis.Redis, worker_id: str, *, output_ttl_s: float, chunks: Sequence[OutputChunk] = (),
             requeued: Sequence[tuple[GenerationRequest, Ack]] = (), acks: Sequence[Ack] = (),
-            owners: Mapping[str, Ack] | None = None, status: WorkerStatus | None = None,
-            status_ttl_s: float = 0.0, taken: Sequence[str] = ()) -> list[Ack]:
-    """One flush, one script, in this order: the output chunks (XADD; the expiry pushed out to output_ttl_s at
-    a stream's first chunk, every EXPIRE_EVERY-th and its last), the hand-backs (XADD to
-    kvfleet:req:any + ack of the old entry), the acks (XACK + XDEL, so an entry is acked only with or after
-    the chunks before it), and with `status` its SET with a TTL of status_ttl_s, the worker's SADD to
-    kvfleet:workers and the HDEL of the reservations of the `taken` requests, which that status now counts.
-    A chunk is written under `owners[chunk.request_id]` (unchecked when absent), a hand-back and an ack under
-    their own Ack. Returns the owners this worker no longer holds: nothing was written under them."""
-    owners = owners or {}
+            owners: Mapping[str, Ack] | None = None, reply_to: Mapping[str, str] | None = None,
+            status: WorkerStatus | None = None, status_ttl_s: float = 0.0, taken: Sequence[str] = (),
+            run_id: str = "", held: Sequence[Ack] = ()) -> list[Ack]:
+    """One flush, one script, in this order: the output chunks, the hand-backs (XADD to kvfleet:req:any + ack
+    of the old entry), the acks (XACK + XDEL, so an entry is acked only with or after the chunks before it),
+    and with `status` the HDEL of the reservations of the `taken` requests, which that status now counts.
+    The status (SET with a TTL of status_ttl_s) goes first: it is the fence (see _FLUSH).
+
+    A chunk of a request with a `reply_to` inbox goes into that inbox, in one entry per inbox per flush with
+    all of the flush's chunks for it; the others into their request's own stream (XADD; the expiry pushed out
+    to output_ttl_s at its first chunk, every EXPIRE_EVERY-th and its last). A chunk is written under
+    `owners[chunk.request_id]` (unchecked when absent), a hand-back and an ack under their own Ack: checked
+    always for those, and for chunks only when the status in Redis is not this run's (`run_id`): then every
+    delivery in `held` (all the worker holds, given with `status`: the status written here re-arms the fence)
+    is checked too, so one it lost without a chunk in this flush is found as well. Returns the owners this
+    worker no longer holds: nothing was written under them."""
+    owners, reply_to = owners or {}, reply_to or {}
     plan = _Plan()
-    rows: dict[str, Any] = {"group": keys.GROUP, "field": keys.FIELD, "ttl": int(output_ttl_s * 1000)}
-    rows["chunks"] = [[plan.owner(owners.get(c.request_id)), plan.key(keys.out_stream(c.request_id)),
-                       c.model_dump_json(exclude_defaults=True), int(c.seq % EXPIRE_EVERY == 0 or c.final)]
-                      for c in chunks]
+    rows: dict[str, Any] = {"group": keys.GROUP, "field": keys.FIELD, "ttl": int(output_ttl_s * 1000),
+                            "fence": plan.key(keys.status(worker_id))}
+    rows["chunks"], boxes = [], {}
+    for c in chunks:
+        owner, body = plan.owner(owners.get(c.request_id)), c.model_dump_json(exclude_defaults=True)
+        if (inbox := reply_to.get(c.request_id)) is not None:
+            boxes.setdefault(inbox, []).append([owner, body])
+        else:
+            rows["chunks"].append([owner, plan.key(keys.out_stream(c.request_id)), body,
+                                   int(c.seq % EXPIRE_EVERY == 0 or c.final)])
+    rows["inboxes"] = [[plan.key(inbox), parts] for inbox, parts in boxes.items()]
     if requeued:
         rows["any"] = plan.key(keys.REQ_ANY)
-    rows["requeued"] = [[plan.owner(ack), request.model_dump_json()] for request, ack in requeued]
-    rows["acks"] = [[plan.owner(ack)] for ack in acks]
+    rows["requeued"] = [[plan.owner(ack, always=True), request.model_dump_json()] for request, ack in requeued]
+    rows["acks"] = [[plan.owner(ack, always=True)] for ack in acks]
+    for ack in held:
+        plan.owner(ack)
     if status is not None:
-        rows["status"] = [plan.key(keys.status(worker_id)), status.model_dump_json(), int(status_ttl_s * 1000),
-                          plan.key(keys.WORKERS), plan.key(keys.reserved(worker_id)), *taken]
+        rows["status"] = [status.model_dump_json(), int(status_ttl_s * 1000), plan.key(keys.WORKERS),
+                          plan.key(keys.reserved(worker_id)), *taken]
     rows["owners"] = plan.owner_rows()
-    refused = run_script(r, _FLUSH, plan.keys, [json.dumps(rows), worker_id])
+    refused = run_script(r, _FLUSH, plan.keys, [json.dumps(rows), worker_id, run_id])
     return [plan.owners[i - 1] for i in refused or []]
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from fleet_harness import API_KEY, REPO, Fleet
+from fleet_harness import API_KEY, REPO, Fleet, inbox_chunks
 
 from services.client import FleetClient
 from shared import keys, streams
@@ -79,7 +79,9 @@ class Stream(threading.Thread):
 
 
 def final_chunk(r, rid: str) -> OutputChunk | None:
-    return next((c for c in streams.read_all_chunks(r, rid) if c.final), None)
+    """The request's final chunk: from its own stream (a request the Python client placed), or from its gateway's
+    inbox (which outlives the gateway by its TTL)."""
+    return next((c for c in streams.read_all_chunks(r, rid) + inbox_chunks(r, rid) if c.final), None)
 
 
 def status(r) -> WorkerStatus:
@@ -102,7 +104,7 @@ def test_a_killed_gateways_request_is_aborted_once_its_lease_lapsed(fleet, r):
     doomed.join(10)
     assert doomed.error is not None or doomed.finish is None, "the killed gateway's client saw no clean end"
 
-    chunks = streams.read_all_chunks(r, rid)
+    chunks = inbox_chunks(r, rid)
     generated = sum(len(c.token_ids) for c in chunks)
     assert final.finish_reason == "abort" and final.error is None, final
     assert generated < 900, f"the worker generated all {generated} tokens for nobody"

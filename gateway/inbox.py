@@ -1,0 +1,172 @@
+"""One gateway's output inbox (kvfleet:inbox:{gateway}, shared.streams): the workers write each flush's chunks
+for this gateway's requests as one entry (GenerationRequest.reply_to), and one reader task here reads them
+all, one blocking XREAD per flush however many requests are running (not one read per request), and hands
+each chunk to its request's mailbox, which that request's relay drains.
+
+A mailbox is opened before its request is enqueued (so no chunk can come before it) and closed when the relay
+ends; a chunk for a request without one (its relay ended, or it was placed again under another id) is
+dropped. Once a second the reader trims what it read and pushes the inbox's expiry out: the inbox of a gateway
+that died expires, and workers never create one (XADD NOMKSTREAM). When Redis comes back without the inbox
+the reader creates it again; the requests whose chunks were lost meanwhile are found by their leases
+(gateway.leases) or by a gap in their chunk numbers, and their relays place them again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from shared import keys, streams
+from shared.messages import OutputChunk
+
+log = logging.getLogger("kvfleet.gateway")
+
+KEEP_EVERY_S = 1.0  # trim and push the expiry out this often
+TICK_S = 1.0  # a waiting relay checks its lease, its deadline and Redis's absence this often
+
+
+def gateway_id() -> str:
+    """This gateway process's id (its inbox's name): host, pid and a random part, unique across restarts."""
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+class WorkerLost(Exception):
+    """The worker running the request died; the one that took its entry over handed it back to this gateway
+    (a `worker_lost` chunk): place it again with the chunks relayed so far."""
+
+
+class Mailbox:
+    """The chunks that came for one request and are not relayed yet, and the relay waiting for them."""
+
+    def __init__(self) -> None:
+        self.items: deque[OutputChunk] = deque()
+        self.dedup = streams.ChunkDeduper()
+        self.waiter: asyncio.Future | None = None
+
+    def put(self, chunk: OutputChunk) -> None:
+        self.items.append(chunk)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def wait(self, timeout_s: float) -> None:
+        """Until a chunk is here, or timeout_s passed."""
+        if self.items:
+            return
+        self.waiter = asyncio.get_running_loop().create_future()
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self.waiter
+        except TimeoutError:
+            pass
+        finally:
+            self.waiter = None
+
+
+class Inbox:
+    def __init__(self, r: Any, gateway_id: str, *, ttl_s: float, block_ms: int = 1000):
+        self.r, self.key, self.ttl_s, self.block_ms = r, keys.inbox(gateway_id), ttl_s, block_ms
+        self.boxes: dict[str, Mailbox] = {}
+        self.cursor = "0-0"
+        self.down_since: float | None = None  # monotonic time the reads began failing
+        self.dropped = 0  # chunks for requests with no mailbox
+        self._task: asyncio.Task | None = None
+        self._closing = False
+
+    async def start(self) -> None:
+        """Create the inbox and start reading it. Redis away: the reader creates it once it is back."""
+        try:
+            await streams.acreate_inbox(self.r, self.key, self.ttl_s)
+        except streams.RedisError as e:
+            log.warning("could not create the output inbox %s yet: %s", self.key, e)
+        self._task = asyncio.get_running_loop().create_task(self._read())
+
+    async def close(self) -> None:
+        self._closing = True  # redis-py may turn the cancel of a blocking read into a ConnectionError
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        with contextlib.suppress(streams.RedisError):
+            await self.r.delete(self.key)
+
+    def open(self, request_id: str) -> None:
+        """Collect the request's chunks from now on (call before it is enqueued)."""
+        self.boxes[request_id] = Mailbox()
+
+    def close_box(self, request_id: str) -> None:
+        self.boxes.pop(request_id, None)
+
+    async def chunks(self, request_id: str, *, timeout_s: float, grace_s: float,
+                     lost: Callable[[], bool] | None = None, after_seq: int = -1) -> AsyncIterator[OutputChunk]:
+        """The request's chunks in order, each once, after chunk `after_seq` (those a request placed again
+        had relayed already, and were restored for its worker) until its final one. OutputTimeout when none comes for
+        timeout_s, RedisAway when the inbox could not be read for grace_s, OutputLost when `lost()` (its lease
+        vanished) or a chunk number was skipped (Redis lost chunks), WorkerLost when its worker died."""
+        box = self.boxes.get(request_id)
+        if box is None:
+            raise RuntimeError(f"no mailbox open for request {request_id}")
+        box.dedup.last_seq = max(box.dedup.last_seq, after_seq)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            while box.items:
+                chunk = box.items.popleft()
+                if chunk.error is not None and chunk.error.kind == "worker_lost":
+                    raise WorkerLost(chunk.error.message)
+                if box.dedup.accept_next(chunk):
+                    deadline = time.monotonic() + timeout_s
+                    yield chunk
+                    if chunk.final:
+                        return
+            if lost is not None and lost():
+                raise streams.OutputLost(f"Redis lost request {request_id}: its lease vanished (Redis restarted "
+                                         "without its data or was flushed, or the gateway stalled past the lease TTL)")
+            now = time.monotonic()
+            if self.down_since is not None and now - self.down_since >= grace_s:
+                raise streams.RedisAway(f"lost the connection to Redis for more than {grace_s:g}s (redis_grace_s) "
+                                        f"while reading the output of request {request_id}; retry the request once "
+                                        "Redis is back")
+            if now >= deadline:
+                raise streams.OutputTimeout(f"no output for request {request_id} in {timeout_s:g}s")
+            await box.wait(min(TICK_S, deadline - now))
+
+    async def ensure(self) -> None:
+        """Trim what was read, push the expiry out, and create the inbox again if Redis lost it (before a
+        request is placed again: its chunks must not find it missing)."""
+        if not await streams.akeep_inbox(self.r, self.key, self.cursor, self.ttl_s):
+            log.warning("the output inbox %s was gone (Redis lost its data?): creating it again", self.key)
+            await streams.acreate_inbox(self.r, self.key, self.ttl_s)
+
+    async def _read(self) -> None:
+        failures, next_keep = 0, time.monotonic() + KEEP_EVERY_S
+        while not self._closing:
+            try:
+                if time.monotonic() >= next_keep:
+                    next_keep = time.monotonic() + KEEP_EVERY_S
+                    await self.ensure()
+                self.cursor, chunks = await streams.aread_inbox(self.r, self.key, self.cursor,
+                                                                block_ms=self.block_ms)
+                failures, self.down_since = 0, None
+            except streams.RedisError as e:
+                failures, next_keep = failures + 1, 0.0  # once back, check at once that Redis kept the inbox
+                self.down_since = self.down_since or time.monotonic()
+                wait = min(0.05 * 2 ** (failures - 1), 1.0)
+                log.warning("reading the output inbox failed (%s: %s); retrying in %.2fs", type(e).__name__, e, wait)
+                await asyncio.sleep(wait)
+                continue
+            except Exception:  # noqa: BLE001 (the reader must not die: every relay waits on it)
+                log.exception("unexpected error in the output inbox reader; carrying on")
+                await asyncio.sleep(0.1)
+                continue
+            for chunk in chunks:
+                box = self.boxes.get(chunk.request_id)
+                if box is None:
+                    self.dropped += 1
+                else:
+                    box.put(chunk)

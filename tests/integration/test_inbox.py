@@ -1,0 +1,171 @@
+"""A gateway's output inbox against a real Redis, no worker processes: a worker flush writes one inbox entry per
+gateway with all its chunks for that gateway's requests; the gateway's one reader hands each chunk to its
+request's mailbox, once and in order; a gap, a vanished lease, a `worker_lost` chunk, a dead Redis and
+silence each end a relay the way it expects; an inbox nobody keeps is never created by a worker. And the
+fence that lets a flush skip the per-request ownership check while the worker's status is its run's."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.inbox import Inbox, WorkerLost
+from shared import keys, streams
+from shared.messages import ChunkError, GenerationRequest, OutputChunk, WorkerStatus
+
+pytestmark = pytest.mark.integration
+
+W = "w-inbox"
+
+
+def chunk(rid: str, seq: int, **kw) -> OutputChunk:
+    return OutputChunk(request_id=rid, seq=seq, token_ids=[seq], text=f"t{seq}", worker_id=W, delivery=1, **kw)
+
+
+def status(run_id: str) -> WorkerStatus:
+    return WorkerStatus(worker_id=W, model="m", max_model_len=64, block_size=16, total_blocks=8, free_blocks=8,
+                        run_id=run_id)
+
+
+def taken(r, rid: str) -> streams.Delivery:
+    stream = keys.req_stream(W)
+    streams.ensure_group(r, stream)
+    streams.enqueue(r, GenerationRequest(request_id=rid, prompt_token_ids=[1, 2]), W)
+    [d] = streams.read_requests(r, W, {stream: ">"}, count=1)
+    return d
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def collect(inbox: Inbox, rid: str, **kw) -> list[OutputChunk]:
+    return [c async for c in inbox.chunks(rid, timeout_s=kw.pop("timeout_s", 5), grace_s=kw.pop("grace_s", 5), **kw)]
+
+
+def test_one_flush_writes_one_entry_per_gateway_and_each_relay_gets_its_own_chunks(r, redis_url):
+    async def main():
+        ar = streams.connect_async(redis_url)
+        a, b = Inbox(ar, "gw-a", ttl_s=60, block_ms=100), Inbox(ar, "gw-b", ttl_s=60, block_ms=100)
+        await a.start()
+        await b.start()
+        for rid in ("x", "y"):
+            a.open(rid)
+        b.open("z")
+        reply_to = {"x": a.key, "y": a.key, "z": b.key}
+        flushes = [[chunk("x", 0), chunk("y", 0), chunk("z", 0)],
+                   [chunk("x", 1), chunk("y", 1, final=True), chunk("z", 1, final=True)],
+                   [chunk("x", 2, final=True), chunk("stray", 0)]]
+        for flush in flushes:
+            streams.publish(r, W, output_ttl_s=60, chunks=flush, reply_to=reply_to | {"stray": a.key})
+        got = await asyncio.gather(collect(a, "x"), collect(a, "y"), collect(b, "z"))
+        assert [[c.seq for c in g] for g in got] == [[0, 1, 2], [0, 1], [0, 1]]
+        assert r.xlen(a.key) == 1 + 3 and r.xlen(b.key) == 1 + 2, "one entry per flush per gateway (+ its opening)"
+        assert not any(r.exists(keys.out_stream(rid)) for rid in "xyz"), "no stream of their own"
+        await asyncio.sleep(0.3)
+        assert a.dropped == 1, "the chunk of a request with no mailbox is dropped"
+        await a.close()
+        await b.close()
+        await ar.aclose()
+
+    run(main())
+
+
+def test_a_worker_never_creates_an_inbox_nobody_keeps(r):
+    assert streams.publish(r, W, output_ttl_s=60, chunks=[chunk("gone", 0)], reply_to={"gone": keys.inbox("dead")}) == []
+    assert not r.exists(keys.inbox("dead"))
+
+
+def test_a_relay_ends_as_its_request_does(r, redis_url):
+    async def main():
+        ar = streams.connect_async(redis_url)
+        inbox = Inbox(ar, "gw", ttl_s=60, block_ms=100)
+        await inbox.start()
+        for rid in ("gap", "lost", "moved", "after", "quiet"):
+            inbox.open(rid)
+        write = [chunk("gap", 0), chunk("gap", 2), chunk("moved", 0),
+                 chunk("moved", 1, final=True, error=ChunkError(kind="worker_lost", message="w died")),
+                 chunk("after", 3), chunk("after", 4, final=True)]
+        streams.publish(r, W, output_ttl_s=60, chunks=write, reply_to={c.request_id: inbox.key for c in write})
+        with pytest.raises(streams.OutputLost, match="lost chunks 1..1"):
+            await collect(inbox, "gap")
+        with pytest.raises(streams.OutputLost, match="lease vanished"):
+            await collect(inbox, "lost", lost=lambda: True)
+        with pytest.raises(WorkerLost, match="w died"):
+            await collect(inbox, "moved")
+        assert [c.seq for c in await collect(inbox, "after", after_seq=2)] == [3, 4], "placed again after chunk 2"
+        with pytest.raises(streams.OutputTimeout):
+            await collect(inbox, "quiet", timeout_s=0.3)
+        await inbox.close()
+        await ar.aclose()
+
+    run(main())
+
+
+def test_a_relay_waits_out_a_short_outage_and_fails_past_the_grace(redis_url):
+    async def main():
+        ar = streams.connect_async("redis://127.0.0.1:1/0")  # nothing listens there
+        inbox = Inbox(ar, "gw", ttl_s=60, block_ms=100)
+        await inbox.start()
+        inbox.open("x")
+        with pytest.raises(streams.RedisAway):
+            await collect(inbox, "x", grace_s=0.5, timeout_s=30)
+        await inbox.close()
+
+    run(main())
+
+
+def test_the_reader_creates_the_inbox_again_when_redis_lost_it(r, redis_url):
+    async def main():
+        ar = streams.connect_async(redis_url)
+        inbox = Inbox(ar, "gw", ttl_s=60, block_ms=100)
+        await inbox.start()
+        r.flushall()
+        for _ in range(40):
+            await asyncio.sleep(0.1)
+            if r.exists(inbox.key):
+                break
+        assert r.exists(inbox.key) and 0 < r.pttl(inbox.key) <= 60_000
+        inbox.open("x")
+        streams.publish(r, W, output_ttl_s=60, chunks=[chunk("x", 0, final=True)], reply_to={"x": inbox.key})
+        assert [c.seq for c in await collect(inbox, "x")] == [0]
+        await inbox.close()
+        assert not r.exists(inbox.key), "a gateway that stops deletes its inbox"
+        await ar.aclose()
+
+    run(main())
+
+
+def test_while_the_status_is_its_runs_a_flush_checks_no_chunk_owner(r):
+    d = taken(r, "run")
+    before = r.info("commandstats").get("cmdstat_xpending", {}).get("calls", 0)
+    for seq in range(5):
+        assert streams.publish(r, W, output_ttl_s=60, chunks=[chunk("run", seq)], owners={"run": d.ack},
+                               status=status("run-1"), status_ttl_s=5, run_id="run-1", held=[d.ack]) == []
+    checks = r.info("commandstats")["cmdstat_xpending"]["calls"] - before
+    assert checks == 1, "only the first flush (no status of this run yet) checks"
+    assert streams.publish(r, W, output_ttl_s=60, chunks=[chunk("run", 5, final=True)], acks=[d.ack],
+                           owners={"run": d.ack}, run_id="run-1") == []
+    assert r.info("commandstats")["cmdstat_xpending"]["calls"] - before == 2, "an ack is always checked"
+
+
+def test_after_a_takeover_the_next_status_flush_finds_every_request_lost_even_without_a_chunk(r):
+    idle, busy = taken(r, "idle"), taken(r, "busy")
+    streams.publish(r, W, output_ttl_s=60, status=status("run-1"), status_ttl_s=5, run_id="run-1",
+                    held=[idle.ack, busy.ack])
+    r.delete(keys.status(W))  # it expired (the worker was paused)
+    streams.claim_pending(r, idle.stream, W, "w-other", min_idle_ms=0)  # takes both, deletes the status again
+    refused = streams.publish(r, W, output_ttl_s=60, chunks=[chunk("busy", 0)], owners={"busy": busy.ack},
+                              status=status("run-1"), status_ttl_s=5, run_id="run-1", held=[idle.ack, busy.ack])
+    assert set(refused) == {idle.ack, busy.ack}
+    assert streams.read_all_chunks(r, "busy") == []
+
+
+def test_a_later_run_under_the_same_id_fences_the_earlier_one(r):
+    d = taken(r, "old-run")
+    streams.publish(r, W, output_ttl_s=60, status=status("run-1"), status_ttl_s=5, run_id="run-1", held=[d.ack])
+    streams.claim_pending(r, d.stream, W, W, min_idle_ms=0)  # the new run claims what the old one left
+    streams.publish(r, W, output_ttl_s=60, status=status("run-2"), status_ttl_s=5, run_id="run-2")
+    assert streams.publish(r, W, output_ttl_s=60, chunks=[chunk("old-run", 0)], owners={"old-run": d.ack},
+                           run_id="run-1") == [d.ack]
