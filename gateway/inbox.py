@@ -94,7 +94,7 @@ class Inbox:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         with contextlib.suppress(streams.RedisError):
-            await self.r.delete(self.key)
+            await streams.adelete_inbox(self.r, self.key)
 
     def open(self, request_id: str) -> None:
         """Collect the request's chunks from now on (call before it is enqueued)."""

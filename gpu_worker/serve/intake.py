@@ -51,7 +51,10 @@ log = logging.getLogger("kvfleet.worker")
 CLAIM_MIN_IDLE_MS = 1000
 READ_BLOCK_MS = 200
 MAX_BACKOFF_S = 5.0  # a reader thread that keeps failing waits up to this long between tries
-SPARE_READ_BLOCK_MS = 50  # with room to spare, look at the shared stream this often
+# With room to spare, look at the shared stream's head this often while it holds requests, and every
+# READ_BLOCK_MS while it holds none (the router placed everything: the common case), however fast requests
+# arrive on the worker's own stream.
+SPARE_READ_BLOCK_MS = 50
 LEASE_CHECK_S = 1.0  # read the leases of the requests held this often
 LEASE_CONFIRM_S = 2.0  # a lease must be seen gone this long before its request is aborted
 
@@ -91,6 +94,7 @@ class Intake:
         self._stop = threading.Event()
         self._dead: list[str] = []
         self._next_scan = 0.0
+        self._next_shared_look = 0.0  # monotonic time of the next look at the shared stream's head
         self._recheck: queue.SimpleQueue[streams.Ack] = queue.SimpleQueue()  # entries of refused writes
         self.handed = 0  # jobs put into the inbox; `spare` is stale until the main thread accounted them all
         self._threads = [threading.Thread(target=self._requests, name="kvfleet-intake", daemon=True),
@@ -176,7 +180,7 @@ class Intake:
             if self._dead and self._claim_dead():
                 return
         spare = self._spare()
-        if spare and self._take_shared_head(room):
+        if spare and time.monotonic() >= self._next_shared_look and self._take_shared_head(room):
             return
         want: dict[str, str] = {}
         if room.own_backlog:  # its own stream, and the new entries on dead workers' streams like its own
@@ -185,14 +189,18 @@ class Intake:
         if not want:
             time.sleep(0.02)
             return
-        for d in streams.read_requests(self.r, self.worker_id, want, count=8,
-                                       block_ms=SPARE_READ_BLOCK_MS if spare else READ_BLOCK_MS):
+        block_ms = READ_BLOCK_MS  # until the next look at the shared stream, when there is room for its head
+        if spare:
+            block_ms = int(min(READ_BLOCK_MS, max(SPARE_READ_BLOCK_MS, 1000 * (self._next_shared_look - time.monotonic()))))
+        for d in streams.read_requests(self.r, self.worker_id, want, count=8, block_ms=block_ms):
             self._take(d)
 
     def _take_shared_head(self, room: Room) -> bool:
         """Take the oldest untaken request of the shared stream if it fits the free blocks now (or this
         worker is idle); otherwise leave it, in order, for a worker with more room."""
         head = streams.shared_head(self.r)
+        wait_ms = SPARE_READ_BLOCK_MS if head is not None else READ_BLOCK_MS
+        self._next_shared_look = time.monotonic() + wait_ms / 1000
         if head is None:
             return False
         try:
@@ -208,6 +216,8 @@ class Intake:
         taken = streams.read_requests(self.r, self.worker_id, {keys.REQ_ANY: ">"}, count=1)
         for d in taken:
             self._take(d)
+        if taken:
+            self._next_shared_look = 0.0  # the next one may fit too
         return bool(taken)
 
     def _scan_dead(self) -> None:

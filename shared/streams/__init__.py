@@ -53,6 +53,7 @@ from shared.streams.output import (  # noqa: F401
     RedisOutage,
     acreate_inbox,
     add_chunk_commands,
+    adelete_inbox,
     aiter_output,
     akeep_inbox,
     aoutput_exists,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
@@ -19,6 +20,8 @@ from pydantic import TypeAdapter, ValidationError
 from shared import keys
 from shared.messages import OutputChunk
 from shared.streams.client import CONNECTION_ERRORS
+
+log = logging.getLogger("kvfleet.streams")
 
 
 class OutputTimeout(TimeoutError):
@@ -251,6 +254,11 @@ async def acreate_inbox(r: aioredis.Redis, inbox: str, ttl_s: float) -> None:
     await pipe.execute()
 
 
+async def adelete_inbox(r: aioredis.Redis, inbox: str) -> None:
+    """The gateway stops: what workers still write for its requests is dropped (XADD NOMKSTREAM)."""
+    await r.delete(inbox)
+
+
 async def akeep_inbox(r: aioredis.Redis, inbox: str, read_up_to: str, ttl_s: float) -> bool:
     """Drop the entries before `read_up_to` (read already) and push the expiry out; False when the inbox is
     gone (Redis lost it): create it again. One round trip."""
@@ -263,7 +271,7 @@ async def akeep_inbox(r: aioredis.Redis, inbox: str, read_up_to: str, ttl_s: flo
 async def aread_inbox(r: aioredis.Redis, inbox: str, after: str, *, block_ms: int,
                       count: int = 1024) -> tuple[str, list[OutputChunk]]:
     """The chunks of the entries after `after` (waiting up to block_ms for one), and the new cursor. An entry
-    that cannot be read is skipped (logged by the caller's count: it only comes from a foreign writer)."""
+    that cannot be read is skipped (and logged)."""
     reply = await r.xread({inbox: after}, block=block_ms, count=count)
     chunks: list[OutputChunk] = []
     for _stream, entries in reply or []:
@@ -274,6 +282,6 @@ async def aread_inbox(r: aioredis.Redis, inbox: str, after: str, *, block_ms: in
                 continue
             try:
                 chunks += _CHUNK_LIST.validate_json(raw)
-            except ValidationError:
-                continue
+            except ValidationError as e:  # only a foreign writer makes one: skipped, so it blocks nobody
+                log.error("skipping unreadable entry %s of %s: %s", entry_id, inbox, e)
     return after, chunks

@@ -6,10 +6,10 @@ Fencing: a worker writes a request's chunks, hand-back and ack only while it own
 token is (consumer, delivery count) of the entry's pending-list record: Redis sets both atomically with every
 XREADGROUP and XCLAIM (each claim bumps the count), so a worker that lost the entry to another (or to a
 later run under its own id) no longer matches, with no owner key to set at claim time or to expire. The
-flush script checks a request (XPENDING of that one entry) before its ack or hand-back, and before its chunks
-only when the worker's status in Redis is not its run's: a takeover needs the owner's status gone, and the taker
-deletes it again after claiming, so while the status stays the run's nobody took anything (one GET per flush
-instead of one XPENDING per request per flush)."""
+flush script checks ownership (XPENDING of each entry) only when the worker's status in Redis is not its run's:
+a takeover needs the owner's status gone, and the taker deletes it again after claiming, so while the status
+stays the run's nobody took anything (one GET per flush instead of one XPENDING per request per flush); when it
+is not, every request the worker holds is checked before the status it writes re-arms the fence."""
 
 from __future__ import annotations
 
@@ -207,10 +207,10 @@ def read_cancels(r: redis.Redis, after: str, *, block_ms: int = 1000, count: int
 #   fence    the worker's status key: when it holds this run's status (GET, or SET ... GET with `status`), no
 #            other worker can have taken over its entries (a takeover needs the status gone, and the taker
 #            deletes it again after claiming), so chunk writes skip their ownership check
-#   owners   [stream, entry id, deliveries, always]: the deliveries the writes below are made under, and
-#            every other one the worker holds (`held`); deliveries 0 is not checked, else the entry must be
-#            pending on ARGV[2] with exactly that delivery count: checked when `always` (acks and hand-backs,
-#            once per request) or when the fence failed (then all of them are, before the status re-arms it)
+#   owners   [stream, entry id, deliveries]: the deliveries the writes below are made under, and every
+#            other one the worker holds (`held`); deliveries 0 is not checked, else the entry must be pending
+#            on ARGV[2] with exactly that delivery count: checked when the fence failed (then all of them
+#            are, before the status written here re-arms it)
 #   chunks   [owner (0: none), output stream, chunk JSON, expire (0/1)]: XADD, and PEXPIRE by `ttl` when
 #            `expire` (a stream's first chunk, every EXPIRE_EVERY-th and its last: not one PEXPIRE per token)
 #   inboxes  [inbox, [[owner, chunk JSON]...]]: one XADD per gateway inbox of all its owned chunks (a JSON
@@ -233,7 +233,7 @@ end
 local trusted = ARGV[3] ~= '' and type(before) == 'string' and string.find(before, ARGV[3], 1, true) ~= nil
 local owned, refused = {}, {}
 for i, o in ipairs(plan['owners']) do
-  local ok = o[3] == 0 or (trusted and o[4] == 0)
+  local ok = o[3] == 0 or trusted
   if not ok then
     local p = redis.pcall('XPENDING', KEYS[o[1]], group, o[2], o[2], 1)
     ok = type(p) == 'table' and p['err'] == nil and p[1] ~= nil and p[1][2] == ARGV[2] and p[1][4] == o[3]
@@ -288,7 +288,6 @@ class _Plan:
         self._key_ix: dict[str, int] = {}
         self.owners: list[Ack] = []
         self._owner_ix: dict[Ack, int] = {}
-        self._always: set[Ack] = set()
 
     def key(self, name: str) -> int:
         if name not in self._key_ix:
@@ -296,11 +295,9 @@ class _Plan:
             self._key_ix[name] = len(self.keys)
         return self._key_ix[name]
 
-    def owner(self, ack: Ack | None, *, always: bool = False) -> int:
+    def owner(self, ack: Ack | None) -> int:
         if ack is None:
             return 0
-        if always:
-            self._always.add(ack)
         if ack not in self._owner_ix:
             self.owners.append(ack)
             self._owner_ix[ack] = len(self.owners)
@@ -308,7 +305,7 @@ class _Plan:
         return self._owner_ix[ack]
 
     def owner_rows(self) -> list[list[Any]]:
-        return [[self._key_ix[a.stream], a.entry_id, a.deliveries, int(a in self._always)] for a in self.owners]
+        return [[self._key_ix[a.stream], a.entry_id, a.deliveries] for a in self.owners]
 
 
 def publish(r: redis.Redis, worker_id: str, *, output_ttl_s: float, chunks: Sequence[OutputChunk] = (),
@@ -325,9 +322,9 @@ def publish(r: redis.Redis, worker_id: str, *, output_ttl_s: float, chunks: Sequ
     all of the flush's chunks for it; the others into their request's own stream (XADD; the expiry pushed out
     to output_ttl_s at its first chunk, every EXPIRE_EVERY-th and its last). A chunk is written under
     `owners[chunk.request_id]` (unchecked when absent), a hand-back and an ack under their own Ack: checked
-    always for those, and for chunks only when the status in Redis is not this run's (`run_id`): then every
-    delivery in `held` (all the worker holds, given with `status`: the status written here re-arms the fence)
-    is checked too, so one it lost without a chunk in this flush is found as well. Returns the owners this
+    only when the status in Redis is not this run's (`run_id`), and then every delivery in `held` (all the
+    worker holds, given with `status`: the status written here re-arms the fence) is checked too, so one it
+    lost without a write in this flush is found as well. Returns the owners this
     worker no longer holds: nothing was written under them."""
     owners, reply_to = owners or {}, reply_to or {}
     plan = _Plan()
@@ -344,8 +341,8 @@ def publish(r: redis.Redis, worker_id: str, *, output_ttl_s: float, chunks: Sequ
     rows["inboxes"] = [[plan.key(inbox), parts] for inbox, parts in boxes.items()]
     if requeued:
         rows["any"] = plan.key(keys.REQ_ANY)
-    rows["requeued"] = [[plan.owner(ack, always=True), request.model_dump_json()] for request, ack in requeued]
-    rows["acks"] = [[plan.owner(ack, always=True)] for ack in acks]
+    rows["requeued"] = [[plan.owner(ack), request.model_dump_json()] for request, ack in requeued]
+    rows["acks"] = [[plan.owner(ack)] for ack in acks]
     for ack in held:
         plan.owner(ack)
     if status is not None:

@@ -147,7 +147,8 @@ def test_while_the_status_is_its_runs_a_flush_checks_no_chunk_owner(r):
     assert checks == 1, "only the first flush (no status of this run yet) checks"
     assert streams.publish(r, W, output_ttl_s=60, chunks=[chunk("run", 5, final=True)], acks=[d.ack],
                            owners={"run": d.ack}, run_id="run-1") == []
-    assert r.info("commandstats")["cmdstat_xpending"]["calls"] - before == 2, "an ack is always checked"
+    assert r.info("commandstats")["cmdstat_xpending"]["calls"] - before == 1, "nor its ack"
+    assert r.xlen(d.stream) == 0
 
 
 def test_after_a_takeover_the_next_status_flush_finds_every_request_lost_even_without_a_chunk(r):
