@@ -202,8 +202,9 @@ def read_cancels(r: redis.Redis, after: str, *, block_ms: int = 1000, count: int
 # ---- worker side: outbox --------------------------------------------------------------------------
 # The worker's writer thread (gpu_worker.serve.outbox): everything it writes goes in one script per flush.
 
-# One flush of the outbox, atomically. ARGV[1] is the plan (JSON; every key it names is an index into KEYS),
-# ARGV[2] the worker id, ARGV[3] its run id:
+# One flush of the outbox, atomically. ARGV[1] is the plan (JSON; every key it names is an index into KEYS,
+# every message body an index into ARGV, so no chunk is JSON inside JSON), ARGV[2] the worker id, ARGV[3] its
+# run id, ARGV[4...] the chunks' and requests' JSON:
 #   fence    the worker's status key: when it holds this run's status (GET, or SET ... GET with `status`), no
 #            other worker can have taken over its entries (a takeover needs the status gone, and the taker
 #            deletes it again after claiming), so chunk writes skip their ownership check
@@ -211,13 +212,13 @@ def read_cancels(r: redis.Redis, after: str, *, block_ms: int = 1000, count: int
 #            other one the worker holds (`held`); deliveries 0 is not checked, else the entry must be pending
 #            on ARGV[2] with exactly that delivery count: checked when the fence failed (then all of them
 #            are, before the status written here re-arms it)
-#   chunks   [owner (0: none), output stream, chunk JSON, expire (0/1)]: XADD, and PEXPIRE by `ttl` when
+#   chunks   [owner (0: none), output stream, chunk, expire (0/1)]: XADD, and PEXPIRE by `ttl` when
 #            `expire` (a stream's first chunk, every EXPIRE_EVERY-th and its last: not one PEXPIRE per token)
-#   inboxes  [inbox, [[owner, chunk JSON]...]]: one XADD per gateway inbox of all its owned chunks (a JSON
+#   inboxes  [inbox, [[owner, chunk]...]]: one XADD per gateway inbox of all its owned chunks (a JSON
 #            array), NOMKSTREAM: a gateway that is gone reads nothing, so nothing is written
-#   requeued [owner, request JSON]: XADD to `any` (the hand-back), then the ack of the owner's entry
+#   requeued [owner, request]: XADD to `any` (the hand-back), then the ack of the owner's entry
 #   acks     [owner]: XACK + XDEL of the owner's entry
-#   status   [JSON, ttl ms, workers set, reservations hash, taken request ids...] or absent; SADD to the
+#   status   [status, ttl ms, workers set, reservations hash, taken request ids...] or absent; SADD to the
 #            workers set only when the fence failed (a first flush, or after the status was lost)
 # Writes under an owner that fails its check are skipped; the reply lists those owners (1-based).
 _FLUSH = LuaScript("""
@@ -226,7 +227,7 @@ local group, field = plan['group'], plan['field']
 local s = plan['status']
 local before
 if s then
-  before = redis.call('SET', KEYS[plan['fence']], s[1], 'PX', s[2], 'GET')
+  before = redis.call('SET', KEYS[plan['fence']], ARGV[s[1]], 'PX', s[2], 'GET')
 else
   before = redis.call('GET', KEYS[plan['fence']])
 end
@@ -247,14 +248,14 @@ local function ack(o)
 end
 for _, c in ipairs(plan['chunks']) do
   if c[1] == 0 or owned[c[1]] then
-    redis.call('XADD', KEYS[c[2]], '*', field, c[3])
+    redis.call('XADD', KEYS[c[2]], '*', field, ARGV[c[3]])
     if c[4] == 1 then redis.call('PEXPIRE', KEYS[c[2]], plan['ttl']) end
   end
 end
 for _, box in ipairs(plan['inboxes']) do
   local parts = {}
   for _, c in ipairs(box[2]) do
-    if c[1] == 0 or owned[c[1]] then parts[#parts + 1] = c[2] end
+    if c[1] == 0 or owned[c[1]] then parts[#parts + 1] = ARGV[c[2]] end
   end
   if #parts > 0 then
     redis.call('XADD', KEYS[box[1]], 'NOMKSTREAM', '*', field, '[' .. table.concat(parts, ',') .. ']')
@@ -262,7 +263,7 @@ for _, box in ipairs(plan['inboxes']) do
 end
 for _, q in ipairs(plan['requeued']) do
   if owned[q[1]] then
-    redis.call('XADD', KEYS[plan['any']], '*', field, q[2])
+    redis.call('XADD', KEYS[plan['any']], '*', field, ARGV[q[2]])
     ack(plan['owners'][q[1]])
   end
 end
@@ -327,29 +328,34 @@ def publish(r: redis.Redis, worker_id: str, *, output_ttl_s: float, chunks: Sequ
     lost without a write in this flush is found as well. Returns the owners this
     worker no longer holds: nothing was written under them."""
     owners, reply_to = owners or {}, reply_to or {}
-    plan = _Plan()
+    plan, bodies = _Plan(), [worker_id, run_id]
+
+    def body(text: str) -> int:  # its ARGV index
+        bodies.append(text)
+        return len(bodies) + 1
+
     rows: dict[str, Any] = {"group": keys.GROUP, "field": keys.FIELD, "ttl": int(output_ttl_s * 1000),
                             "fence": plan.key(keys.status(worker_id))}
     rows["chunks"], boxes = [], {}
     for c in chunks:
-        owner, body = plan.owner(owners.get(c.request_id)), c.model_dump_json(exclude_defaults=True)
+        owner, at = plan.owner(owners.get(c.request_id)), body(c.model_dump_json(exclude_defaults=True))
         if (inbox := reply_to.get(c.request_id)) is not None:
-            boxes.setdefault(inbox, []).append([owner, body])
+            boxes.setdefault(inbox, []).append([owner, at])
         else:
-            rows["chunks"].append([owner, plan.key(keys.out_stream(c.request_id)), body,
+            rows["chunks"].append([owner, plan.key(keys.out_stream(c.request_id)), at,
                                    int(c.seq % EXPIRE_EVERY == 0 or c.final)])
     rows["inboxes"] = [[plan.key(inbox), parts] for inbox, parts in boxes.items()]
     if requeued:
         rows["any"] = plan.key(keys.REQ_ANY)
-    rows["requeued"] = [[plan.owner(ack), request.model_dump_json()] for request, ack in requeued]
+    rows["requeued"] = [[plan.owner(ack), body(request.model_dump_json())] for request, ack in requeued]
     rows["acks"] = [[plan.owner(ack)] for ack in acks]
     for ack in held:
         plan.owner(ack)
     if status is not None:
-        rows["status"] = [status.model_dump_json(), int(status_ttl_s * 1000), plan.key(keys.WORKERS),
+        rows["status"] = [body(status.model_dump_json()), int(status_ttl_s * 1000), plan.key(keys.WORKERS),
                           plan.key(keys.reserved(worker_id)), *taken]
     rows["owners"] = plan.owner_rows()
-    refused = run_script(r, _FLUSH, plan.keys, [json.dumps(rows), worker_id, run_id])
+    refused = run_script(r, _FLUSH, plan.keys, [json.dumps(rows), *bodies])
     return [plan.owners[i - 1] for i in refused or []]
 
 
