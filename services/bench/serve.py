@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import math
@@ -40,6 +41,7 @@ from services.bench.load_gen import Endpoint, RequestResult, run_load, send_one,
 from services.bench.peers import DEFAULT_VLLM_VENV
 from services.bench.serve_endpoints import Server, ServerFailed, start_kvfleet, start_vllm, stop, wait_ready
 from services.bench.serve_fleet import SETTLE_S, FleetWatch
+from services.bench.serve_redis import RedisWatch
 from services.bench.serve_report import format_table, ratios, summarize_run, write_plots
 from services.bench.stats import SLO, saturated
 from services.bench.workload import BenchRequest, Workload
@@ -80,6 +82,8 @@ def add_arguments(sub: Any) -> None:
     a("--routing", choices=POLICIES, help="routing policy of that fleet (default: the gateway's, free_blocks)")
     a("--fleet-arg", action="append", default=[], metavar="ARG",
       help="an extra `kvfleet up` argument for that fleet (repeatable), e.g. --fleet-arg=--max-num-seqs=64")
+    a("--redis-stats", metavar="REDIS_URL", help="also report what this Redis did per generated token (commands, "
+      "bytes, CPU; from INFO before and after each run): give the fleet's Redis, with --url")
     a("--peer", choices=["vllm"], help="also run the identical load against vLLM's OpenAI server, started here")
     a("--vllm-venv", type=Path, default=DEFAULT_VLLM_VENV, help="venv of vLLM's CPU build (../shared/peers; default %(default)s)")
     a("--threads", type=int, help="vLLM's cores (VLLM_CPU_OMP_THREADS_BIND; default: all)")
@@ -140,13 +144,18 @@ async def _measure(ep: Endpoint, requests: list[BenchRequest], rate: float, args
         if failed:
             bar.set_postfix(failed=failed)
 
+    redis = RedisWatch(args.redis_stats) if args.redis_stats else contextlib.nullcontext()
     try:
-        async with FleetWatch(ep) as watch:
-            run = await run_load(ep, requests, rate=rate, concurrency=args.concurrency, seed=args.seed,
-                                 timeout_s=args.timeout, on_done=done)
+        with redis:
+            async with FleetWatch(ep) as watch:
+                run = await run_load(ep, requests, rate=rate, concurrency=args.concurrency, seed=args.seed,
+                                     timeout_s=args.timeout, on_done=done)
     finally:
         bar.close()
-    return summarize_run(run, rate=rate, concurrency=args.concurrency, slo=slo, fleet=watch.report())
+    summary = summarize_run(run, rate=rate, concurrency=args.concurrency, slo=slo, fleet=watch.report())
+    if isinstance(redis, RedisWatch):
+        summary["redis"] = redis.report(summary["output_tokens"])
+    return summary
 
 
 async def _warm_up(ep: Endpoint, req: BenchRequest, timeout_s: float) -> None:

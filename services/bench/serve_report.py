@@ -11,6 +11,7 @@ from typing import Any
 from services.bench.cpu import describe
 from services.bench.load_gen import LoadRun
 from services.bench.plots import CdfChart, LineChart, Series, write_html
+from services.bench.serve_redis import describe as describe_redis
 from services.bench.stats import SLO, Summary, goodput
 
 LABELS = {"kvfleet": "kvfleet", "vllm": "vLLM"}
@@ -111,6 +112,8 @@ def format_table(report: dict[str, Any]) -> str:
                                 for w, v in f["workers"].items())
                 lines.append(f"  {LABELS.get(k, k)} fleet: {per}; peak queue lag {f['max_queue_lag']}, peak waiting "
                              f"{f['max_waiting']}")
+            if r and r.get("redis"):
+                lines.append(f"  {LABELS.get(k, k)} Redis: {describe_redis(r['redis'])}")
     if report.get("plot"):
         lines += ["", f"plots: {report['plot']}"]
     return "\n".join(lines)

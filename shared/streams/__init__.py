@@ -14,7 +14,7 @@ redis (tests/unit/test_layering.py keeps it so). Callers use the names below (`s
 Key names come from shared.keys; messages are shared.messages' pydantic models, as JSON in one field.
 """
 
-from shared.streams.admin import kill_clients, used_memory  # noqa: F401
+from shared.streams.admin import kill_clients, used_memory, work_counters  # noqa: F401
 from shared.streams.client import (  # noqa: F401
     CONNECTION_ERRORS,
     Client,

@@ -34,7 +34,7 @@ def test_bench_serve_report_adds_up(fleet, tmp_path):
     out = tmp_path / "report.json"
     cmd = [sys.executable, "-m", "services.cli", "bench", "serve", "--url", fleet.url(), "--api-key", API_KEY,
            "--model", fleet.model, "--workload", str(workload), "--concurrency", "4", "--request-rate", "50",
-           "--slo", "ttft=60,tpot=60", "--json", str(out), "--no-progress"]
+           "--slo", "ttft=60,tpot=60", "--json", str(out), "--no-progress", "--redis-stats", fleet.redis.url]
     proc = subprocess.run(cmd, cwd=REPO, env=fleet.env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr + fleet.tail()
     assert "TTFT p99 ms" in proc.stdout and "CPU:" in proc.stdout
@@ -59,6 +59,13 @@ def test_bench_serve_report_adds_up(fleet, tmp_path):
     assert len(run["ttft_samples_s"]) == REQUESTS
     # each request streams its tokens: at least one inter-token gap each (a chunk may carry several tokens)
     assert REQUESTS <= run["itl_s"]["count"] <= REQUESTS * (OUTPUT_LEN - 1)
+    redis = run["redis"]  # what the fleet's Redis did per output token (--redis-stats)
+    names = redis["commands_by_name_per_token"]
+    assert redis["commands_per_token"] >= sum(names.values()) > 0 and redis["bytes_per_token"] > 0
+    assert redis["cpu_us_per_token"] > 0 and redis["usec_sum_per_token"] > 0
+    assert "evalsha" in names and "xread" in names
+    assert names.get("xpending", 0) < 0.2, "ownership is checked per flush only while the fence is down"
+    assert "Redis:" in proc.stdout and "commands" in proc.stdout
     fleet_part = run["fleet"]
     assert fleet_part["workers"]["w0"]["requests"] == REQUESTS
     assert fleet_part["max_queue_lag"] >= 0 and fleet_part["dead_letters"] == 0
