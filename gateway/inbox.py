@@ -31,6 +31,7 @@ log = logging.getLogger("kvfleet.gateway")
 
 KEEP_EVERY_S = 1.0  # trim and push the expiry out this often
 TICK_S = 1.0  # a waiting relay checks its lease, its deadline and Redis's absence this often
+SILENCE_CHECK_S = 10.0  # ... and after this long without a chunk, that its request entry is still there
 
 
 def gateway_id() -> str:
@@ -104,23 +105,27 @@ class Inbox:
         self.boxes.pop(request_id, None)
 
     async def chunks(self, request_id: str, *, timeout_s: float, grace_s: float,
-                     lost: Callable[[], bool] | None = None, after_seq: int = -1) -> AsyncIterator[OutputChunk]:
+                     lost: Callable[[], bool] | None = None, after_seq: int = -1,
+                     entry: tuple[str, str] | None = None) -> AsyncIterator[OutputChunk]:
         """The request's chunks in order, each once, after chunk `after_seq` (those a request placed again
         had relayed already, and were restored for its worker) until its final one. OutputTimeout when none comes for
         timeout_s, RedisAway when the inbox could not be read for grace_s, OutputLost when `lost()` (its lease
-        vanished) or a chunk number was skipped (Redis lost chunks), WorkerLost when its worker died."""
+        vanished) or a chunk number was skipped (Redis lost chunks), or when after SILENCE_CHECK_S without a
+        chunk its request `entry` (stream, id) is gone, acked, with no final chunk here (one dropped on its way),
+        WorkerLost when its worker died."""
         box = self.boxes.get(request_id)
         if box is None:
             raise RuntimeError(f"no mailbox open for request {request_id}")
         box.dedup.last_seq = max(box.dedup.last_seq, after_seq)
         deadline = time.monotonic() + timeout_s
+        next_check = time.monotonic() + SILENCE_CHECK_S
         while True:
             while box.items:
                 chunk = box.items.popleft()
                 if chunk.error is not None and chunk.error.kind == "worker_lost":
                     raise WorkerLost(chunk.error.message)
                 if box.dedup.accept_next(chunk):
-                    deadline = time.monotonic() + timeout_s
+                    deadline, next_check = time.monotonic() + timeout_s, time.monotonic() + SILENCE_CHECK_S
                     yield chunk
                     if chunk.final:
                         return
@@ -134,7 +139,21 @@ class Inbox:
                                         "Redis is back")
             if now >= deadline:
                 raise streams.OutputTimeout(f"no output for request {request_id} in {timeout_s:g}s")
+            if entry is not None and now >= next_check and self.down_since is None:
+                next_check = now + SILENCE_CHECK_S
+                if not await self._entry_alive(entry) and not box.items:
+                    await box.wait(TICK_S)  # its last chunks may be on their way
+                    if not box.items:
+                        raise streams.OutputLost(f"request {request_id} was acked, but its final chunk never came "
+                                                 "(written while this gateway's inbox was missing?)")
+                continue
             await box.wait(min(TICK_S, deadline - now))
+
+    async def _entry_alive(self, entry: tuple[str, str]) -> bool:
+        try:
+            return await streams.aentry_exists(self.r, *entry)
+        except streams.RedisError:
+            return True  # unknown: the outage is handled on its own
 
     async def ensure(self) -> None:
         """Trim what was read, push the expiry out, and create the inbox again if Redis lost it (before a

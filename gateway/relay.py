@@ -106,10 +106,10 @@ async def relay(state: GatewayState, sub: Submitted, disconnected: Any = None) -
 def _chunks(state: GatewayState, sub: Submitted, after_seq: int) -> AsyncIterator[OutputChunk]:
     settings, where, leases = state.settings, sub.placement, state.leases
     lost = (lambda: leases.is_lost(sub.request_id)) if leases is not None else None
+    entry = (keys.req_stream(where.worker_id) if where.worker_id else keys.REQ_ANY, where.entry_id)
     if state.inbox is not None:
         return state.inbox.chunks(sub.request_id, timeout_s=settings.request_timeout_s,
-                                  grace_s=settings.redis_grace_s, lost=lost, after_seq=after_seq)
-    entry = (keys.req_stream(where.worker_id) if where.worker_id else keys.REQ_ANY, where.entry_id)
+                                  grace_s=settings.redis_grace_s, lost=lost, after_seq=after_seq, entry=entry)
     return streams.aiter_output(state.redis, sub.request_id, timeout_s=settings.request_timeout_s,
                                 expire_after_s=settings.output_ttl_after_read_s, grace_s=settings.redis_grace_s,
                                 entry=entry, after_seq=after_seq, lost=lost,

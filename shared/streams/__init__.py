@@ -54,6 +54,7 @@ from shared.streams.output import (  # noqa: F401
     acreate_inbox,
     add_chunk_commands,
     adelete_inbox,
+    aentry_exists,
     aiter_output,
     akeep_inbox,
     aoutput_exists,

@@ -234,6 +234,11 @@ def output_exists(r: redis.Redis, request_id: str) -> bool:
     return bool(r.exists(keys.out_stream(request_id)))
 
 
+async def aentry_exists(r: aioredis.Redis, stream: str, entry_id: str) -> bool:
+    """The request-stream entry is still there (queued, or pending on a worker): not acked yet."""
+    return bool(await r.xrange(stream, entry_id, entry_id))
+
+
 async def aoutput_exists(r: aioredis.Redis, request_id: str) -> bool:
     return bool(await r.exists(keys.out_stream(request_id)))
 

@@ -170,3 +170,31 @@ def test_a_later_run_under_the_same_id_fences_the_earlier_one(r):
     streams.publish(r, W, output_ttl_s=60, status=status("run-2"), status_ttl_s=5, run_id="run-2")
     assert streams.publish(r, W, output_ttl_s=60, chunks=[chunk("old-run", 0)], owners={"old-run": d.ack},
                            run_id="run-1") == [d.ack]
+
+
+def test_a_relay_whose_entry_was_acked_without_its_final_chunk_is_lost(r, redis_url, monkeypatch):
+    """A final chunk dropped on its way (written while the inbox was missing), its entry acked: after
+    SILENCE_CHECK_S without a chunk the relay finds the entry gone and ends with OutputLost (placed again);
+    while the entry is there it waits."""
+    import gateway.inbox as inbox_module
+
+    monkeypatch.setattr(inbox_module, "SILENCE_CHECK_S", 0.3)
+    monkeypatch.setattr(inbox_module, "TICK_S", 0.1)
+
+    async def main():
+        ar = streams.connect_async(redis_url)
+        inbox = Inbox(ar, "gw", ttl_s=60, block_ms=100)
+        await inbox.start()
+        d = taken(r, "dropped")
+        inbox.open("dropped")
+        streams.publish(r, W, output_ttl_s=60, chunks=[chunk("dropped", 0)], reply_to={"dropped": inbox.key})
+        relay = asyncio.ensure_future(collect(inbox, "dropped", timeout_s=30, entry=(d.stream, d.entry_id)))
+        await asyncio.sleep(1.0)
+        assert not relay.done(), "the entry is there: it waits"
+        streams.ack_and_delete(r, d.ack)
+        with pytest.raises(streams.OutputLost, match="final chunk never came"):
+            await asyncio.wait_for(relay, 5)
+        await inbox.close()
+        await ar.aclose()
+
+    run(main())
