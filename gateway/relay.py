@@ -52,6 +52,7 @@ async def relay(state: GatewayState, sub: Submitted, disconnected: Any = None) -
     observer = RelayObserver(state.metrics, sub)
     leases = state.leases
     redis_lost = worker_lost = 0
+    restored: list[str] = []  # the output streams it wrote relayed chunks into, placing it again
     try:
         while True:
             try:
@@ -81,6 +82,8 @@ async def relay(state: GatewayState, sub: Submitted, disconnected: Any = None) -
                                    type="server_error", code="dead_letter") from None
                 log.warning("request %s: %s; placing it again", sub.request_id, e)
             sub = await _place_again(state, sub, relayed, redis_lost + worker_lost)
+            if relayed:
+                restored.append(keys.out_stream(sub.request_id))
     except streams.OutputTimeout:
         raise APIError(504, f"no output within {settings.request_timeout_s:g}s; the request was cancelled",
                        code="timeout") from None
@@ -95,9 +98,9 @@ async def relay(state: GatewayState, sub: Submitted, disconnected: Any = None) -
                        headers={"Retry-After": str(settings.retry_after_s)}) from None
     finally:
         state.let_go(sub.request_id)
-        if leases is not None and relayed and (redis_lost or worker_lost):  # the restored streams: not needed now
-            for n in range(1, redis_lost + worker_lost + 1):
-                leases.expire_later(keys.out_stream(f"{sub.request_id.split('~')[0]}~{n}"))
+        if leases is not None:  # the restored streams: not needed now
+            for stream in restored:
+                leases.expire_later(stream)
         if not finished:
             log.info("cancelling %s (client gone or timed out)", sub.request_id)
             state.spawn(_cancel(state, sub.request_id))

@@ -191,7 +191,8 @@ class Intake:
             return
         block_ms = READ_BLOCK_MS  # until the next look at the shared stream, when there is room for its head
         if spare:
-            block_ms = int(min(READ_BLOCK_MS, max(SPARE_READ_BLOCK_MS, 1000 * (self._next_shared_look - time.monotonic()))))
+            until_look_ms = 1000 * (self._next_shared_look - time.monotonic())
+            block_ms = int(min(READ_BLOCK_MS, max(SPARE_READ_BLOCK_MS, until_look_ms)))
         for d in streams.read_requests(self.r, self.worker_id, want, count=8, block_ms=block_ms):
             self._take(d)
 
