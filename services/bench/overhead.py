@@ -7,7 +7,12 @@ requests (1 output token). One run, same model and engine settings on both sides
 
 For each: p50/p90 latency one request at a time, and requests/s with --concurrency requests in flight.
 
-    python -m services.bench.overhead [--model smollm2] [--requests 200] [--concurrency 8]
+With --simulate PROFILE the worker is a simulated one (`kvfleet worker --simulate`: the real worker, its steps
+priced by the profile; a profile whose terms are all 0 makes them free) and the engine row is left out. What is
+left is the queue's and the gateway's own time: "added by the gateway" is the gateway row's p50 less the redis
+row's, the worker and the Redis round trips being the same on both.
+
+    python -m services.bench.overhead [--model smollm2] [--requests 200] [--concurrency 8] [--simulate P]
 """
 
 from __future__ import annotations
@@ -100,9 +105,10 @@ def bench_fleet(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         env = child_env(KVFLEET_REDIS_URL=srv.url)
         cli = [sys.executable, "-m", "services.cli"]
         try:
-            procs.append(subprocess.Popen(cli + ["worker", "--model", args.model, "--worker-id", "bench"]
-                                          + (["--num-kv-blocks", str(args.num_kv_blocks)] if args.num_kv_blocks
-                                             else []), env=env, stdout=subprocess.DEVNULL,
+            worker = cli + ["worker", "--model", args.model, "--worker-id", "bench"]
+            worker += ["--simulate", args.simulate] if args.simulate else []
+            worker += ["--num-kv-blocks", str(args.num_kv_blocks)] if args.num_kv_blocks and not args.simulate else []
+            procs.append(subprocess.Popen(worker, env=env, stdout=subprocess.DEVNULL,
                                           stderr=subprocess.DEVNULL))
             procs.append(subprocess.Popen(cli + ["gateway", "--port", str(port), "--model", args.model,
                                                  "--log-level", "warning"], env=env, stdout=subprocess.DEVNULL,
@@ -138,8 +144,18 @@ def bench_fleet(args: argparse.Namespace) -> dict[str, dict[str, float]]:
                     "model": args.model, "prompt": prompts[i % len(prompts)], "max_tokens": 1, "temperature": 0})
                 assert resp.status_code == 200, resp.text
 
+            def via_gateway_sse(i: int) -> None:
+                if not hasattr(local, "client"):
+                    local.client = httpx.Client(base_url=base, timeout=60)
+                with local.client.stream("POST", "/v1/completions", json={
+                        "model": args.model, "prompt": prompts[i % len(prompts)], "max_tokens": 1,
+                        "temperature": 0, "stream": True}) as resp:
+                    assert resp.status_code == 200, resp.read()
+                    assert list(resp.iter_lines())[-2] == "data: [DONE]"
+
             return {"redis": _measure(via_redis, args.requests, args.concurrency),
-                    "gateway": _measure(via_gateway, args.requests, args.concurrency)}
+                    "gateway": _measure(via_gateway, args.requests, args.concurrency),
+                    "gateway_sse": _measure(via_gateway_sse, args.requests, args.concurrency)}
         finally:
             for p in procs:
                 if p.poll() is None:
@@ -157,19 +173,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--requests", type=int, default=200, help="requests per measurement")
     p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--num-kv-blocks", type=int, default=512)
+    p.add_argument("--num-kv-blocks", type=int, default=512, help="the real worker's KV blocks")
+    p.add_argument("--simulate", metavar="PROFILE",
+                   help="a simulated worker with this cost profile (a name or a .json); no engine row")
     args = p.parse_args(argv)
-    engine = bench_engine(args)
-    fleet = bench_fleet(args)
-    rows = {"engine": engine, **fleet}
-    print(f"\n1-output-token requests, model {args.model}, {args.requests} per measurement, "
-          f"concurrency {args.concurrency}")
-    print(f"{'path':<10} {'p50 ms':>8} {'p90 ms':>8} {'req/s':>8} {'added p50 ms':>13}")
-    for name, s in rows.items():
-        added = s["p50_ms"] - engine["p50_ms"]
-        print(f"{name:<10} {s['p50_ms']:>8.2f} {s['p90_ms']:>8.2f} {s['req_per_s']:>8.1f} {added:>13.2f}")
+    from services.bench.cpu import cpu_info, describe
+
+    cpu = cpu_info()
+    rows = {} if args.simulate else {"engine": bench_engine(args)}
+    rows |= bench_fleet(args)
+    base = rows["engine" if "engine" in rows else "redis"]
+    worker = f"simulated worker ({args.simulate})" if args.simulate else "real worker"
+    print(f"\n1-output-token requests, model {args.model}, {worker}, {args.requests} per measurement, "
+          f"concurrency {args.concurrency}; {describe(cpu)}")
+    print(f"{'path':<12} {'p50 ms':>8} {'p90 ms':>8} {'req/s':>8} {'added p50 ms':>13}")
+    for name, row in rows.items():
+        added = row["p50_ms"] - base["p50_ms"]
+        print(f"{name:<12} {row['p50_ms']:>8.2f} {row['p90_ms']:>8.2f} {row['req_per_s']:>8.1f} {added:>13.2f}")
+    print(f"(added: over the {'engine' if 'engine' in rows else 'redis'} row's p50)")
     print("RESULT " + json.dumps({"model": args.model, "requests": args.requests, "concurrency": args.concurrency,
-                                  **rows}))
+                                  "simulate": args.simulate, "cpu": cpu, **rows}))
     return 0
 
 
