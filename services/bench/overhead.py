@@ -170,9 +170,9 @@ def bench_fleet(args: argparse.Namespace) -> dict[str, dict[str, float]]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2")
+    p.add_argument("--model", default="smollm2", help="model alias or directory (default smollm2)")
     p.add_argument("--requests", type=int, default=200, help="requests per measurement")
-    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--concurrency", type=int, default=8, help="requests in flight for the req/s column")
     p.add_argument("--num-kv-blocks", type=int, default=512, help="the real worker's KV blocks")
     p.add_argument("--simulate", metavar="PROFILE",
                    help="a simulated worker with this cost profile (a name or a .json); no engine row")
