@@ -40,6 +40,8 @@ def execute(run: Callable[[SchedulerOutput], torch.Tensor], sched: SchedulerOutp
     Logits are None when no sampling sequence ran."""
     try:
         return run(sched), {}
+    except EngineFault:  # the runner says it is broken (a tensor-parallel rank died): no request is to blame
+        raise
     except Exception as e:  # noqa: BLE001 (any failure: find whom it belongs to)
         if len(sched.seqs) < 2:
             if not sched.seqs:

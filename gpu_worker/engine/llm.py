@@ -23,13 +23,13 @@ class LLM:
                  num_kv_blocks: int | None = None, kv_cache_memory: str | int | None = None,
                  max_num_seqs: int = 128, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, scheduling_policy: str | SchedulingPolicy = "fcfs",
-                 seed: int = 0, **engine_kwargs: Any):
+                 seed: int = 0, tensor_parallel_size: int = 1, **engine_kwargs: Any):
         self.engine = LLMEngine.from_model(
             model, dtype=dtype, device=device, block_size=block_size, num_kv_blocks=num_kv_blocks,
             kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy, seed=seed,
-            **engine_kwargs)
+            tensor_parallel_size=tensor_parallel_size, **engine_kwargs)
         self._counter = itertools.count()
 
     def get_tokenizer(self):

@@ -96,17 +96,28 @@ class LLMEngine:
                    num_kv_blocks: int | None = None, kv_cache_memory: str | int | None = None,
                    max_num_seqs: int = 128, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                    enable_prefix_caching: bool = True, scheduling_policy: str | SchedulingPolicy = "fcfs",
-                   seed: int = 0, log_memory_usage_s: float = 0.0, use_triton: bool | None = None) -> LLMEngine:
+                   seed: int = 0, log_memory_usage_s: float = 0.0, use_triton: bool | None = None,
+                   tensor_parallel_size: int = 1) -> LLMEngine:
+        """tensor_parallel_size N > 1: this process is rank 0 of N (gpu_worker.executor.tp_runner), the weights
+        and KV heads split over N devices (GPUs) or N shares of this process's CPUs."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}")
         files = load_model_files(model)
         max_model_len = checked_max_model_len(files.config, max_model_len)
         sched_cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                     max_model_len=max_model_len, policy=scheduling_policy,
                                     log_memory_usage_s=log_memory_usage_s)
-        runner = ModelRunner(files, dtype=DTYPES[dtype], device=torch.device(device), max_model_len=max_model_len,
-                             block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
-                             max_num_seqs=max_num_seqs, use_triton=use_triton)
+        runner_kwargs = dict(dtype=DTYPES[dtype], max_model_len=max_model_len, block_size=block_size,
+                             num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
+                             use_triton=use_triton)
+        if tensor_parallel_size > 1:
+            from gpu_worker.executor.tp_runner import TensorParallelRunner
+
+            runner = TensorParallelRunner.start(model, tensor_parallel_size, device=device, **runner_kwargs)
+        else:
+            runner = ModelRunner(files, device=torch.device(device), **runner_kwargs)
         cache_cfg = CacheConfig(block_size=block_size, num_blocks=runner.num_blocks,
                                 enable_prefix_caching=enable_prefix_caching)
         return cls(runner, files.tokenizer, model_name=str(model), scheduler_config=sched_cfg,
@@ -191,6 +202,10 @@ class LLMEngine:
         for s in group.seqs:
             self.scheduler.abort_request(s.request.request_id)
             self._seq_owner.pop(s.request.request_id, None)
+
+    def fault(self) -> str | None:
+        """Why the engine cannot go on although no step failed yet (a tensor-parallel rank died), or None."""
+        return self.runner.fault()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)

@@ -6,6 +6,11 @@ On CPU with N > 1 torch threads, the step's sequences are split into N groups (b
 concurrent forwards, one thread each, with single-threaded ops (see batch_split for why), except for steps
 of few tokens when the matmuls split their columns across threads (LinearPlan.splits_columns):
 those run as one forward on all threads.
+
+Under tensor parallelism (`tp`) every rank owns one of these over its shard of the model and of the KV heads;
+rank 0's is driven by tp_runner, which sends each step to the others first. Each rank then runs one forward
+per step (its collectives must come in the same order on every rank), and the block count is the smallest
+any rank can hold, so the block tables mean the same everywhere.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from gpu_worker.executor.model_loader import ModelFiles
 from gpu_worker.executor.models.llama import LlamaForCausalLM
 from gpu_worker.executor.ops import AttentionMetadata
 from gpu_worker.executor.ops.cpu import linear as cpu_linear
+from gpu_worker.executor.tp_group import TPGroup
 
 log = logging.getLogger(__name__)
 
@@ -80,10 +86,11 @@ def choose_num_blocks(shape: KVCacheShape, device: torch.device, *, num_kv_block
 class ModelRunner:
     def __init__(self, files: ModelFiles, *, dtype: torch.dtype, device: torch.device, max_model_len: int,
                  block_size: int, num_kv_blocks: int | None = None, kv_cache_memory: str | int | None = None,
-                 max_num_seqs: int = 128, use_triton: bool | None = None):
+                 max_num_seqs: int = 128, use_triton: bool | None = None, tp: TPGroup | None = None):
         self.device, self.dtype, self.block_size = device, dtype, block_size
+        self.tp = tp or TPGroup(rank=0, size=1)
         self.model = LlamaForCausalLM(files.config, max_positions=max_model_len, dtype=dtype, device=device,
-                                      use_triton=use_triton)
+                                      use_triton=use_triton, tp=self.tp)
         self.model.load_weights(files.weights())
         self.model.eval()
         # CPU: which matmul path for how many rows, measured on one layer's weight; the weights are packed
@@ -95,7 +102,9 @@ class ModelRunner:
         self.num_blocks = choose_num_blocks(shape, device, num_kv_blocks=num_kv_blocks,
                                             kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                                             max_model_len=max_model_len)
-        log.info("KV cache: %d blocks of %d tokens (%.1f MiB, %d tokens)", self.num_blocks, block_size,
+        self.num_blocks = self.tp.min_int(self.num_blocks)
+        log.info("KV cache%s: %d blocks of %d tokens (%.1f MiB, %d tokens)",
+                 f" of rank {self.tp.rank}/{self.tp.size}" if self.tp.size > 1 else "", self.num_blocks, block_size,
                  self.num_blocks * shape.bytes_per_block / 2**20, self.num_blocks * block_size)
         cache_shape = (self.num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
         # kv_caches[layer] = (key_cache, value_cache): [num_blocks, block_size, Hkv, D] each. Left
@@ -108,7 +117,8 @@ class ModelRunner:
         self._zero_fresh_blocks = not (reads_only_written and reads_only_written(dtype))
         # CPU: one worker per torch thread, each running its group of sequences with single-threaded ops
         # (not with Triton on CPU: the Triton interpreter is not thread-safe)
-        self.num_parts = torch.get_num_threads() if device.type == "cpu" and not use_triton else 1
+        self.num_parts = (torch.get_num_threads() if device.type == "cpu" and not use_triton and self.tp.size == 1
+                          else 1)
         self._pool = (ThreadPoolExecutor(self.num_parts, thread_name_prefix="kvfleet-forward",
                                          initializer=torch.set_num_threads, initargs=(1,))
                       if self.num_parts > 1 else None)
@@ -116,6 +126,10 @@ class ModelRunner:
     @property
     def vocab_size(self) -> int:
         return self.model.arch.vocab_size
+
+    def fault(self) -> str | None:
+        """Why this runner cannot go on (a tensor-parallel runner's dead rank); a single process: never."""
+        return None
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block src -> block dst in every layer.

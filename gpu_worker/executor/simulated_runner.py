@@ -46,6 +46,9 @@ class SimulatedRunner:
         self.last_step_s = 0.0  # what the profile gave the last step
         self.last_sleep_s = 0.0  # how long it slept for it
 
+    def fault(self) -> str | None:
+        return None
+
     def token(self, request_id: str, position: int) -> int:
         """The token the simulated model emits at `position` (0-based, prompt included) of a sequence."""
         return sim_token(self.seed, request_id, position, self.token_range, self.avoid)

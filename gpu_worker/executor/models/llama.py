@@ -2,6 +2,10 @@
 Qwen3 (q/k RMSNorm). Fused qkv and gate|up weights; attention reads and writes the paged KV cache.
 
 One forward per engine step over the batch's tokens flattened: [T] ids, [T] positions.
+
+Under tensor parallelism (`tp`, see tp_group) each rank builds this model with its share of the heads, the MLP
+and the vocabulary; the o and down projections end with an all-reduce, the embedding is vocab-parallel (an
+all-reduce too) and the logits are gathered.
 """
 
 from __future__ import annotations
@@ -15,6 +19,9 @@ from torch import nn
 
 from gpu_worker.executor.ops import AttentionMetadata, Ops, select_ops
 from gpu_worker.executor.ops.cpu import linear as cpu_linear
+from gpu_worker.executor.tp_group import TPGroup, check_divisible, first_kv_head, local_kv_heads, vocab_shard
+
+SINGLE = TPGroup(rank=0, size=1)
 
 
 def rope_cos_sin_cache(config, head_dim: int, max_positions: int) -> torch.Tensor:
@@ -39,9 +46,10 @@ def rope_cos_sin_cache(config, head_dim: int, max_positions: int) -> torch.Tenso
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: types.SimpleNamespace, ops: Ops):
+    def __init__(self, cfg: types.SimpleNamespace, ops: Ops, tp: TPGroup = SINGLE):
         super().__init__()
-        self.cfg, self.ops = cfg, ops
+        self.cfg, self.ops, self.tp = cfg, ops, tp
+        row_bias = tp.is_first  # a row-parallel projection's bias is added once, before the all-reduce
         h, d, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         self.q_size, self.kv_size = hq * d, hkv * d
         self.input_norm = nn.Parameter(torch.empty(h), requires_grad=False)
@@ -50,14 +58,14 @@ class DecoderLayer(nn.Module):
         self.qkv_bias = (nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size), requires_grad=False)
                          if cfg.qkv_bias else None)
         self.o_weight = nn.Parameter(torch.empty(h, hq * d), requires_grad=False)
-        self.o_bias = nn.Parameter(torch.empty(h), requires_grad=False) if cfg.o_bias else None
+        self.o_bias = nn.Parameter(torch.empty(h), requires_grad=False) if cfg.o_bias and row_bias else None
         self.q_norm = nn.Parameter(torch.empty(d), requires_grad=False) if cfg.qk_norm else None
         self.k_norm = nn.Parameter(torch.empty(d), requires_grad=False) if cfg.qk_norm else None
         self.gate_up_weight = nn.Parameter(torch.empty(2 * cfg.intermediate_size, h), requires_grad=False)
         self.down_weight = nn.Parameter(torch.empty(h, cfg.intermediate_size), requires_grad=False)
         self.gate_up_bias = (nn.Parameter(torch.empty(2 * cfg.intermediate_size), requires_grad=False)
                              if cfg.mlp_bias else None)
-        self.down_bias = nn.Parameter(torch.empty(h), requires_grad=False) if cfg.mlp_bias else None
+        self.down_bias = nn.Parameter(torch.empty(h), requires_grad=False) if cfg.mlp_bias and row_bias else None
         self.packed: dict[str, cpu_linear.PackedWeight] = {}  # name -> packed <name>_weight, after loading
 
     def pack_weights(self, plan: cpu_linear.LinearPlan) -> None:
@@ -91,22 +99,27 @@ class DecoderLayer(nn.Module):
         attn = ops.paged_attention(q.view(num_tokens, cfg.num_heads, cfg.head_dim), key_cache, value_cache,
                                    meta.block_tables, meta.query_start_loc, meta.context_lens, cfg.scale)
         hidden = cpu_linear.linear(attn.view(num_tokens, -1), self.o_weight, self.o_bias, packed.get("o"))  # [T, H]
+        hidden = self.tp.all_reduce(hidden)
         hidden, residual = ops.rms_norm(hidden, self.post_attn_norm, cfg.eps, residual)
         gate_up = cpu_linear.linear(hidden, self.gate_up_weight, self.gate_up_bias, packed.get("gate_up"))  # [T, 2 I]
         hidden = cpu_linear.linear(ops.silu_and_mul(gate_up), self.down_weight, self.down_bias,
                                   packed.get("down"))  # [T, H]
-        return hidden, residual
+        return self.tp.all_reduce(hidden), residual
 
 
-def _arch(config) -> types.SimpleNamespace:
-    """The few numbers the decoder needs, from any supported transformers config."""
+def _arch(config, tp: TPGroup = SINGLE) -> types.SimpleNamespace:
+    """The few numbers the decoder needs, from any supported transformers config; heads, KV heads and the MLP
+    size are this rank's (all of them without tensor parallelism)."""
     heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     model_type = config.model_type
+    check_divisible(num_heads=heads, num_kv_heads=kv_heads, intermediate_size=config.intermediate_size,
+                    size=tp.size)
     return types.SimpleNamespace(
-        hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-        num_layers=config.num_hidden_layers, num_heads=heads,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim,
+        hidden_size=config.hidden_size, intermediate_size=config.intermediate_size // tp.size,
+        num_layers=config.num_hidden_layers, num_heads=heads // tp.size, total_kv_heads=kv_heads,
+        num_kv_heads=local_kv_heads(kv_heads, tp.size), head_dim=head_dim,
         eps=config.rms_norm_eps, scale=head_dim**-0.5, vocab_size=config.vocab_size,
         qkv_bias=model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
         o_bias=model_type != "qwen2" and bool(getattr(config, "attention_bias", False)),
@@ -117,16 +130,17 @@ def _arch(config) -> types.SimpleNamespace:
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config, *, max_positions: int, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu", use_triton: bool | None = None):
+                 device: str | torch.device = "cpu", use_triton: bool | None = None, tp: TPGroup = SINGLE):
         super().__init__()
-        self.config = config
-        self.arch = cfg = _arch(config)
+        self.config, self.tp = config, tp
+        self.arch = cfg = _arch(config, tp)
         self.ops = select_ops(torch.device(device), use_triton)
-        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.ops) for _ in range(cfg.num_layers))
+        self.vocab_first, _, shard = vocab_shard(cfg.vocab_size, tp.rank, tp.size)  # this rank's vocabulary rows
+        self.embed = nn.Parameter(torch.empty(shard, cfg.hidden_size), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.ops, tp) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.empty(cfg.hidden_size), requires_grad=False)
         self.lm_head = (None if cfg.tie_word_embeddings
-                        else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False))
+                        else nn.Parameter(torch.empty(shard, cfg.hidden_size), requires_grad=False))
         self.to(device=device, dtype=dtype)
         cos_sin = rope_cos_sin_cache(config, cfg.head_dim, max_positions)
         self.register_buffer("cos_sin_cache", cos_sin.to(device=device, dtype=dtype), persistent=False)
@@ -135,17 +149,28 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, H] (normed)."""
-        hidden = F.embedding(input_ids, self.embed)  # [T, H]
+        hidden = self._embed(input_ids)  # [T, H]
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta, self.cos_sin_cache)
         hidden, _ = self.ops.rms_norm(hidden, self.norm, self.arch.eps, residual)
         return hidden
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] ids -> [T, H]; vocab-parallel: each rank looks up the ids in its shard, zeros the rest, and the
+        ranks' rows are summed."""
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.embed)
+        local = input_ids - self.vocab_first
+        outside = (local < 0) | (local >= self.embed.shape[0])
+        hidden = F.embedding(local.masked_fill(outside, 0), self.embed)
+        return self.tp.all_reduce(hidden.masked_fill_(outside.unsqueeze(-1), 0))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> float32 logits [N, V]."""
+        """hidden [N, H] -> float32 logits [N, V] (under tensor parallelism: on every rank, gathered)."""
         weight = self.embed if self.lm_head is None else self.lm_head
-        return cpu_linear.linear(hidden, weight, None, self.lm_head_packed).float()
+        logits = cpu_linear.linear(hidden, weight, None, self.lm_head_packed)  # [N, V / tp]
+        return self.tp.gather_vocab(logits, self.arch.vocab_size).float()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -166,7 +191,13 @@ class LlamaForCausalLM(nn.Module):
                     continue
                 raise ValueError(f"unexpected weight {name!r} for a {self.config.model_type} model")
             param_name, start, size = target
+            if param_name not in expected and name.endswith(("o_proj.bias", "down_proj.bias")):
+                continue  # a row-parallel bias: rank 0 adds it
+            tensor = self._local(name, tensor)
             param = self.get_parameter(param_name)
+            if param_name in ("embed", "lm_head"):  # this rank's vocabulary rows; a padded shard's rest is zero
+                param.narrow(0, tensor.shape[0], param.shape[0] - tensor.shape[0]).zero_()
+                start, size = 0, tensor.shape[0]
             dst = param if size is None else param.narrow(0, start, size)
             if dst.shape != tensor.shape:
                 raise ValueError(f"weight {name}: shape {tuple(tensor.shape)}, the config implies {tuple(dst.shape)}")
@@ -186,6 +217,29 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             layer.pack_weights(plan)
         self.lm_head_packed = plan.pack(self.embed if self.lm_head is None else self.lm_head)
+
+    def _local(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a Hugging Face tensor (the whole tensor without tensor parallelism)."""
+        tp, cfg = self.tp, self.arch
+        if tp.size == 1:
+            return tensor
+        module, kind = name.split(".")[-2:]
+        q, inter = cfg.num_heads * cfg.head_dim, cfg.intermediate_size  # this rank's share
+        if module in ("embed_tokens", "lm_head"):
+            first, rows, _ = vocab_shard(cfg.vocab_size, tp.rank, tp.size)
+            return tensor.narrow(0, first, rows)
+        if module == "q_proj":
+            return tensor.narrow(0, tp.rank * q, q)
+        if module in ("k_proj", "v_proj"):
+            kv = cfg.num_kv_heads * cfg.head_dim
+            return tensor.narrow(0, first_kv_head(cfg.total_kv_heads, tp.rank, tp.size) * cfg.head_dim, kv)
+        if module in ("gate_proj", "up_proj"):
+            return tensor.narrow(0, tp.rank * inter, inter)
+        if module == "o_proj" and kind == "weight":
+            return tensor.narrow(1, tp.rank * q, q)
+        if module == "down_proj" and kind == "weight":
+            return tensor.narrow(1, tp.rank * inter, inter)
+        return tensor
 
     @staticmethod
     def _target(name: str, shard: dict, norms: dict) -> tuple[str, int, int | None] | None:
