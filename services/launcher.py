@@ -33,7 +33,8 @@ WORKER_FLAGS = [("--num-kv-blocks", "num_kv_blocks"), ("--kv-cache-memory", "kv_
                 ("--max-num-batched-tokens", "max_num_batched_tokens"), ("--max-model-len", "max_model_len"),
                 ("--scheduling-policy", "scheduling_policy"), ("--dtype", "dtype"), ("--device", "device"),
                 ("--drain-timeout", "drain_timeout"), ("--log-memory-usage", "log_memory_usage"),
-                ("--simulate", "simulate"), ("--step-log", "step_log")]
+                ("--simulate", "simulate"), ("--step-log", "step_log"),
+                ("--tensor-parallel-size", "tensor_parallel_size")]
 STDERR_TAIL_LINES = 5  # of a child's stderr, printed with the reason it exited
 
 

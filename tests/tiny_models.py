@@ -68,3 +68,22 @@ def make_tiny_model(kind: str, out_dir: str | Path, seed: int = 0, **config_over
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     return out
+
+
+def hf_greedy(model_dir, prompts: list[list[int]], max_tokens: int) -> list[tuple[list[int], list[float]]]:
+    """Per-prompt Hugging Face generate (no padding), greedy, exactly max_tokens: (token ids, chosen-token
+    logprobs) of each prompt: what the engine's greedy output must equal."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    results = []
+    with torch.inference_mode():
+        for p in prompts:
+            g = model.generate(torch.tensor([p]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                               do_sample=False, output_logits=True, return_dict_in_generate=True,
+                               pad_token_id=model.config.eos_token_id)
+            ids = g.sequences[0, len(p):].tolist()
+            lps = torch.stack(g.logits)[:, 0].float().log_softmax(-1)
+            results.append((ids, [lps[i, t].item() for i, t in enumerate(ids)]))
+    return results

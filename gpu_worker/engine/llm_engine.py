@@ -207,6 +207,10 @@ class LLMEngine:
         """Why the engine cannot go on although no step failed yet (a tensor-parallel rank died), or None."""
         return self.runner.fault()
 
+    def close(self) -> None:
+        """Stop the runner's threads and processes (a tensor-parallel runner's executors). Idempotent."""
+        self.runner.close()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
 

@@ -65,14 +65,19 @@ class KVCacheShape:
 
 
 def choose_num_blocks(shape: KVCacheShape, device: torch.device, *, num_kv_blocks: int | None,
-                      kv_cache_memory: str | int | None, max_num_seqs: int, max_model_len: int) -> int:
+                      kv_cache_memory: str | int | None, max_num_seqs: int, max_model_len: int,
+                      ranks: int = 1) -> int:
     """An explicit block count wins; else a memory budget; else free memory (capped at what max_num_seqs
-    full-length sequences can use)."""
+    full-length sequences can use). `ranks` tensor-parallel ranks share a memory budget, and the free memory
+    of a CPU machine (a GPU's is its rank's own): each rank's `shape` holds 1/ranks of the KV heads, so the
+    same budget gives the same blocks as one process."""
     if num_kv_blocks is not None:
         if num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {num_kv_blocks}")
         return num_kv_blocks
     budget = parse_memory_size(kv_cache_memory) if kv_cache_memory is not None else available_memory(device)
+    if kv_cache_memory is not None or device.type == "cpu":
+        budget //= ranks
     blocks = num_blocks_for_memory(budget, block_size=shape.block_size, num_layers=shape.num_layers,
                                    num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
                                    dtype_bytes=shape.dtype.itemsize)
@@ -101,7 +106,7 @@ class ModelRunner:
         shape = KVCacheShape(arch.num_layers, block_size, arch.num_kv_heads, arch.head_dim, dtype)
         self.num_blocks = choose_num_blocks(shape, device, num_kv_blocks=num_kv_blocks,
                                             kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-                                            max_model_len=max_model_len)
+                                            max_model_len=max_model_len, ranks=self.tp.size)
         self.num_blocks = self.tp.min_int(self.num_blocks)
         log.info("KV cache%s: %d blocks of %d tokens (%.1f MiB, %d tokens)",
                  f" of rank {self.tp.rank}/{self.tp.size}" if self.tp.size > 1 else "", self.num_blocks, block_size,
@@ -130,6 +135,10 @@ class ModelRunner:
     def fault(self) -> str | None:
         """Why this runner cannot go on (a tensor-parallel runner's dead rank); a single process: never."""
         return None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block src -> block dst in every layer.

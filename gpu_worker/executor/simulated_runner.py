@@ -49,6 +49,9 @@ class SimulatedRunner:
     def fault(self) -> str | None:
         return None
 
+    def close(self) -> None:
+        pass
+
     def token(self, request_id: str, position: int) -> int:
         """The token the simulated model emits at `position` (0-based, prompt included) of a sequence."""
         return sim_token(self.seed, request_id, position, self.token_range, self.avoid)

@@ -244,7 +244,8 @@ class TensorParallelRunner:
             raise EngineFault(f"tensor parallel: {self._fault}") from e
 
     def close(self) -> None:
-        """Tell the executors to exit and wait for them (SIGKILL after 10 s)."""
+        """Tell the executors to exit and wait for them (SIGKILL after 10 s, at once when the group is broken:
+        they could wait for a step forever)."""
         if self._closed:
             return
         self._closed = True
@@ -254,7 +255,7 @@ class TensorParallelRunner:
             except Exception:  # noqa: BLE001 (a rank is gone: nothing to tell it)
                 pass
         for p in self.procs:
-            p.join(10)
+            p.join(0 if self._fault else 10)
             if p.is_alive():
                 p.kill()
                 p.join()

@@ -107,7 +107,7 @@ class Worker:
                 time.sleep(min(0.1 * 2 ** (failures - 1), 5.0))
             if dead := self._dead_threads():
                 self._give_up(f"thread(s) {', '.join(dead)} died")
-            elif fault := self.engine.fault():
+            elif not self.broken and (fault := self.engine.fault()):
                 self._give_up(f"the engine is broken: {fault}")
 
     def _give_up(self, reason: str) -> None:

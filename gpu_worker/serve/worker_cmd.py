@@ -78,6 +78,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "aging) or package.module:Class (a gpu_worker.core.policies.SchedulingPolicy subclass)")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false", help='turn off automatic prefix caching')
     p.add_argument("--dtype", default="float32", help='weights and KV cache dtype: float32, bfloat16 or float16')
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="split the model over N devices, as vLLM's flag does: this process is rank 0 (it schedules) "
+                        "and starts N-1 executor processes; attention heads, KV heads, the MLP and the vocabulary "
+                        "are divided among them (NCCL on cuda:0..N-1; on CPU, gloo, each rank on its share of "
+                        "--cpus / --threads). N must divide the attention heads and the MLP size, and divide or "
+                        "be a multiple of the KV heads")
     p.add_argument("--device", default="cpu", help='cpu or cuda')
     p.add_argument("--seed", type=int, default=0, help='seed for requests that give none')
     p.add_argument("--log-memory-usage", type=float, default=0.0, metavar="SECONDS",
@@ -116,6 +122,8 @@ def _engine(args: argparse.Namespace, model: str):
     if args.simulate:
         import torch
 
+        if args.tensor_parallel_size != 1:
+            raise ValueError("--tensor-parallel-size: a simulated worker has no model to split")
         from gpu_worker.engine.simulated import simulated_engine
 
         torch.set_num_threads(1)  # it only samples: one thread, so many simulated workers share a few cores
@@ -128,7 +136,8 @@ def _engine(args: argparse.Namespace, model: str):
 
     return LLMEngine.from_model(model, dtype=args.dtype, device=args.device, block_size=args.block_size or 16,
                                 kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs or 128,
-                                max_num_batched_tokens=args.max_num_batched_tokens or 2048, **common)
+                                max_num_batched_tokens=args.max_num_batched_tokens or 2048,
+                                tensor_parallel_size=args.tensor_parallel_size, **common)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -153,7 +162,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         if not args.simulate:
             _bind(args)
-        engine = _engine(args, settings.model)
+        try:
+            engine = _engine(args, settings.model)
+        except ValueError as e:  # a setting the model or the machine cannot meet: say which, no traceback
+            log.error("kvfleet worker cannot start: %s", e)
+            return 2
         if args.warmup and not args.simulate:
             from gpu_worker.engine.warmup import warm_up
 
@@ -173,6 +186,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             return worker.run()
         finally:
+            engine.close()  # a tensor-parallel worker's executors exit with it
             if step_log is not None:
                 step_log.close()
     finally:

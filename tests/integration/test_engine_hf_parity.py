@@ -3,6 +3,7 @@ cache small enough to preempt, a token budget small enough to chunk prefills, an
 
 import pytest
 import torch
+from tiny_models import hf_greedy
 from transformers import AutoModelForCausalLM
 
 from gpu_worker import LLM, SamplingParams
@@ -20,21 +21,6 @@ PROMPTS = [
     [42],
     SHARED + list(range(500, 510)),
 ]
-
-
-def hf_greedy(model_dir, prompts, max_tokens):
-    """Per-prompt HF generate (no padding): (token ids, chosen-token logprobs)."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    results = []
-    with torch.inference_mode():
-        for p in prompts:
-            g = model.generate(torch.tensor([p]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                               do_sample=False, output_logits=True, return_dict_in_generate=True,
-                               pad_token_id=model.config.eos_token_id)
-            ids = g.sequences[0, len(p):].tolist()
-            lps = torch.stack(g.logits)[:, 0].float().log_softmax(-1)
-            results.append((ids, [lps[i, t].item() for i, t in enumerate(ids)]))
-    return results
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral"])
