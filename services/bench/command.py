@@ -37,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="kvfleet's token budget per engine step")
     p.add_argument("--block-size", type=int, default=16, help="kvfleet's tokens per KV-cache block")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="default: sized from free memory")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="kvfleet's engine split over N ranks (processes), --threads shared among them (see "
+                        "`kvfleet worker --help`); the baselines run as they are")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn off kvfleet's automatic prefix caching")
     p.add_argument("--hf-batch-size", type=int, default=16, help='static batch size of the Hugging Face generate baseline')
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baseline")

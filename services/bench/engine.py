@@ -24,12 +24,13 @@ def run_engine(model_dir: Path, workload: Workload, shape: ModelShape, args: arg
                progress: bool) -> dict:
     from gpu_worker.engine.llm_engine import LLMEngine
 
-    with PeakRssSampler() as rss:
+    tp = getattr(args, "tensor_parallel_size", 1)
+    with PeakRssSampler(children=tp > 1) as rss:  # with the executors' memory
         t0 = time.perf_counter()
         engine = LLMEngine.from_model(
             str(model_dir), dtype=args.dtype, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            enable_prefix_caching=not args.no_prefix_caching, seed=0)
+            enable_prefix_caching=not args.no_prefix_caching, seed=0, tensor_parallel_size=tp)
         load_s = time.perf_counter() - t0
         for i, r in enumerate(workload.requests[:2]):  # warm-up on reversed prompts: no prefix-cache hits later
             engine.add_request(f"warmup-{i}", r.prompt_token_ids[::-1], _params(4))
@@ -66,6 +67,7 @@ def run_engine(model_dir: Path, workload: Workload, shape: ModelShape, args: arg
         if bar is not None:
             bar.close()
         end = engine.stats()
+        engine.close()
     by_id = {str(r.id): r for r in workload.requests}
     wrong = [rid for rid, (n, _) in done.items() if n != by_id[rid].output_len]
     assert len(done) == len(by_id) and not wrong, f"requests {wrong[:5]} did not get exactly output_len tokens"
@@ -73,7 +75,7 @@ def run_engine(model_dir: Path, workload: Workload, shape: ModelShape, args: arg
     cached = sum(c for _, c in done.values())
     flops = sum(shape.request_flops(len(by_id[rid].prompt_token_ids), n, c) for rid, (n, c) in done.items())
     return {
-        "system": "kvfleet", "dtype": args.dtype, "threads": args.threads,
+        "system": "kvfleet", "dtype": args.dtype, "threads": args.threads, "tensor_parallel_size": tp,
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "block_size": args.block_size, "num_kv_blocks": end.total_blocks,
         "num_requests": len(done), "prompt_tokens": workload.prompt_tokens, "output_tokens": n_out,

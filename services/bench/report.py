@@ -45,6 +45,8 @@ def format_table(summary: dict) -> str:
     for key, res in results.items():
         if key == "kvfleet":
             notes = f"max_num_seqs {res['max_num_seqs']}, max_num_batched_tokens {res['max_num_batched_tokens']}"
+            if res.get("tensor_parallel_size", 1) > 1:
+                notes += f", tensor parallel {res['tensor_parallel_size']} ranks (RSS: all of them)"
         elif key == "hf":
             notes = res["system"].split("(", 1)[-1].rstrip(")")
         else:

@@ -21,7 +21,7 @@ from redis import Redis
 
 REPO = Path(__file__).resolve().parents[2]
 KUBECTL = shutil.which("kubectl") or "/usr/bin/kubectl"
-OVERLAYS = ("cpu-dev", "gpu", "gpu-hpa")
+OVERLAYS = ("cpu-dev", "gpu", "gpu-hpa", "gpu-tp")
 
 # The CLI contract of issue 4 / the deploy brief, used while `kvfleet gateway` / `kvfleet worker` are not
 # registered in services/cli.py yet; once they are, their real argparse parsers decide.

@@ -14,7 +14,8 @@ from deploy_checks import REPO, check_command, flag_values
 
 pytestmark = pytest.mark.deploy
 
-PROFILES = {"cpu": ("worker-cpu-0", "worker-cpu-1"), "gpu": ("worker-gpu-0", "worker-gpu-1")}
+PROFILES = {"cpu": ("worker-cpu-0", "worker-cpu-1"), "gpu": ("worker-gpu-0", "worker-gpu-1"),
+            "gpu-tp": ("worker-gpu-tp",)}
 PASSWORD = "0123456789abcdef-test"  # what a user puts into .env as KVFLEET_REDIS_PASSWORD
 SETTINGS = ("KVFLEET_REDIS_PASSWORD", "KVFLEET_GATEWAY_BIND", "KVFLEET_API_KEYS", "KVFLEET_METRICS_OPEN",
             "KVFLEET_REDIS_MAXMEMORY")
@@ -55,7 +56,7 @@ def volume(entry: str) -> tuple[str, str, str]:
 
 @pytest.fixture(scope="module")
 def config() -> dict:
-    return yaml.safe_load(compose("--profile", "cpu", "--profile", "gpu", "config"))
+    return yaml.safe_load(compose(*(a for p in PROFILES for a in ("--profile", p)), "config"))
 
 
 def test_config_is_valid():
@@ -64,7 +65,7 @@ def test_config_is_valid():
         assert compose("--profile", profile, "config", "-q") == ""
 
 
-def test_profiles_select_two_workers_each(config):
+def test_profiles_select_their_workers(config):
     # docker-compose v1 `config` lists every service with its `profiles`; `up` starts those without a
     # profile plus the ones of each --profile given.
     services = config["services"]
@@ -84,7 +85,7 @@ def test_services_run_real_entry_points(config):
             svc = services[name]
             assert check_command(svc["command"]) == "worker"
             flags = flag_values(svc["command"])
-            assert flags["--device"] == ("cuda" if profile == "gpu" else "cpu")
+            assert flags["--device"] == ("cuda" if profile.startswith("gpu") else "cpu")
             assert "--redis-url" not in flags, "a Redis URL in argv would show its password to `ps`"
             assert svc["environment"]["KVFLEET_REDIS_URL"] == f"redis://:{PASSWORD}@redis:6379/0"
             assert flags["--model"] == "smollm2"  # ${KVFLEET_MODEL:-smollm2}
@@ -94,7 +95,7 @@ def test_services_run_real_entry_points(config):
             assert grace > float(flags["--drain-timeout"]) + 5
             assert svc["depends_on"]["redis"]["condition"] == "service_healthy"
             assert "build" in svc, "each service that uses a kvfleet image builds it (no pull attempted)"
-    assert len(ids) == 4
+    assert len(ids) == 5
     assert published(services["gateway"]["ports"][0])[2] == int(flag_values(services["gateway"]["command"])["--port"])
     for name in ("gateway", "celery"):
         assert "--redis-url" not in services[name]["command"]
@@ -112,6 +113,15 @@ def test_gpu_workers_reserve_one_gpu_each(config):
         assert "deploy" not in config["services"][name]
 
 
+def test_tensor_parallel_worker_reserves_a_gpu_per_rank(config):
+    (name,) = PROFILES["gpu-tp"]
+    svc = config["services"][name]
+    ranks = int(flag_values(svc["command"])["--tensor-parallel-size"])
+    (dev,) = svc["deploy"]["resources"]["reservations"]["devices"]
+    assert ranks == 2 and int(dev["count"]) == ranks and dev["capabilities"] == ["gpu"]
+    assert svc["shm_size"]  # the ranks' processes share tensors through /dev/shm (64 MiB by default)
+
+
 def test_redis_keeps_an_append_only_file(config):
     redis = config["services"]["redis"]
     assert redis["command"][:2] == ["sh", "-c"]  # writes the password's config file, then starts Redis
@@ -125,7 +135,7 @@ def test_redis_keeps_an_append_only_file(config):
 
 def test_telemetry_wiring(config):
     services = config["services"]
-    for name in ("gateway", "celery", *PROFILES["cpu"], *PROFILES["gpu"]):
+    for name in ("gateway", "celery", *(w for workers in PROFILES.values() for w in workers)):
         env = services[name]["environment"]
         assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4318"
         assert env["OTEL_SERVICE_NAME"].startswith("kvfleet-")

@@ -134,10 +134,17 @@ def test_requests_and_gpu_limits(overlay):
         assert c["securityContext"]["allowPrivilegeEscalation"] is False
         assert owner["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
     worker = one(resources, "Deployment", "kvfleet-worker")["spec"]["template"]["spec"]["containers"][0]
-    device = flag_values(worker["args"])["--device"]
-    if overlay.startswith("gpu"):
-        assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1 and device == "cuda"
+    flags = flag_values(worker["args"])
+    device, ranks = flags["--device"], int(flags.get("--tensor-parallel-size", 1))
+    if overlay.startswith("gpu"):  # one GPU per tensor-parallel rank, all in the worker's pod
+        assert worker["resources"]["limits"]["nvidia.com/gpu"] == ranks and device == "cuda"
+        assert worker["resources"]["requests"]["nvidia.com/gpu"] == ranks
         assert worker["image"].startswith("kvfleet-worker-gpu:")
+        if ranks > 1:  # the ranks' processes share tensors through /dev/shm (64 MiB in a pod by default)
+            mounts = {m["mountPath"]: m["name"] for m in worker["volumeMounts"]}
+            volumes = {v["name"]: v for v in one(resources, "Deployment", "kvfleet-worker")["spec"]["template"]
+                       ["spec"]["volumes"]}
+            assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
     else:
         assert "nvidia.com/gpu" not in worker["resources"].get("limits", {}) and device == "cpu"
         assert worker["image"].startswith("kvfleet-worker-cpu:")
