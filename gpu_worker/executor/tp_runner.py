@@ -267,6 +267,6 @@ class TensorParallelRunner:
             for rank, p in enumerate(self.procs, 1):
                 if not p.is_alive() and not self._closed:
                     self._fault = self._fault or f"rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
-                    log.critical("tensor parallel: %s; the worker cannot go on", self._fault)
+                    log.critical("tensor parallel: %s; the engine cannot go on", self._fault)
                     return
             time.sleep(0.5)

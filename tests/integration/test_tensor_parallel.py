@@ -147,3 +147,21 @@ def test_worker_whose_rank_dies_exits_and_its_requests_are_taken_over(tiny_llama
         assert not errors, f"{errors!r}\n{fleet.tail()}"
         assert ["".join(t) for t in texts] == want
         assert "stops serving: the engine is broken: tensor parallel: " in fleet.logs["w0"].read_text()
+
+
+def test_launch_check_passes_on_cpu(tmp_path):
+    """services/bench/tp_check.py, which device_check_tp.sh runs on N GPUs over NCCL, passes here over gloo."""
+    import json
+    import subprocess
+    import sys
+
+    from fleet_harness import REPO
+
+    report = tmp_path / "tp_check.json"
+    proc = subprocess.run([sys.executable, "-m", "services.bench.tp_check", "--device", "cpu",
+                           "--tensor-parallel-size", "2", "--json", str(report)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    checks = json.loads(report.read_text())["checks"]
+    assert set(checks) == {"same_tokens", "logprobs_within_tolerance", "dead_rank_reported",
+                           "next_step_is_engine_fault", "nothing_left_running"} and all(checks.values())
