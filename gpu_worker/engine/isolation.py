@@ -22,6 +22,7 @@ import torch
 
 from gpu_worker.core.sched_output import ScheduledSeq, SchedulerOutput
 from gpu_worker.engine.sampler import Sampler, SamplerOutput, SamplingRow
+from gpu_worker.executor.model_runner import RunnerFault
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +41,8 @@ def execute(run: Callable[[SchedulerOutput], torch.Tensor], sched: SchedulerOutp
     Logits are None when no sampling sequence ran."""
     try:
         return run(sched), {}
-    except EngineFault:  # the runner says it is broken (a tensor-parallel rank died): no request is to blame
-        raise
+    except RunnerFault as e:  # the runner is broken (a tensor-parallel rank died): no request is to blame
+        raise EngineFault(str(e)) from e
     except Exception as e:  # noqa: BLE001 (any failure: find whom it belongs to)
         if len(sched.seqs) < 2:
             if not sched.seqs:

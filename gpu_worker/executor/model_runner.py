@@ -51,6 +51,11 @@ def available_memory(device: torch.device) -> int:
     return CPU_KV_CACHE_MAX_BYTES  # pragma: no cover - every Linux has MemAvailable
 
 
+class RunnerFault(RuntimeError):
+    """The runner can run no step any more (a tensor-parallel rank died, or its ranks fell out of step): the
+    fault is the worker's, not a request's."""
+
+
 @dataclass
 class KVCacheShape:
     num_layers: int

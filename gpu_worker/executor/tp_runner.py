@@ -8,7 +8,8 @@ the step, as one tensor of ints (`encode_step`), to the others on a gloo group, 
 the logits are gathered on every rank and rank 0 samples.
 
 Faults: a rank that dies, or a forward that raises on any rank, breaks the group for good (the ranks could no
-longer meet in their collectives). The runner then raises EngineFault, or reports it through `fault()` while
+longer meet in their collectives). The runner then raises TensorParallelFault (a RunnerFault: the engine
+makes it an EngineFault, blaming no request), or reports it through `fault()` while
 the worker is idle: the worker stops serving and exits 1, its supervisor starts it again, and the fleet's
 takeover resumes its requests. Executor processes die with rank 0 (parent-death signal, and a closed socket
 ends their wait for the next step).
@@ -34,7 +35,7 @@ import torch.multiprocessing as mp
 
 from gpu_worker.core.sched_output import ScheduledSeq, SchedulerOutput
 from gpu_worker.executor.model_loader import load_model_files
-from gpu_worker.executor.model_runner import ModelRunner
+from gpu_worker.executor.model_runner import ModelRunner, RunnerFault
 from gpu_worker.executor.tp_group import TPGroup, cpu_group, init_cpu_group
 
 log = logging.getLogger(__name__)
@@ -43,8 +44,8 @@ STOP = -1  # a step length that tells the executors to exit
 FOREVER_S = 10 * 365 * 86400.0  # an idle worker's executors wait this long for the next step
 
 
-class TensorParallelFault(RuntimeError):
-    """The group is broken: a rank died, or a forward failed on some rank."""
+class TensorParallelFault(RunnerFault):
+    """The group is broken, or never formed: a rank died, or a forward failed on some rank."""
 
 
 # ---- the step as ints --------------------------------------------------------------------------------------
@@ -231,17 +232,15 @@ class TensorParallelRunner:
         return self._fault
 
     def execute(self, sched: SchedulerOutput) -> torch.Tensor:
-        from gpu_worker.engine.isolation import EngineFault
-
         if self._fault:
-            raise EngineFault(f"tensor parallel: {self._fault}")
+            raise TensorParallelFault(f"tensor parallel: {self._fault}")
         try:
             data = encode_step(sched)
             _send_step(data.numel(), data)
             return self.runner.execute(sched)
         except Exception as e:  # the ranks are out of step now: no bisecting, no retry
             self._fault = self._fault or f"a forward failed: {type(e).__name__}: {e}"
-            raise EngineFault(f"tensor parallel: {self._fault}") from e
+            raise TensorParallelFault(f"tensor parallel: {self._fault}") from e
 
     def close(self) -> None:
         """Tell the executors to exit and wait for them (SIGKILL after 10 s, at once when the group is broken:

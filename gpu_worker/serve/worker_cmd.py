@@ -162,9 +162,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         if not args.simulate:
             _bind(args)
+        from gpu_worker.executor.model_runner import RunnerFault
+
         try:
             engine = _engine(args, settings.model)
-        except ValueError as e:  # a setting the model or the machine cannot meet: say which, no traceback
+        except (ValueError, RunnerFault) as e:  # a setting the model or machine cannot meet; ranks that never met
             log.error("kvfleet worker cannot start: %s", e)
             return 2
         if args.warmup and not args.simulate:
