@@ -52,19 +52,14 @@ def make_tiny_model(kind: str, out_dir: str | Path, seed: int = 0, **config_over
     import torch
     from transformers import AutoModelForCausalLM
 
+    from services.bench.tp_check import randomize
+
     out = Path(out_dir)
     tok = default_tokenizer()
     cfg = tiny_config(kind, vocab_size=len(tok), **config_overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():  # a wider spread than the default init gives less flat, more varied text
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.08)
-            elif "bias" in name:
-                p.normal_(0.0, 0.02)
-            else:  # norm weights
-                p.uniform_(0.8, 1.2)
+    randomize(model)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     return out

@@ -219,14 +219,6 @@ class TensorParallelRunner:
                                       f"{time.monotonic() - started:.0f}s") from e
         return cls(runner, procs)
 
-    @property
-    def linear_plan(self) -> Any:
-        return self.runner.linear_plan
-
-    @property
-    def model(self) -> Any:
-        return self.runner.model
-
     def fault(self) -> str | None:
         """Why the group is broken, or None."""
         return self._fault
