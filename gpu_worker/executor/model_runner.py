@@ -132,10 +132,39 @@ class ModelRunner:
         self._pool = (ThreadPoolExecutor(self.num_parts, thread_name_prefix="kvfleet-forward",
                                          initializer=torch.set_num_threads, initargs=(1,))
                       if self.num_parts > 1 else None)
+        log.info("paths%s: %s", f" of rank {self.tp.rank}" if self.tp.size > 1 else "",
+                 "; ".join(f"{k}: {v}" for k, v in self.paths().items()))
 
     @property
     def vocab_size(self) -> int:
         return self.model.arch.vocab_size
+
+    def paths(self) -> dict[str, str]:
+        """The implementation each hot operation takes here (chosen once, by the CPU's instruction sets and
+        the linear-layer calibration): for the start log and the benchmarks' reports."""
+        ops, dtype, head_dim = self.model.ops, self.dtype, self.model.arch.head_dim
+
+        def impl(fn) -> str:
+            module = getattr(fn, "__module__", "")
+            if module.endswith("native_ops"):
+                from gpu_worker.executor.ops.cpu import kernels
+
+                return f"native {kernels.isa()}"
+            return "triton" if module.startswith("kernels") else "torch"
+
+        attention = impl(ops.paged_attention)
+        prefill = attention
+        if attention.startswith("native"):
+            prefill = (attention if "avx512" in attention and head_dim in (16, 32, 64, 128)
+                       else f"torch SDPA (no native kernel for head dim {head_dim} here)")
+        return {"linear": (self.linear_plan.describe(dtype) if self.linear_plan is not None
+                           else "F.linear (torch)"),
+                "decode attention": attention, "prefill attention": prefill,
+                "norm, rotary, activation, KV store": impl(ops.rms_norm),
+                "forwards per step": "1" if self.num_parts == 1 else (
+                    f"{self.num_parts} concurrent, 1 thread each" + (
+                        " (one on all threads for steps whose matmuls split their columns)"
+                        if self.linear_plan is not None and self.linear_plan.splits_columns(1) else ""))}
 
     def fault(self) -> str | None:
         """Why this runner cannot go on (a tensor-parallel runner's dead rank); a single process: never."""

@@ -49,6 +49,9 @@ class SimulatedRunner:
     def fault(self) -> str | None:
         return None
 
+    def paths(self) -> dict[str, str]:
+        return {"forward": f"simulated ({self.profile.name}): each step sleeps for its cost"}
+
     def close(self) -> None:
         pass
 

@@ -219,6 +219,9 @@ class TensorParallelRunner:
                                       f"{time.monotonic() - started:.0f}s") from e
         return cls(runner, procs)
 
+    def paths(self) -> dict[str, str]:
+        return self.runner.paths() | {"tensor parallel": f"{self.tp.size} ranks"}
+
     def fault(self) -> str | None:
         """Why the group is broken, or None."""
         return self._fault

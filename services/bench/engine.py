@@ -42,6 +42,11 @@ def run_engine(model_dir: Path, workload: Workload, shape: ModelShape, args: arg
             from tqdm import tqdm
 
             bar = tqdm(total=workload.output_tokens, desc="kvfleet", unit="tok", dynamic_ncols=True)
+        profile = None
+        if getattr(args, "profile_ops", False):
+            from services.bench.op_profile import OpProfile
+
+            profile = OpProfile().attach(engine)
         meter = KVWasteMeter()
         done: dict[str, tuple[int, int]] = {}  # request id -> (output tokens, prefix-cache hit tokens)
         produced: dict[str, int] = {}  # request id -> output tokens so far (the engine's outputs are deltas)
@@ -67,6 +72,9 @@ def run_engine(model_dir: Path, workload: Workload, shape: ModelShape, args: arg
         if bar is not None:
             bar.close()
         end = engine.stats()
+        if profile is not None:
+            profile.detach()
+        paths = engine.runner.paths()
         engine.close()
     by_id = {str(r.id): r for r in workload.requests}
     wrong = [rid for rid, (n, _) in done.items() if n != by_id[rid].output_len]
@@ -86,5 +94,5 @@ def run_engine(model_dir: Path, workload: Workload, shape: ModelShape, args: arg
         "kv_waste_samples": meter.samples,
         "preemptions": end.num_preemptions - base.num_preemptions,
         "prefix_cache_hit_tokens": cached,
-        "model_flops": flops, "achieved_flops": flops / wall,
-    }
+        "model_flops": flops, "achieved_flops": flops / wall, "paths": paths,
+    } | ({"profile": profile.report()} if profile is not None else {})

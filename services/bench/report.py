@@ -25,7 +25,10 @@ def summarize(workload: Workload, args: argparse.Namespace, results: dict[str, d
         flops.update(best_matmul_flops=probe.best_flops, best_matmul_path=probe.best_path,
                      best_matmul_tokens=probe.best_tokens,
                      fraction_of_best=ours["achieved_flops"] / probe.best_flops, probe=dataclasses.asdict(probe))
+    from services.bench.cpu import cpu_info
+
     return {
+        "cpu": cpu_info(), "paths": ours.get("paths", {}),
         "workload": {"name": workload.name, "path": str(workload.path), "num_requests": len(workload.requests),
                      "prompt_tokens": workload.prompt_tokens, "output_tokens": workload.output_tokens},
         "dtype": args.dtype, "threads": args.threads, "results": results, "ratios": ratios, "flops": flops,
@@ -39,7 +42,13 @@ def _gib(n: float) -> str:
 def format_table(summary: dict) -> str:
     wl, results = summary["workload"], summary["results"]
     lines = [f"kvfleet bench throughput: {wl['name']}, {wl['num_requests']} requests, {wl['prompt_tokens']} "
-             f"prompt + {wl['output_tokens']} output tokens, {summary['dtype']}, {summary['threads']} threads", ""]
+             f"prompt + {wl['output_tokens']} output tokens, {summary['dtype']}, {summary['threads']} threads"]
+    if "cpu" in summary:
+        from services.bench.cpu import describe
+
+        lines.append(f"CPU: {describe(summary['cpu'])}")
+    lines += [f"kvfleet {name}: {path}" for name, path in summary.get("paths", {}).items()]
+    lines.append("")
     header = f"{'system':<12} {'output tok/s':>12} {'total tok/s':>12} {'wall s':>8} {'peak RSS':>10}  notes"
     lines += [header, "-" * len(header)]
     for key, res in results.items():
@@ -60,6 +69,10 @@ def format_table(summary: dict) -> str:
         lines.append(f"kvfleet / {other}: {r['output_tok_per_s']:.2f}x output tok/s, "
                      f"{r['total_tok_per_s']:.2f}x total tok/s")
     ours = results["kvfleet"]
+    if "profile" in ours:
+        from services.bench.op_profile import format_profile
+
+        lines.append(format_profile(ours["profile"]))
     lines.append(f"kvfleet KV cache: peak {ours['kv_peak_used_blocks']} of {ours['num_kv_blocks']} blocks used "
                  f"(block size {ours['block_size']}); preemptions {ours['preemptions']}; KV waste "
                  f"{100 * ours['kv_waste']:.2f}% (allocated slots - stored tokens over allocated, averaged over "

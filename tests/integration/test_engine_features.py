@@ -250,3 +250,21 @@ def test_unsupported_architecture_lists_the_supported_ones(tmp_path):
 def test_missing_model_says_what_is_accepted(tmp_path):
     with pytest.raises(ValueError, match="Hugging Face directory.*gguf.*smollm2"):
         LLMEngine.from_model(str(tmp_path / "nope"))
+
+
+def test_runner_names_its_paths(llm, caplog):
+    """The path each hot operation takes is decided once and said once (the start log, the benchmarks' header):
+    on a CPU the native kernels, named by the instruction sets they were built with."""
+    from gpu_worker.executor.ops.cpu import kernels
+
+    paths = llm.engine.runner.paths()
+    assert set(paths) == {"linear", "decode attention", "prefill attention", "norm, rotary, activation, KV store",
+                          "forwards per step"}
+    isa = kernels.isa()
+    flags = open("/proc/cpuinfo").read()
+    assert ("avx512" in isa) == (" avx512f" in flags) and isa != "none"
+    assert paths["decode attention"] == f"native {isa}"
+    # tiny Llama: head dim 16, which the AVX-512 prefill kernel covers
+    assert paths["prefill attention"] == (f"native {isa}" if "avx512" in isa else
+                                          "torch SDPA (no native kernel for head dim 16 here)")
+    assert paths["linear"].startswith(("oneDNN packed", "kvfleet's panel GEMM"))

@@ -44,6 +44,7 @@ _SIGNATURES = {
 _RESTYPES = {"prefill_attention": ctypes.c_int}  # 1: done, 0: no kernel for this shape (use torch)
 # float32 only: the panel GEMM (kvf_gemm_available() is 0 where the CPU has no AVX2 + FMA)
 _GEMM_SIGNATURES = {
+    "kvf_isa": ([], ctypes.c_int),
     "kvf_gemm_available": ([], ctypes.c_int),
     "kvf_gemm_packed_size": ([_I64, _I64], _I64),
     "kvf_gemm_pack_f32": ([_P, _I64, _I64, _P], None),
@@ -123,6 +124,17 @@ def kernel(name: str, dtype: torch.dtype):
         assert _lib is not None, "cpu_kernels.load() first"
         fn = _functions[name, dtype] = getattr(_lib, f"kvf_{name}_{SUFFIX[dtype]}")
     return fn
+
+
+def isa() -> str:
+    """The instruction sets the compiled kernels use, e.g. "avx512+avx512_bf16", "avx2", "scalar"; "none"
+    where they do not build."""
+    lib = load()
+    if lib is None:
+        return "none"
+    bits = lib.kvf_isa()
+    names = [n for bit, n in ((2, "avx512"), (4, "avx512_bf16")) if bits & bit] or (["avx2"] if bits & 1 else [])
+    return "+".join(names) or "scalar"
 
 
 def as_index(t: torch.Tensor, dtype: torch.dtype = torch.int64) -> torch.Tensor:

@@ -63,6 +63,16 @@ class LinearPlan:
         upcast = weight.dtype == torch.bfloat16
         return _pack(weight, self.few_rows, upcast, None if upcast else self.aten_from_rows)
 
+    def describe(self, dtype: torch.dtype) -> str:
+        """The path in words, e.g. "oneDNN packed below 1024 rows, F.linear (MKL) from 1024"."""
+        if dtype == torch.bfloat16:
+            return ("oneDNN bf16 packed (native bf16 GEMM)" if self.bf16_gemm else
+                    f"a float32 copy of each bf16 weight ({self.describe(torch.float32)}): no bf16 GEMM here")
+        name = "oneDNN packed" if self.few_rows == "onednn" else "kvfleet's panel GEMM"
+        if self.aten_from_rows:
+            return f"{name} below {self.aten_from_rows} rows, F.linear (MKL) from {self.aten_from_rows}"
+        return f"{name} for any number of rows"
+
     def splits_columns(self, num_rows: int) -> bool:
         """Does a matmul of num_rows rows split its output columns across torch's threads? The panel GEMM
         does (each thread streams 1 / P of the weight, for all the rows), so for few rows one multi-threaded
@@ -142,11 +152,7 @@ def calibrate(weight: torch.Tensor) -> LinearPlan | None:
                 aten_from = CALIBRATION_ROWS // 2 if best["aten"] < best["packed"] else None
     finally:
         torch.set_num_threads(threads)
-    plan = LinearPlan(choice, aten_from, bf16_gemm)
-    name = "oneDNN" if choice == "onednn" else "kvfleet's panel GEMM"
-    log.info("CPU linear layers: %s", f"{name} below {aten_from} rows, F.linear (MKL) from {aten_from}"
-             if aten_from else f"{name} for any number of rows")
-    return plan
+    return LinearPlan(choice, aten_from, bf16_gemm)
 
 
 def linear(

@@ -1069,6 +1069,21 @@ void kvf_decode_attention_bf16(const uint16_t* q, const uint16_t* kc, const uint
 KVF_TYPED(f32, float)
 KVF_TYPED(bf16, uint16_t)
 // the float32 GEMM (AVX2 + FMA builds): 0 where it is not compiled in
+// The instruction sets this build's kernels use (-march=native on the CPU it was built for): 1 AVX2+FMA,
+// 2 AVX-512F, 4 AVX512_BF16 dot products; 0: scalar loops only.
+int kvf_isa() {
+  int isa = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  isa |= 1;
+#endif
+#if defined(__AVX512F__)
+  isa |= 2;
+#endif
+#if defined(__AVX512BF16__)
+  isa |= 4;
+#endif
+  return isa;
+}
 int kvf_gemm_available() {
 #ifdef KVF_GEMM
   return 1;
