@@ -51,6 +51,7 @@ class Mailbox:
         self.items: deque[OutputChunk] = deque()
         self.dedup = streams.ChunkDeduper()
         self.waiter: asyncio.Future | None = None
+        self.entry: tuple[str, str] | None = None  # (stream, entry id) where its request waits or runs
 
     def put(self, chunk: OutputChunk) -> None:
         self.items.append(chunk)
@@ -117,6 +118,7 @@ class Inbox:
         if box is None:
             raise RuntimeError(f"no mailbox open for request {request_id}")
         box.dedup.last_seq = max(box.dedup.last_seq, after_seq)
+        box.entry = box.entry or entry
         deadline = time.monotonic() + timeout_s
         next_check = time.monotonic() + SILENCE_CHECK_S
         while True:
@@ -139,9 +141,9 @@ class Inbox:
                                         "Redis is back")
             if now >= deadline:
                 raise streams.OutputTimeout(f"no output for request {request_id} in {timeout_s:g}s")
-            if entry is not None and now >= next_check and self.down_since is None:
+            if box.entry is not None and now >= next_check and self.down_since is None:
                 next_check = now + SILENCE_CHECK_S
-                if not await self._entry_alive(entry) and not box.items:
+                if not await self._entry_alive(box.entry) and not box.items:
                     await box.wait(TICK_S)  # its last chunks may be on their way
                     if not box.items:
                         raise streams.OutputLost(f"request {request_id} was acked, but its final chunk never came "
@@ -169,8 +171,8 @@ class Inbox:
                 if time.monotonic() >= next_keep:
                     next_keep = time.monotonic() + KEEP_EVERY_S
                     await self.ensure()
-                self.cursor, chunks = await streams.aread_inbox(self.r, self.key, self.cursor,
-                                                                block_ms=self.block_ms)
+                self.cursor, chunks, moves = await streams.aread_inbox(self.r, self.key, self.cursor,
+                                                                       block_ms=self.block_ms)
                 failures, self.down_since = 0, None
             except streams.RedisError as e:
                 failures, next_keep = failures + 1, 0.0  # once back, check at once that Redis kept the inbox
@@ -183,6 +185,9 @@ class Inbox:
                 log.exception("unexpected error in the output inbox reader; carrying on")
                 await asyncio.sleep(0.1)
                 continue
+            for request_id, stream, entry_id in moves:  # a worker handed it back or forwarded it
+                if (moved := self.boxes.get(request_id)) is not None:
+                    moved.entry = (stream, entry_id)
             for chunk in chunks:
                 box = self.boxes.get(chunk.request_id)
                 if box is None:

@@ -7,7 +7,8 @@ Streams (consumer group GROUP on each request stream):
                           reply_to: services' jobs; and a gateway's restore of what it relayed, on re-placing)
   kvfleet:inbox:{gateway} one gateway's output: each worker flush adds one entry holding every chunk it wrote
                           for that gateway's requests (their reply_to); the gateway reads it, trims what it
-                          read and keeps its expiry (workers never create it: a gateway's death ends it)
+                          read and keeps its expiry (workers never create it: a gateway's death ends it);
+                          also where a worker says it moved one of that gateway's requests (MOVED_FIELD)
   kvfleet:cancel          cancels, read by every worker (plain XREAD, no group)
   kvfleet:dead            dead letters: requests that failed on max_deliveries workers
 Keys:
@@ -37,6 +38,9 @@ ROUND_ROBIN = f"{PREFIX}:rr"
 
 # The single field every stream entry carries: the pydantic message as JSON.
 FIELD = "m"
+# An inbox entry's other kind: a gateway's request that a worker put on another stream (a hand-back to
+# kvfleet:req:any, a forward), as JSON [request id, stream, entry id], so its relay follows it there.
+MOVED_FIELD = "moved"
 
 
 def req_stream(worker_id: str) -> str:

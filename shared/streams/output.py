@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -273,20 +274,23 @@ async def akeep_inbox(r: aioredis.Redis, inbox: str, read_up_to: str, ttl_s: flo
     return bool((await pipe.execute())[1])
 
 
-async def aread_inbox(r: aioredis.Redis, inbox: str, after: str, *, block_ms: int,
-                      count: int = 1024) -> tuple[str, list[OutputChunk]]:
-    """The chunks of the entries after `after` (waiting up to block_ms for one), and the new cursor. An entry
-    that cannot be read is skipped (and logged)."""
+async def aread_inbox(r: aioredis.Redis, inbox: str, after: str, *, block_ms: int, count: int = 1024
+                      ) -> tuple[str, list[OutputChunk], list[tuple[str, str, str]]]:
+    """The chunks of the entries after `after` (waiting up to block_ms for one), the moves among them (request
+    id, stream, entry id: a worker put that request on another stream), and the new cursor. An entry that
+    cannot be read is skipped (and logged)."""
     reply = await r.xread({inbox: after}, block=block_ms, count=count)
     chunks: list[OutputChunk] = []
+    moves: list[tuple[str, str, str]] = []
     for _stream, entries in reply or []:
         for entry_id, fields in entries:
             after = entry_id
-            raw = fields.get(keys.FIELD)
-            if raw is None:
-                continue
             try:
-                chunks += _CHUNK_LIST.validate_json(raw)
-            except ValidationError as e:  # only a foreign writer makes one: skipped, so it blocks nobody
+                if (raw := fields.get(keys.FIELD)) is not None:
+                    chunks += _CHUNK_LIST.validate_json(raw)
+                elif (raw := fields.get(keys.MOVED_FIELD)) is not None:
+                    request_id, stream, moved_to = json.loads(raw)
+                    moves.append((str(request_id), str(stream), str(moved_to)))
+            except (ValidationError, ValueError) as e:  # only a foreign writer makes one: skipped, blocks nobody
                 log.error("skipping unreadable entry %s of %s: %s", entry_id, inbox, e)
-    return after, chunks
+    return after, chunks, moves

@@ -172,11 +172,15 @@ def ack_and_delete(r: redis.Redis, ack: Ack) -> None:
 
 
 def forward(r: redis.Redis, request: GenerationRequest, worker_id: str, ack: Ack) -> None:
-    """Enqueue the request on another worker (reserving its blocks there) and ack this entry, in one MULTI."""
+    """Enqueue the request on another worker (reserving its blocks there) and ack this entry, in one MULTI;
+    then, for a gateway's request, tell its relay where it went (a `moved` entry in the gateway's inbox)."""
     pipe = r.pipeline(transaction=True)
     enqueue_commands(pipe, request, worker_id)
     ack_commands(pipe, ack)
-    pipe.execute()
+    entry_id = pipe.execute()[-3]  # the XADD's, before the XACK and XDEL
+    if request.reply_to:
+        moved = json.dumps([request.request_id, keys.req_stream(worker_id), entry_id])
+        r.xadd(request.reply_to, {keys.MOVED_FIELD: moved}, nomkstream=True)
 
 
 def dead_letter(r: redis.Redis, letter: DeadLetter) -> None:
@@ -216,7 +220,8 @@ def read_cancels(r: redis.Redis, after: str, *, block_ms: int = 1000, count: int
 #            `expire` (a stream's first chunk, every EXPIRE_EVERY-th and its last: not one PEXPIRE per token)
 #   inboxes  [inbox, [[owner, chunk]...]]: one XADD per gateway inbox of all its owned chunks (a JSON
 #            array), NOMKSTREAM: a gateway that is gone reads nothing, so nothing is written
-#   requeued [owner, request]: XADD to `any` (the hand-back), then the ack of the owner's entry
+#   requeued [owner, request(, inbox, request id)]: XADD to `any` (the hand-back), then the ack of the owner's
+#     entry; for a gateway's request, a `moved` entry in its inbox naming the new entry
 #   acks     [owner]: XACK + XDEL of the owner's entry
 #   status   [status, ttl ms, workers set, reservations hash, taken request ids...] or absent; SADD to the
 #            workers set only when the fence failed (a first flush, or after the status was lost)
@@ -263,8 +268,11 @@ for _, box in ipairs(plan['inboxes']) do
 end
 for _, q in ipairs(plan['requeued']) do
   if owned[q[1]] then
-    redis.call('XADD', KEYS[plan['any']], '*', field, ARGV[q[2]])
+    local id = redis.call('XADD', KEYS[plan['any']], '*', field, ARGV[q[2]])
     ack(plan['owners'][q[1]])
+    if q[3] then  -- a gateway's request: where it is now, for its relay's silence check
+      redis.call('XADD', KEYS[q[3]], 'NOMKSTREAM', '*', plan['moved'], cjson.encode({q[4], KEYS[plan['any']], id}))
+    end
   end
 end
 for _, a in ipairs(plan['acks']) do
@@ -347,7 +355,10 @@ def publish(r: redis.Redis, worker_id: str, *, output_ttl_s: float, chunks: Sequ
     rows["inboxes"] = [[plan.key(inbox), parts] for inbox, parts in boxes.items()]
     if requeued:
         rows["any"] = plan.key(keys.REQ_ANY)
-    rows["requeued"] = [[plan.owner(ack), body(request.model_dump_json())] for request, ack in requeued]
+    rows["requeued"] = [[plan.owner(ack), body(request.model_dump_json())]
+                        + ([plan.key(request.reply_to), request.request_id] if request.reply_to else [])
+                        for request, ack in requeued]
+    rows["moved"] = keys.MOVED_FIELD
     rows["acks"] = [[plan.owner(ack)] for ack in acks]
     for ack in held:
         plan.owner(ack)

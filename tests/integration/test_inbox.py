@@ -198,3 +198,48 @@ def test_a_relay_whose_entry_was_acked_without_its_final_chunk_is_lost(r, redis_
         await ar.aclose()
 
     run(main())
+
+
+def test_a_relay_follows_its_request_when_a_worker_moves_it(r, redis_url, monkeypatch):
+    """A worker hands a gateway's request back to the shared queue (a drain), or forwards it to another worker:
+    its old entry is acked and gone, and a `moved` entry in the gateway's inbox names the new one. Past
+    SILENCE_CHECK_S without a chunk the relay checks the new entry, finds it, and keeps waiting (no OutputLost:
+    placing it again would run it twice); the chunks of whoever runs it then reach it."""
+    import gateway.inbox as inbox_module
+    from shared.streams.worker import forward
+
+    monkeypatch.setattr(inbox_module, "SILENCE_CHECK_S", 0.3)
+    monkeypatch.setattr(inbox_module, "TICK_S", 0.1)
+
+    async def main():
+        ar = streams.connect_async(redis_url)
+        inbox = Inbox(ar, "gw-moved", ttl_s=60, block_ms=100)
+        await inbox.start()
+        relays = {}
+        for rid in ("handed", "forwarded"):
+            inbox.open(rid)
+            stream = keys.req_stream(W)
+            streams.ensure_group(r, stream)
+            streams.enqueue(r, GenerationRequest(request_id=rid, prompt_token_ids=[1, 2], reply_to=inbox.key), W)
+            [d] = streams.read_requests(r, W, {stream: ">"}, count=1)
+            relays[rid] = (asyncio.ensure_future(collect(inbox, rid, timeout_s=30, entry=(d.stream, d.entry_id))),
+                           d)
+        handed, forwarded = relays["handed"][1], relays["forwarded"][1]
+        request = GenerationRequest.model_validate_json(r.xrange(handed.stream, handed.entry_id, handed.entry_id)[0][1][
+            keys.FIELD])
+        assert streams.publish(r, W, output_ttl_s=60, requeued=[(request, handed.ack)], run_id="run-1") == []
+        request = GenerationRequest.model_validate_json(
+            r.xrange(forwarded.stream, forwarded.entry_id, forwarded.entry_id)[0][1][keys.FIELD])
+        forward(r, request, "w-other", forwarded.ack)
+        assert r.xlen(handed.stream) == 0 and r.xlen(keys.REQ_ANY) == 1 and r.xlen(keys.req_stream("w-other")) == 1
+        await asyncio.sleep(1.2)  # several silence checks
+        assert not any(task.done() for task, _ in relays.values()), [t.exception() for t, _ in relays.values()
+                                                                      if t.done()]
+        streams.publish(r, "w-other", output_ttl_s=60, reply_to={"handed": inbox.key, "forwarded": inbox.key},
+                        chunks=[chunk("handed", 0, final=True), chunk("forwarded", 0, final=True)])
+        for rid, (task, _) in relays.items():
+            assert [c.seq for c in await asyncio.wait_for(task, 5)] == [0], rid
+        await inbox.close()
+        await ar.aclose()
+
+    run(main())
