@@ -165,3 +165,23 @@ def test_launch_check_passes_on_cpu(tmp_path):
     checks = json.loads(report.read_text())["checks"]
     assert set(checks) == {"same_tokens", "logprobs_within_tolerance", "dead_rank_reported",
                            "next_step_is_engine_fault", "nothing_left_running"} and all(checks.values())
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_worker_drains_and_leaves_nothing_running(tiny_llama_dir, tmp_path):
+    """SIGTERM reaches rank 0 (the executors ignore it): the worker drains, tells its executors to stop, and
+    exits 0; no executor outlives it."""
+    with Fleet(tiny_llama_dir, tmp_path) as fleet:
+        worker = fleet.start_worker("w0", "--tensor-parallel-size", "2", "--num-kv-blocks", "64", "--no-warmup")
+        fleet.start_gateway()
+        fleet.wait_ready(workers=1)
+        executors = fleet.wait_for(lambda: _executors(worker.pid), what="w0's executor process")
+        out = fleet.client(timeout=60).completions.create(model=str(tiny_llama_dir), prompt="Once upon a time",
+                                                          max_tokens=8, temperature=0)
+        assert out.usage.completion_tokens == 8
+        os.kill(worker.pid, signal.SIGTERM)
+        assert worker.wait(30) == 0, fleet.tail()
+        deadline = time.monotonic() + 5
+        while any(os.path.exists(f"/proc/{p}") for p in executors) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(os.path.exists(f"/proc/{p}") for p in executors), "an executor outlived its worker"
