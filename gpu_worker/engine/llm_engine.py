@@ -115,7 +115,8 @@ class LLMEngine:
         if tensor_parallel_size > 1:
             from gpu_worker.executor.tp_runner import TensorParallelRunner
 
-            runner = TensorParallelRunner.start(model, tensor_parallel_size, device=device, **runner_kwargs)
+            runner = TensorParallelRunner.start(model, tensor_parallel_size, device=device,
+                                                max_num_batched_tokens=max_num_batched_tokens, **runner_kwargs)
         else:
             runner = ModelRunner(files, device=torch.device(device), **runner_kwargs)
         cache_cfg = CacheConfig(block_size=block_size, num_blocks=runner.num_blocks,

@@ -17,12 +17,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gpu_worker.executor.shm_comm import ShmComm
+
 
 @dataclass(frozen=True)
 class TPGroup:
     rank: int
     size: int
     group: Any = None  # the torch.distributed group of the forward's collectives (None: the default group)
+    shm: ShmComm | None = None  # CPU ranks of one machine: collectives through shared memory where they fit
 
     @property
     def is_first(self) -> bool:
@@ -30,6 +33,8 @@ class TPGroup:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place (the row-parallel o / down projections and the vocab-parallel embedding)."""
+        if self.size > 1 and self.shm is not None and x.device.type == "cpu" and self.shm.fits(x.numel()):
+            return self.shm.all_reduce(x)
         if self.size > 1:
             if x.dtype == torch.bfloat16 and x.device.type == "cpu":  # gloo sums bf16 slowly, or not at all
                 summed = x.float()
@@ -43,6 +48,8 @@ class TPGroup:
         """[N, V / size] logits of this rank's vocabulary shard -> [N, V] on every rank."""
         if self.size == 1:
             return x[:, :vocab_size]
+        if self.shm is not None and x.device.type == "cpu" and self.shm.fits(x.numel()):
+            return self.shm.all_gather(x)[:, :vocab_size]
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)[:, :vocab_size]

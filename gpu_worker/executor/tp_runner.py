@@ -2,7 +2,8 @@
 
 `TensorParallelRunner.start(...)` is called in the worker process, which is rank 0. It starts N-1 executor
 processes (torch.multiprocessing, spawn), and the N processes form one torch.distributed group: NCCL on CUDA
-(rank r on cuda:r), gloo on CPU (each rank on its share of the worker's CPUs). Every rank builds a ModelRunner
+(rank r on cuda:r), gloo on CPU (each rank on its share of the worker's CPUs; there the forward's all-reduces and
+the logits' gather go through shared memory, shm_comm, when they fit its buffers). Every rank builds a ModelRunner
 over its shard of the weights and KV heads (tp_group). Rank 0 keeps the scheduler: before each forward it sends
 the step, as one tensor of ints (`encode_step`), to the others on a gloo group, and they run the same forward;
 the logits are gathered on every rank and rank 0 samples.
@@ -36,7 +37,8 @@ import torch.multiprocessing as mp
 from gpu_worker.core.sched_output import ScheduledSeq, SchedulerOutput
 from gpu_worker.executor.model_loader import load_model_files
 from gpu_worker.executor.model_runner import ModelRunner, RunnerFault
-from gpu_worker.executor.tp_group import TPGroup, cpu_group, init_cpu_group
+from gpu_worker.executor.shm_comm import ShmComm
+from gpu_worker.executor.tp_group import TPGroup, cpu_group, init_cpu_group, vocab_shard
 
 log = logging.getLogger(__name__)
 
@@ -111,13 +113,14 @@ class RankSpec:
     cpus: list[list[int]]  # per rank: the CPUs its threads run on (empty: not bound)
     threads: int  # compute threads per rank
     start_timeout_s: float
+    shm: tuple[torch.Tensor, torch.Tensor] | None = None  # CPU: ShmComm's shared buffers
 
 
 def _device(spec: RankSpec, rank: int) -> torch.device:
     return torch.device("cuda", rank) if spec.device.startswith("cuda") else torch.device("cpu")
 
 
-def _join_group(spec: RankSpec, rank: int) -> TPGroup:
+def _join_group(spec: RankSpec, rank: int, abort: threading.Event | None = None) -> TPGroup:
     device = _device(spec, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -125,7 +128,8 @@ def _join_group(spec: RankSpec, rank: int) -> TPGroup:
     dist.init_process_group(backend, init_method=spec.address, rank=rank, world_size=spec.size,
                             timeout=timedelta(seconds=spec.start_timeout_s))
     init_cpu_group(FOREVER_S)
-    return TPGroup(rank=rank, size=spec.size)
+    shm = ShmComm(*spec.shm, rank=rank, size=spec.size, abort=abort) if spec.shm is not None else None
+    return TPGroup(rank=rank, size=spec.size, shm=shm)
 
 
 def _bind(spec: RankSpec, rank: int) -> None:
@@ -134,8 +138,8 @@ def _bind(spec: RankSpec, rank: int) -> None:
     torch.set_num_threads(spec.threads)
 
 
-def _build(spec: RankSpec, rank: int) -> ModelRunner:
-    tp = _join_group(spec, rank)
+def _build(spec: RankSpec, rank: int, abort: threading.Event | None = None) -> ModelRunner:
+    tp = _join_group(spec, rank, abort)
     return ModelRunner(load_model_files(spec.model), device=_device(spec, rank), tp=tp, **spec.runner_kwargs)
 
 
@@ -171,8 +175,8 @@ class TensorParallelRunner:
     """Rank 0's runner: the ModelRunner interface the engine uses (execute, num_blocks, vocab_size, device),
     each step sent to the executors first."""
 
-    def __init__(self, runner: ModelRunner, procs: list[Any]):
-        self.runner, self.procs = runner, procs
+    def __init__(self, runner: ModelRunner, procs: list[Any], abort: threading.Event):
+        self.runner, self.procs, self._abort = runner, procs, abort
         self.device, self.num_blocks, self.vocab_size = runner.device, runner.num_blocks, runner.vocab_size
         self.tp = runner.tp
         self._fault: str | None = None
@@ -183,7 +187,7 @@ class TensorParallelRunner:
 
     @classmethod
     def start(cls, model: str, size: int, *, device: str = "cpu", start_timeout_s: float = 300.0,
-              **runner_kwargs: Any) -> TensorParallelRunner:
+              max_num_batched_tokens: int = 2048, **runner_kwargs: Any) -> TensorParallelRunner:
         """Start ranks 1..size-1, join them as rank 0 and build every shard. ValueError when the model does not
         split `size` ways (before any process starts); TensorParallelFault when a rank dies or the group does
         not form within start_timeout_s."""
@@ -196,28 +200,36 @@ class TensorParallelRunner:
                              f"{torch.cuda.device_count()}")
         cpus = sorted(os.sched_getaffinity(0))
         threads = max(torch.get_num_threads() // size, 1)
+        shm = None
+        if not device.startswith("cuda"):  # room for the largest all-reduce (a step's hidden states) and gather
+            cfg = files.config
+            _, _, shard = vocab_shard(cfg.vocab_size, 0, size)
+            capacity = max(max_num_batched_tokens * cfg.hidden_size, runner_kwargs.get("max_num_seqs", 128) * shard)
+            shm = ShmComm.allocate(size, capacity)
         spec = RankSpec(model=model, size=size, address=f"tcp://127.0.0.1:{_free_port()}", device=device,
                         runner_kwargs=runner_kwargs, cpus=split_cpus(cpus, size), threads=threads,
-                        start_timeout_s=start_timeout_s)
+                        start_timeout_s=start_timeout_s, shm=shm)
         ctx = mp.get_context("spawn")
         procs = [ctx.Process(target=executor_main, args=(rank, spec), name=f"kvfleet-tp-rank{rank}", daemon=True)
                  for rank in range(1, size)]
         for p in procs:
             p.start()
         log.info("tensor parallel: %d ranks (%s), %d compute threads each%s", size,
-                 "nccl" if device.startswith("cuda") else "gloo", threads,
+                 "nccl" if shm is None else
+                 f"gloo; all-reduces through {shm[0].numel() * 4 / 2**20:.0f} MiB of shared memory", threads,
                  f", CPUs {spec.cpus}" if spec.cpus else "")
+        abort = threading.Event()
         started = time.monotonic()
         try:
             _bind(spec, 0)
-            runner = _build(spec, 0)
+            runner = _build(spec, 0, abort)
         except Exception as e:
             dead = [f"rank {r} exited with code {p.exitcode}" for r, p in enumerate(procs, 1) if not p.is_alive()]
             for p in procs:
                 p.kill()
             raise TensorParallelFault(f"the tensor-parallel group did not form ({'; '.join(dead) or e}) after "
                                       f"{time.monotonic() - started:.0f}s") from e
-        return cls(runner, procs)
+        return cls(runner, procs, abort)
 
     def paths(self) -> dict[str, str]:
         return self.runner.paths() | {"tensor parallel": f"{self.tp.size} ranks"}
@@ -261,6 +273,7 @@ class TensorParallelRunner:
             for rank, p in enumerate(self.procs, 1):
                 if not p.is_alive() and not self._closed:
                     self._fault = self._fault or f"rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
+                    self._abort.set()  # a collective waiting for it in shared memory gives up
                     log.critical("tensor parallel: %s; the engine cannot go on", self._fault)
                     return
             time.sleep(0.5)

@@ -185,3 +185,41 @@ def test_a_tensor_parallel_worker_drains_and_leaves_nothing_running(tiny_llama_d
         while any(os.path.exists(f"/proc/{p}") for p in executors) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not any(os.path.exists(f"/proc/{p}") for p in executors), "an executor outlived its worker"
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_shared_memory_collectives_across_processes(size):
+    """ShmComm between spawned processes (3 ranks on 2 cores too): every all-reduce equals the sum and every
+    all-gather the concatenation, over many rounds of changing sizes (its two buffers used in turn)."""
+    import torch.multiprocessing as mp
+    from shm_ranks import rank_main
+
+    from gpu_worker.executor.shm_comm import ShmComm
+
+    ctx = mp.get_context("spawn")
+    slots, counters = ShmComm.allocate(size, 1000)
+    results = ctx.Queue()
+    procs = [ctx.Process(target=rank_main, args=(r, size, slots, counters, 200, results)) for r in range(size)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert sorted(results.get(timeout=5) for _ in range(size)) == [(r, 200, "ok") for r in range(size)]
+
+
+def test_shared_memory_wait_gives_up_when_told():
+    """A collective waiting for a rank that will never come ends with ShmStalled once `abort` is set (rank 0's
+    watcher sets it when a rank dies), instead of spinning forever."""
+    import threading
+
+    import torch
+
+    from gpu_worker.executor.shm_comm import ShmComm, ShmStalled
+
+    abort = threading.Event()
+    comm = ShmComm(*ShmComm.allocate(2, 16), rank=0, size=2, abort=abort)
+    threading.Timer(0.3, abort.set).start()
+    started = time.monotonic()
+    with pytest.raises(ShmStalled, match="never reached collective 1"):
+        comm.all_reduce(torch.ones(4))
+    assert time.monotonic() - started < 5
