@@ -37,6 +37,7 @@ import torch.multiprocessing as mp
 from gpu_worker.core.sched_output import ScheduledSeq, SchedulerOutput
 from gpu_worker.executor.model_loader import load_model_files
 from gpu_worker.executor.model_runner import ModelRunner, RunnerFault
+from gpu_worker.executor.models.llama import decoder_arch
 from gpu_worker.executor.shm_comm import ShmComm
 from gpu_worker.executor.tp_group import TPGroup, cpu_group, init_cpu_group, vocab_shard
 
@@ -191,10 +192,8 @@ class TensorParallelRunner:
         """Start ranks 1..size-1, join them as rank 0 and build every shard. ValueError when the model does not
         split `size` ways (before any process starts); TensorParallelFault when a rank dies or the group does
         not form within start_timeout_s."""
-        from gpu_worker.executor.models.llama import _arch
-
         files = load_model_files(model)
-        _arch(files.config, TPGroup(rank=0, size=size))  # the divisibility checks, here and now
+        decoder_arch(files.config, TPGroup(rank=0, size=size))  # the divisibility checks, here and now
         if device.startswith("cuda") and torch.cuda.device_count() < size:
             raise ValueError(f"tensor_parallel_size {size} needs {size} GPUs; this machine has "
                              f"{torch.cuda.device_count()}")

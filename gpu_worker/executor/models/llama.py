@@ -107,7 +107,7 @@ class DecoderLayer(nn.Module):
         return self.tp.all_reduce(hidden), residual
 
 
-def _arch(config, tp: TPGroup = SINGLE) -> types.SimpleNamespace:
+def decoder_arch(config, tp: TPGroup = SINGLE) -> types.SimpleNamespace:
     """The few numbers the decoder needs, from any supported transformers config; heads, KV heads and the MLP
     size are this rank's (all of them without tensor parallelism)."""
     heads = config.num_attention_heads
@@ -133,7 +133,7 @@ class LlamaForCausalLM(nn.Module):
                  device: str | torch.device = "cpu", use_triton: bool | None = None, tp: TPGroup = SINGLE):
         super().__init__()
         self.config, self.tp = config, tp
-        self.arch = cfg = _arch(config, tp)
+        self.arch = cfg = decoder_arch(config, tp)
         self.ops = select_ops(torch.device(device), use_triton)
         self.vocab_first, _, shard = vocab_shard(cfg.vocab_size, tp.rank, tp.size)  # this rank's vocabulary rows
         self.embed = nn.Parameter(torch.empty(shard, cfg.hidden_size), requires_grad=False)
