@@ -144,19 +144,18 @@ class ModelRunner:
         the linear-layer calibration): for the start log and the benchmarks' reports."""
         ops, dtype, head_dim = self.model.ops, self.dtype, self.model.arch.head_dim
 
+        from gpu_worker.executor.ops.cpu import kernels
+
         def impl(fn) -> str:
             module = getattr(fn, "__module__", "")
             if module.endswith("native_ops"):
-                from gpu_worker.executor.ops.cpu import kernels
-
                 return f"native {kernels.isa()}"
             return "triton" if module.startswith("kernels") else "torch"
 
         attention = impl(ops.paged_attention)
         prefill = attention
-        if attention.startswith("native"):
-            prefill = (attention if "avx512" in attention and head_dim in (16, 32, 64, 128)
-                       else f"torch SDPA (no native kernel for head dim {head_dim} here)")
+        if attention.startswith("native") and not kernels.prefill_covers(head_dim):
+            prefill = f"torch SDPA (no native kernel for head dim {head_dim} here)"
         return {"linear": (self.linear_plan.describe(dtype) if self.linear_plan is not None
                            else "F.linear (torch)"),
                 "decode attention": attention, "prefill attention": prefill,

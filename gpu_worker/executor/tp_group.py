@@ -22,9 +22,11 @@ from gpu_worker.executor.shm_comm import ShmComm
 
 @dataclass(frozen=True)
 class TPGroup:
+    """This rank's place in the group; its collectives run on torch.distributed's default group (the forward's
+    backend), or through `shm` where it fits."""
+
     rank: int
     size: int
-    group: Any = None  # the torch.distributed group of the forward's collectives (None: the default group)
     shm: ShmComm | None = None  # CPU ranks of one machine: collectives through shared memory where they fit
 
     @property
@@ -38,10 +40,10 @@ class TPGroup:
         if self.size > 1:
             if x.dtype == torch.bfloat16 and x.device.type == "cpu":  # gloo sums bf16 slowly, or not at all
                 summed = x.float()
-                dist.all_reduce(summed, group=self.group)
+                dist.all_reduce(summed)
                 x.copy_(summed)
             else:
-                dist.all_reduce(x, group=self.group)
+                dist.all_reduce(x)
         return x
 
     def gather_vocab(self, x: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -51,7 +53,7 @@ class TPGroup:
         if self.shm is not None and x.device.type == "cpu" and self.shm.fits(x.numel()):
             return self.shm.all_gather(x)[:, :vocab_size]
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
+        dist.all_gather(parts, x.contiguous())
         return torch.cat(parts, dim=-1)[:, :vocab_size]
 
     def min_int(self, value: int) -> int:

@@ -213,7 +213,7 @@ async def aiter_output(r: aioredis.Redis, request_id: str, *, timeout_s: float =
         try:
             reply, kept = await r.xread(cursor.streams(), block=block_ms, count=256), None
             if cursor.should_check(bool(reply)):
-                kept = bool(await r.exists(cursor.stream)), bool(entry and await r.xrange(entry[0], entry[1], entry[1]))
+                kept = bool(await r.exists(cursor.stream)), bool(entry and await aentry_exists(r, *entry))
         except CONNECTION_ERRORS as e:
             await asyncio.sleep(cursor.failed(e))
             continue

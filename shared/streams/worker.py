@@ -354,11 +354,10 @@ def publish(r: redis.Redis, worker_id: str, *, output_ttl_s: float, chunks: Sequ
                                    int(c.seq % EXPIRE_EVERY == 0 or c.final)])
     rows["inboxes"] = [[plan.key(inbox), parts] for inbox, parts in boxes.items()]
     if requeued:
-        rows["any"] = plan.key(keys.REQ_ANY)
+        rows["any"], rows["moved"] = plan.key(keys.REQ_ANY), keys.MOVED_FIELD
     rows["requeued"] = [[plan.owner(ack), body(request.model_dump_json())]
                         + ([plan.key(request.reply_to), request.request_id] if request.reply_to else [])
                         for request, ack in requeued]
-    rows["moved"] = keys.MOVED_FIELD
     rows["acks"] = [[plan.owner(ack)] for ack in acks]
     for ack in held:
         plan.owner(ack)

@@ -28,12 +28,21 @@ def status(run_id: str) -> WorkerStatus:
                         run_id=run_id)
 
 
-def taken(r, rid: str) -> streams.Delivery:
+def taken(r, rid: str, reply_to: str | None = None) -> streams.Delivery:
     stream = keys.req_stream(W)
     streams.ensure_group(r, stream)
-    streams.enqueue(r, GenerationRequest(request_id=rid, prompt_token_ids=[1, 2]), W)
+    streams.enqueue(r, GenerationRequest(request_id=rid, prompt_token_ids=[1, 2], reply_to=reply_to), W)
     [d] = streams.read_requests(r, W, {stream: ">"}, count=1)
     return d
+
+
+@pytest.fixture
+def quick_silence_check(monkeypatch):
+    """A relay checks its request entry after 0.3 s without a chunk (10 s in service)."""
+    import gateway.inbox as inbox_module
+
+    monkeypatch.setattr(inbox_module, "SILENCE_CHECK_S", 0.3)
+    monkeypatch.setattr(inbox_module, "TICK_S", 0.1)
 
 
 def run(coro):
@@ -172,14 +181,11 @@ def test_a_later_run_under_the_same_id_fences_the_earlier_one(r):
                            run_id="run-1") == [d.ack]
 
 
-def test_a_relay_whose_entry_was_acked_without_its_final_chunk_is_lost(r, redis_url, monkeypatch):
+@pytest.mark.usefixtures("quick_silence_check")
+def test_a_relay_whose_entry_was_acked_without_its_final_chunk_is_lost(r, redis_url):
     """A final chunk dropped on its way (written while the inbox was missing), its entry acked: after
     SILENCE_CHECK_S without a chunk the relay finds the entry gone and ends with OutputLost (placed again);
     while the entry is there it waits."""
-    import gateway.inbox as inbox_module
-
-    monkeypatch.setattr(inbox_module, "SILENCE_CHECK_S", 0.3)
-    monkeypatch.setattr(inbox_module, "TICK_S", 0.1)
 
     async def main():
         ar = streams.connect_async(redis_url)
@@ -200,16 +206,13 @@ def test_a_relay_whose_entry_was_acked_without_its_final_chunk_is_lost(r, redis_
     run(main())
 
 
-def test_a_relay_follows_its_request_when_a_worker_moves_it(r, redis_url, monkeypatch):
+@pytest.mark.usefixtures("quick_silence_check")
+def test_a_relay_follows_its_request_when_a_worker_moves_it(r, redis_url):
     """A worker hands a gateway's request back to the shared queue (a drain), or forwards it to another worker:
     its old entry is acked and gone, and a `moved` entry in the gateway's inbox names the new one. Past
     SILENCE_CHECK_S without a chunk the relay checks the new entry, finds it, and keeps waiting (no OutputLost:
     placing it again would run it twice); the chunks of whoever runs it then reach it."""
-    import gateway.inbox as inbox_module
     from shared.streams.worker import forward
-
-    monkeypatch.setattr(inbox_module, "SILENCE_CHECK_S", 0.3)
-    monkeypatch.setattr(inbox_module, "TICK_S", 0.1)
 
     async def main():
         ar = streams.connect_async(redis_url)
@@ -218,19 +221,13 @@ def test_a_relay_follows_its_request_when_a_worker_moves_it(r, redis_url, monkey
         relays = {}
         for rid in ("handed", "forwarded"):
             inbox.open(rid)
-            stream = keys.req_stream(W)
-            streams.ensure_group(r, stream)
-            streams.enqueue(r, GenerationRequest(request_id=rid, prompt_token_ids=[1, 2], reply_to=inbox.key), W)
-            [d] = streams.read_requests(r, W, {stream: ">"}, count=1)
+            d = taken(r, rid, reply_to=inbox.key)
             relays[rid] = (asyncio.ensure_future(collect(inbox, rid, timeout_s=30, entry=(d.stream, d.entry_id))),
                            d)
         handed, forwarded = relays["handed"][1], relays["forwarded"][1]
-        request = GenerationRequest.model_validate_json(r.xrange(handed.stream, handed.entry_id, handed.entry_id)[0][1][
-            keys.FIELD])
-        assert streams.publish(r, W, output_ttl_s=60, requeued=[(request, handed.ack)], run_id="run-1") == []
-        request = GenerationRequest.model_validate_json(
-            r.xrange(forwarded.stream, forwarded.entry_id, forwarded.entry_id)[0][1][keys.FIELD])
-        forward(r, request, "w-other", forwarded.ack)
+        requeued = [(streams.parse_request(handed.fields), handed.ack)]
+        assert streams.publish(r, W, output_ttl_s=60, requeued=requeued, run_id="run-1") == []
+        forward(r, streams.parse_request(forwarded.fields), "w-other", forwarded.ack)
         assert r.xlen(handed.stream) == 0 and r.xlen(keys.REQ_ANY) == 1 and r.xlen(keys.req_stream("w-other")) == 1
         await asyncio.sleep(1.2)  # several silence checks
         assert not any(task.done() for task, _ in relays.values()), [t.exception() for t, _ in relays.values()

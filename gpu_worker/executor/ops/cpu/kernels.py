@@ -45,6 +45,7 @@ _RESTYPES = {"prefill_attention": ctypes.c_int}  # 1: done, 0: no kernel for thi
 # float32 only: the panel GEMM (kvf_gemm_available() is 0 where the CPU has no AVX2 + FMA)
 _GEMM_SIGNATURES = {
     "kvf_isa": ([], ctypes.c_int),
+    "kvf_prefill_covers": ([_I32], ctypes.c_int),
     "kvf_gemm_available": ([], ctypes.c_int),
     "kvf_gemm_packed_size": ([_I64, _I64], _I64),
     "kvf_gemm_pack_f32": ([_P, _I64, _I64, _P], None),
@@ -135,6 +136,12 @@ def isa() -> str:
     bits = lib.kvf_isa()
     names = [n for bit, n in ((2, "avx512"), (4, "avx512_bf16")) if bits & bit] or (["avx2"] if bits & 1 else [])
     return "+".join(names) or "scalar"
+
+
+def prefill_covers(head_dim: int) -> bool:
+    """Has the compiled library a native prefill attention kernel for this head dim (else torch's SDPA)?"""
+    lib = load()
+    return lib is not None and bool(lib.kvf_prefill_covers(head_dim))
 
 
 def as_index(t: torch.Tensor, dtype: torch.dtype = torch.int64) -> torch.Tensor:

@@ -904,11 +904,14 @@ bool prefill_attention(const T* q, const T* kc, const T* vc, const int32_t* tabl
     default: return false;
   }
 }
+// the head dims the switch above covers
+inline bool prefill_covers(int d) { return d == 16 || d == 32 || d == 64 || d == 128; }
 #else
 template <typename T>
 bool prefill_attention(const T*, const T*, const T*, const int32_t*, int, int, int, int, int, int, float, T*) {
   return false;
 }
+inline bool prefill_covers(int) { return false; }
 #endif
 
 // KV store: token t's key and value rows (width elements, row strides given) into slot slots[t]; -1 skips.
@@ -1071,6 +1074,8 @@ KVF_TYPED(bf16, uint16_t)
 // the float32 GEMM (AVX2 + FMA builds): 0 where it is not compiled in
 // The instruction sets this build's kernels use (-march=native on the CPU it was built for): 1 AVX2+FMA,
 // 2 AVX-512F, 4 AVX512_BF16 dot products; 0: scalar loops only.
+// Does this build have a native prefill attention kernel for head dim d (else: torch's SDPA)?
+int kvf_prefill_covers(int d) { return prefill_covers(d) ? 1 : 0; }
 int kvf_isa() {
   int isa = 0;
 #if defined(__AVX2__) && defined(__FMA__)
