@@ -154,8 +154,13 @@ def test_a_draining_worker_hands_back_what_it_has_not_started_at_once(fleet):
     r = streams.connect(fleet.redis.url)
     start(fleet, r, "w0", "--max-num-seqs", "1", "--drain-timeout", "60")
     rids = [f"drain-{i}" for i in range(4)]
+    # all four in one MULTI: w0's blocking read wakes once and takes them together (its backlog is
+    # max_num_seqs, 1: one at a time could leave some in the stream, never waiting in its scheduler)
+    streams.ensure_group(r, keys.req_stream("w0"))
+    pipe = r.pipeline(transaction=True)
     for i, rid in enumerate(rids):
-        put(r, "w0", rid, i, 300)
+        streams.enqueue_commands(pipe, request(rid, i, 300), "w0")
+    pipe.execute()
     fleet.wait_for(lambda: streams.read_all_chunks(r, rids[0]), what="the first request to start")
     fleet.wait_for(lambda: (s := streams.other_workers(r, "w1").get("w0")) and s.waiting == 3,
                    what="the other three to wait")
