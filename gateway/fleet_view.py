@@ -1,6 +1,6 @@
 """The fleet as one gateway sees it: read from Redis at most every `max_age_s`, one read shared by every
-request that asks meanwhile, instead of a read (SMEMBERS, then a GET and an HVALS per worker, and a JSON parse
-per status) for each request twice. Workers publish their status at most 20 times a second, so a view this
+request that asks meanwhile, instead of a read (each shard's SMEMBERS, then a GET and an HVALS per worker, and a
+JSON parse per status) for each request twice; the shards themselves every SHARDS_EVERY_S. Workers publish their status at most 20 times a second, so a view this
 young is as fresh as what Redis holds.
 
 What this gateway reserves between two reads it adds to the view itself (`reserved`), so a burst it places
@@ -18,6 +18,8 @@ from typing import Any
 from shared import streams
 from shared.fleet_state import FleetView
 
+SHARDS_EVERY_S = 1.0  # the shards workers live in change only when a worker first lives in a new one
+
 
 class FleetViews:
     def __init__(self, max_age_s: float):
@@ -25,6 +27,8 @@ class FleetViews:
         self._view: FleetView | None = None
         self._read_at = 0.0
         self._reading: asyncio.Future | None = None
+        self._shards: list[int] | None = None
+        self._shards_at = 0.0
 
     async def get(self, r: Any) -> FleetView:
         loop = asyncio.get_running_loop()
@@ -36,7 +40,10 @@ class FleetViews:
 
     async def _read(self, r: Any) -> FleetView:
         try:
-            view = await streams.aread_fleet(r)
+            now = asyncio.get_running_loop().time()
+            if self._shards is None or now - self._shards_at >= SHARDS_EVERY_S:
+                self._shards, self._shards_at = await streams.aread_shards(r), now
+            view = await streams.aread_fleet(r, self._shards)
             self._view, self._read_at = view, asyncio.get_running_loop().time()
             return view
         finally:

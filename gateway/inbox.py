@@ -1,7 +1,7 @@
-"""One gateway's output inbox (kvfleet:inbox:{gateway}, shared.streams): the workers write each flush's chunks
-for this gateway's requests as one entry (GenerationRequest.reply_to), and one reader task here reads them
-all, one blocking XREAD per flush however many requests are running (not one read per request), and hands
-each chunk to its request's mailbox, which that request's relay drains.
+"""One gateway's output inboxes (kvfleet:{s}:inbox:{gateway}, one per shard, shared.streams): the workers of a
+shard write each flush's chunks for this gateway's requests as one entry (GenerationRequest.reply_to), and one
+reader task per shard here reads them all, one blocking XREAD per flush however many requests are running (not
+one read per request), and hands each chunk to its request's mailbox, which that request's relay drains.
 
 A mailbox is opened before its request is enqueued (so no chunk can come before it) and closed when the relay
 ends; a chunk for a request without one (its relay ended, or it was placed again under another id) is
@@ -72,31 +72,56 @@ class Mailbox:
             self.waiter = None
 
 
+class _ShardInbox:
+    """Where the reader of one shard's inbox stands."""
+
+    def __init__(self, key: str):
+        self.key, self.cursor = key, "0-0"
+        self.down_since: float | None = None  # monotonic time its reads began failing
+        self.task: asyncio.Task | None = None
+
+
 class Inbox:
+    """The gateway's inboxes, one per shard its requests went to (shared.keys), each with its reader task:
+    on Redis Cluster each shard's blocking read waits on its own connection to its own master."""
+
     def __init__(self, r: Any, gateway_id: str, *, ttl_s: float, block_ms: int = 1000):
-        self.r, self.key, self.ttl_s, self.block_ms = r, keys.inbox(gateway_id), ttl_s, block_ms
+        self.r, self.gateway_id, self.ttl_s, self.block_ms = r, gateway_id, ttl_s, block_ms
         self.boxes: dict[str, Mailbox] = {}
-        self.cursor = "0-0"
-        self.down_since: float | None = None  # monotonic time the reads began failing
+        self.shards: dict[int, _ShardInbox] = {}
         self.dropped = 0  # chunks for requests with no mailbox
-        self._task: asyncio.Task | None = None
         self._closing = False
 
+    @property
+    def key(self) -> str:
+        """The inbox of shard 0 (an unsharded fleet's only one)."""
+        return keys.inbox(self.gateway_id, 0)
+
     async def start(self) -> None:
-        """Create the inbox and start reading it. Redis away: the reader creates it once it is back."""
+        """Create shard 0's inbox and start reading it (the others once a request goes there). Redis away: the
+        reader creates it once it is back."""
+        await self.read_shard(0)
+
+    async def read_shard(self, shard: int) -> None:
+        """Make sure shard's inbox exists and is read (before a request is enqueued there)."""
+        if shard in self.shards:
+            return
+        inbox = self.shards[shard] = _ShardInbox(keys.inbox(self.gateway_id, shard))
         try:
-            await streams.acreate_inbox(self.r, self.key, self.ttl_s)
+            await streams.acreate_inbox(self.r, inbox.key, self.ttl_s)
         except streams.RedisError as e:
-            log.warning("could not create the output inbox %s yet: %s", self.key, e)
-        self._task = asyncio.get_running_loop().create_task(self._read())
+            log.warning("could not create the output inbox %s yet: %s", inbox.key, e)
+        inbox.task = asyncio.get_running_loop().create_task(self._read(inbox))
 
     async def close(self) -> None:
         self._closing = True  # redis-py may turn the cancel of a blocking read into a ConnectionError
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        with contextlib.suppress(streams.RedisError):
-            await streams.adelete_inbox(self.r, self.key)
+        tasks = [inbox.task for inbox in self.shards.values() if inbox.task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for inbox in self.shards.values():
+            with contextlib.suppress(streams.RedisError):
+                await streams.adelete_inbox(self.r, inbox.key)
 
     def open(self, request_id: str) -> None:
         """Collect the request's chunks from now on (call before it is enqueued)."""
@@ -119,6 +144,7 @@ class Inbox:
             raise RuntimeError(f"no mailbox open for request {request_id}")
         box.dedup.last_seq = max(box.dedup.last_seq, after_seq)
         box.entry = box.entry or entry
+        shard = self.shards.get(keys.stream_shard(box.entry[0]) if box.entry else 0)
         deadline = time.monotonic() + timeout_s
         next_check = time.monotonic() + SILENCE_CHECK_S
         while True:
@@ -135,13 +161,14 @@ class Inbox:
                 raise streams.OutputLost(f"Redis lost request {request_id}: its lease vanished (Redis restarted "
                                          "without its data or was flushed, or the gateway stalled past the lease TTL)")
             now = time.monotonic()
-            if self.down_since is not None and now - self.down_since >= grace_s:
+            down_since = shard.down_since if shard is not None else None
+            if down_since is not None and now - down_since >= grace_s:
                 raise streams.RedisAway(f"lost the connection to Redis for more than {grace_s:g}s (redis_grace_s) "
                                         f"while reading the output of request {request_id}; retry the request once "
                                         "Redis is back")
             if now >= deadline:
                 raise streams.OutputTimeout(f"no output for request {request_id} in {timeout_s:g}s")
-            if box.entry is not None and now >= next_check and self.down_since is None:
+            if box.entry is not None and now >= next_check and down_since is None:
                 next_check = now + SILENCE_CHECK_S
                 if not await self._entry_alive(box.entry) and not box.items:
                     await box.wait(TICK_S)  # its last chunks may be on their way
@@ -158,27 +185,32 @@ class Inbox:
             return True  # unknown: the outage is handled on its own
 
     async def ensure(self) -> None:
-        """Trim what was read, push the expiry out, and create the inbox again if Redis lost it (before a
-        request is placed again: its chunks must not find it missing)."""
-        if not await streams.akeep_inbox(self.r, self.key, self.cursor, self.ttl_s):
-            log.warning("the output inbox %s was gone (Redis lost its data?): creating it again", self.key)
-            await streams.acreate_inbox(self.r, self.key, self.ttl_s)
+        """Trim what was read, push the expiry out, and create an inbox again if Redis lost it, in every shard
+        (before a request is placed again: its chunks must not find the inbox missing)."""
+        for inbox in list(self.shards.values()):
+            await self._keep(inbox)
 
-    async def _read(self) -> None:
+    async def _keep(self, inbox: _ShardInbox) -> None:
+        if not await streams.akeep_inbox(self.r, inbox.key, inbox.cursor, self.ttl_s):
+            log.warning("the output inbox %s was gone (Redis lost its data?): creating it again", inbox.key)
+            await streams.acreate_inbox(self.r, inbox.key, self.ttl_s)
+
+    async def _read(self, inbox: _ShardInbox) -> None:
         failures, next_keep = 0, time.monotonic() + KEEP_EVERY_S
         while not self._closing:
             try:
                 if time.monotonic() >= next_keep:
                     next_keep = time.monotonic() + KEEP_EVERY_S
-                    await self.ensure()
-                self.cursor, chunks, moves = await streams.aread_inbox(self.r, self.key, self.cursor,
-                                                                       block_ms=self.block_ms)
-                failures, self.down_since = 0, None
+                    await self._keep(inbox)
+                inbox.cursor, chunks, moves = await streams.aread_inbox(self.r, inbox.key, inbox.cursor,
+                                                                        block_ms=self.block_ms)
+                failures, inbox.down_since = 0, None
             except streams.RedisError as e:
                 failures, next_keep = failures + 1, 0.0  # once back, check at once that Redis kept the inbox
-                self.down_since = self.down_since or time.monotonic()
+                inbox.down_since = inbox.down_since or time.monotonic()
                 wait = min(0.05 * 2 ** (failures - 1), 1.0)
-                log.warning("reading the output inbox failed (%s: %s); retrying in %.2fs", type(e).__name__, e, wait)
+                log.warning("reading the output inbox %s failed (%s: %s); retrying in %.2fs", inbox.key,
+                            type(e).__name__, e, wait)
                 await asyncio.sleep(wait)
                 continue
             except Exception:  # noqa: BLE001 (the reader must not die: every relay waits on it)

@@ -1,4 +1,4 @@
-"""The leases one gateway holds on the requests it relays (kvfleet:lease:{request}, shared.streams.leases).
+"""The leases one gateway holds on the requests it relays (kvfleet:{s}:lease:{request}, shared.streams.leases).
 
 A lease is set by the enqueue itself (in the same Lua step, shared.streams.aenqueue_routed) and refreshed
 while the relay runs: one background task per gateway refreshes every lease it holds in one pipelined round
@@ -33,13 +33,15 @@ class Leases:
     def __init__(self, ttl_s: float, max_idle_s: float, read_out_ttl_s: float = 120.0):
         self.ttl_s, self.max_idle_s, self.read_out_ttl_s = ttl_s, max_idle_s, read_out_ttl_s
         self.held: dict[str, float] = {}  # request id -> loop time after which it is dropped unless touched
+        self.shards: dict[str, int] = {}  # request id -> the shard its lease is in
         self.lost: set[str] = set()  # held requests whose lease a refresh found gone
         self.read_out: list[str] = []  # output streams read to their end, to expire in read_out_ttl_s
         self._task: asyncio.Task | None = None
         self._r: Any = None
 
-    def hold(self, r: Any, request_id: str) -> None:
-        """Keep the request's lease (set by its enqueue) refreshed until released."""
+    def hold(self, r: Any, request_id: str, shard: int) -> None:
+        """Keep the request's lease (set by its enqueue, in `shard`) refreshed until released."""
+        self.shards[request_id] = shard
         self.touch(request_id)
         self._r = r
         self._run()
@@ -60,6 +62,7 @@ class Leases:
     def release(self, request_id: str) -> None:
         """Its relay ended: stop refreshing (the key expires within the TTL)."""
         self.held.pop(request_id, None)
+        self.shards.pop(request_id, None)
         self.lost.discard(request_id)
 
     def is_lost(self, request_id: str) -> bool:
@@ -80,9 +83,11 @@ class Leases:
             for rid in [rid for rid, until in self.held.items() if until < now]:
                 log.warning("lease on %s dropped: its relay did not touch it for %.0fs", rid, self.max_idle_s)
                 del self.held[rid]
+                self.shards.pop(rid, None)
             read_out, self.read_out = self.read_out, []
             try:
-                gone = await streams.ahold_leases(r, list(self.held), self.ttl_s, expire=read_out,
+                gone = await streams.ahold_leases(r, {rid: self.shards.get(rid, 0) for rid in self.held}, self.ttl_s,
+                                                  expire=read_out,
                                                   expire_s=self.read_out_ttl_s) & self.held.keys()
                 if gone:
                     log.warning("%d lease(s) were gone from Redis (lost with its data, or lapsed): %s",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +29,7 @@ from shared import keys, streams
 from shared import telemetry as t
 from shared.blocks import block_hashes, blocks_for, request_blocks
 from shared.fleet_state import FleetView
-from shared.messages import GenerationRequest, WorkerStatus
+from shared.messages import GenerationRequest, OutputChunk, WorkerStatus
 from shared.settings import Settings
 
 OPERATIONS = {"chatcmpl": "chat", "cmpl": "text_completion"}  # request id prefix -> gen_ai.operation.name
@@ -88,6 +89,12 @@ class Placement:
     worker_id: str | None  # None: the shared stream
     entry_id: str
     policy: str
+    shard: int = 0  # where its stream entry, lease and output are (shared.keys)
+
+    @property
+    def stream(self) -> str:
+        """The request stream it was enqueued on."""
+        return keys.req_any(self.shard) if self.worker_id is None else keys.req_stream(self.worker_id, self.shard)
 
 
 @dataclass
@@ -166,44 +173,61 @@ def replan(settings: Settings, sub: Submitted, request_id: str) -> Planned:
     return Planned(request, sub.target, _routing_blocks(settings, sub.target, request))
 
 
-async def place(state: GatewayState, planned: Planned) -> Submitted:
+async def place(state: GatewayState, planned: Planned, restore: list[OutputChunk] | None = None) -> Submitted:
     """Route, reserve and enqueue a built request (429 when the fleet is full). The caller holds
     state.admission: one placement at a time per gateway (or per FleetCaller). A gateway (state.leases set)
     has the enqueue set the request's lease: its relay keeps it, and the worker aborts the request once it
-    lapses; and it opens the request's mailbox in its inbox, which the workers write its output to."""
+    lapses; and it opens the request's mailbox in its inbox, which the workers write its output to. `restore`:
+    chunks a relay already gave its client (a request placed again), written into its output stream in the
+    shard it goes to before it is enqueued there, so that its worker resumes after them."""
     leases, inbox, rid = state.leases, state.inbox, planned.request.request_id
     planned.request.lease = leases is not None
     if inbox is not None:  # its output comes back batched with the gateway's other requests
-        planned.request.reply_to = inbox.key
+        planned.request.reply_to = inbox.gateway_id
         inbox.open(rid)
     try:
-        placement = await _route_and_enqueue(state, planned, None if leases is None else leases.ttl_s)
+        placement = await _route_and_enqueue(state, planned, None if leases is None else leases.ttl_s, restore)
     except BaseException:
         state.let_go(rid)
         raise
     if leases is not None:
-        leases.hold(state.redis, rid)
+        leases.hold(state.redis, rid, placement.shard)
     state.metrics.routed(placement.policy, placement.worker_id)
     sub = Submitted(planned.request.request_id, planned.target, planned.request, placement)
     annotate_request(sub)
     return sub
 
 
-async def _route_and_enqueue(state: GatewayState, planned: Planned, lease_ttl_s: float | None) -> Placement:
+async def _route_and_enqueue(state: GatewayState, planned: Planned, lease_ttl_s: float | None,
+                             restore: list[OutputChunk] | None) -> Placement:
     """Among the live workers that serve the request, route, reserve and enqueue, routing again (up to
     MAX_ROUTE_TRIES, without the workers that refused) when the worker filled up meanwhile or has
     `worker_queue_bound` requests waiting (every policy); when none can take it, the shared stream; 429 (with
     Retry-After) when that is over its bound. The Lua checks in shared.streams keep gateway replicas from
-    over-committing a worker."""
+    over-committing a worker. The request goes into the chosen worker's shard (the shared stream: a shard
+    some serving worker lives in)."""
     r, settings = state.redis, state.settings
     request, policy, routing_blocks = planned.request, settings.routing, planned.routing_blocks
     checks_room = policy in ("free_blocks", "prefix")
     refused: set[str] = set()
+    ready: set[int] = set()  # shards where its inbox is read and its restored output written
+
+    async def into(shard: int) -> None:
+        if shard not in ready:
+            ready.add(shard)
+            if state.inbox is not None:
+                await state.inbox.read_shard(shard)
+            if restore:
+                await streams.arestore_output(r, request.request_id, restore, settings.output_ttl_s, shard)
+
+    shards = [0]
     for _ in range(MAX_ROUTE_TRIES):
         with t.span("kvfleet.route", attributes={t.KVFLEET_ROUTING_POLICY: policy,
                                                  t.KVFLEET_KV_BLOCKS: routing_blocks}) as span:
             view = await read_view(state.views, r)
-            candidates = [w for w in view.serving(planned.serves) if w.worker_id not in refused]
+            serving = view.serving(planned.serves)
+            shards = sorted({w.shard for w in serving}) or [0]
+            candidates = [w for w in serving if w.worker_id not in refused]
             hashes: list[str] = []
             overlap: dict[str, int] = {}
             turn = 0
@@ -220,9 +244,11 @@ async def _route_and_enqueue(state: GatewayState, planned: Planned, lease_ttl_s:
         if worker is None:
             break
         request.kv_blocks = routing_blocks
-        with enqueue_span(request, keys.req_stream(worker)):
+        shard = next(w.shard for w in candidates if w.worker_id == worker)
+        await into(shard)
+        with enqueue_span(request, keys.req_stream(worker, shard)):
             entry_id = await streams.aenqueue_routed(
-                r, request, worker, min_headroom=settings.reserve_blocks if checks_room else None,
+                r, request, worker, shard, min_headroom=settings.reserve_blocks if checks_room else None,
                 queue_bound=settings.worker_queue_bound, reservation_ttl_s=settings.reservation_ttl_s,
                 lease_ttl_s=lease_ttl_s)
         if entry_id is not None:
@@ -230,11 +256,14 @@ async def _route_and_enqueue(state: GatewayState, planned: Planned, lease_ttl_s:
                 state.views.reserved(worker, routing_blocks)
             if hashes:
                 await streams.aremember_prefix(r, hashes, worker)
-            return Placement(worker, entry_id, policy)
+            return Placement(worker, entry_id, policy, shard)
         refused.add(worker)
     request.kv_blocks = 0
-    with enqueue_span(request, keys.REQ_ANY) as span:
-        entry_id = await streams.aenqueue_shared(r, request, bound=settings.queue_bound, lease_ttl_s=lease_ttl_s)
+    shard = shards[zlib.crc32(request.request_id.encode()) % len(shards)]
+    await into(shard)
+    with enqueue_span(request, keys.req_any(shard)) as span:
+        entry_id = await streams.aenqueue_shared(r, request, shard, bound=settings.queue_bound,
+                                                 lease_ttl_s=lease_ttl_s)
         if entry_id is None:
             t.set_error(span, "shared queue full")
     if entry_id is None:
@@ -243,7 +272,7 @@ async def _route_and_enqueue(state: GatewayState, planned: Planned, lease_ttl_s:
                  f"fewer than {settings.worker_queue_bound} requests waiting) and {settings.queue_bound} requests "
                  "already wait in the shared queue; retry later",
             code="fleet_overloaded", headers={"Retry-After": str(settings.retry_after_s)})
-    return Placement(None, entry_id, policy)
+    return Placement(None, entry_id, policy, shard)
 
 
 async def submit(state: GatewayState, target: Target, prepared: Prepared, *, id_prefix: str) -> Batch:

@@ -83,7 +83,7 @@ async def relay(state: GatewayState, sub: Submitted, disconnected: Any = None) -
                 log.warning("request %s: %s; placing it again", sub.request_id, e)
             sub = await _place_again(state, sub, relayed, redis_lost + worker_lost)
             if relayed:
-                restored.append(keys.out_stream(sub.request_id))
+                restored.append(keys.out_stream(sub.request_id, sub.placement.shard))
     except streams.OutputTimeout:
         raise APIError(504, f"no output within {settings.request_timeout_s:g}s; the request was cancelled",
                        code="timeout") from None
@@ -109,28 +109,27 @@ async def relay(state: GatewayState, sub: Submitted, disconnected: Any = None) -
 def _chunks(state: GatewayState, sub: Submitted, after_seq: int) -> AsyncIterator[OutputChunk]:
     settings, where, leases = state.settings, sub.placement, state.leases
     lost = (lambda: leases.is_lost(sub.request_id)) if leases is not None else None
-    entry = (keys.req_stream(where.worker_id) if where.worker_id else keys.REQ_ANY, where.entry_id)
+    entry = (where.stream, where.entry_id)
     if state.inbox is not None:
         return state.inbox.chunks(sub.request_id, timeout_s=settings.request_timeout_s,
                                   grace_s=settings.redis_grace_s, lost=lost, after_seq=after_seq, entry=entry)
-    return streams.aiter_output(state.redis, sub.request_id, timeout_s=settings.request_timeout_s,
+    return streams.aiter_output(state.redis, sub.request_id, where.shard, timeout_s=settings.request_timeout_s,
                                 expire_after_s=settings.output_ttl_after_read_s, grace_s=settings.redis_grace_s,
                                 entry=entry, after_seq=after_seq, lost=lost,
                                 expire_later=leases.expire_later if leases is not None else None)
 
 
 async def _place_again(state: GatewayState, sub: Submitted, relayed: list[OutputChunk], n: int) -> Submitted:
-    """Redis lost `sub`, or its worker: cancel it (a worker may still run it), write the chunks relayed so far
-    into the output stream of a new request id, and place that one (one attempt later, so its worker resumes)."""
+    """Redis lost `sub`, or its worker: cancel it (a worker may still run it), and place it again under a new
+    request id with the chunks relayed so far restored into its output stream (one attempt later, so its
+    worker resumes after them)."""
     state.let_go(sub.request_id)
     await _cancel(state, sub.request_id)
     if state.inbox is not None:
         await state.inbox.ensure()
     planned = replan(state.settings, sub, f"{sub.request_id.split('~')[0]}~{n}")
-    if relayed:
-        await streams.arestore_output(state.redis, planned.request.request_id, relayed, state.settings.output_ttl_s)
     async with state.admission:
-        again = await place(state, planned)
+        again = await place(state, planned, restore=relayed)
     state.metrics.replaced.inc()
     span = trace.get_current_span()
     if span.is_recording():

@@ -28,13 +28,20 @@ from services.call_errors import FleetUnavailable, InvalidRequest
 from services.fleet_calls import FleetCaller
 from services.loop_thread import LoopThread
 from shared import streams, telemetry
-from shared.settings import Settings, hf_offline
+from shared.settings import Settings, hf_offline, redacted_url
 
 SETTINGS = Settings.from_env()
 
 
 def configure(app: Celery, settings: Settings) -> None:
-    """Broker and result backend on Redis (the fleet's, by default) and the delivery guarantees above."""
+    """Broker and result backend on Redis (the fleet's, by default) and the delivery guarantees above. Celery's
+    Redis transport (kombu) speaks to one server: a fleet on Redis Cluster needs a broker of its own."""
+    for name, url in (("KVFLEET_CELERY_BROKER_URL", settings.broker_url),
+                      ("KVFLEET_CELERY_RESULT_BACKEND", settings.result_backend)):
+        if streams.cluster_url(url) is not None:
+            raise ValueError(f"{name} is a Redis Cluster ({redacted_url(url)}): Celery's Redis broker and result "
+                             f"backend need one server; set {name} to a plain redis:// URL (the fleet itself stays "
+                             "on the cluster)")
     vt = settings.celery_visibility_timeout_s
     app.conf.update(
         broker_url=settings.broker_url,

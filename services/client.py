@@ -101,9 +101,10 @@ class Handle:
         s = self._client.settings
         r = streams.connect_async(s.redis_url)  # on the caller's event loop
         try:
-            if self._gone(await streams.aoutput_exists(r, self.request_id)):
+            if self._gone(await streams.aoutput_exists(r, self.request_id, self._call.info.shard)):
                 return
-            async for chunk in streams.aiter_output(r, self.request_id, timeout_s=s.request_timeout_s,
+            async for chunk in streams.aiter_output(r, self.request_id, self._call.info.shard,
+                                                    timeout_s=s.request_timeout_s,
                                                     expire_after_s=s.output_ttl_s, grace_s=s.redis_grace_s):
                 yield chunk
         finally:
@@ -112,7 +113,7 @@ class Handle:
     def __iter__(self) -> Iterator[OutputChunk]:
         """The same chunks for synchronous code."""
         s, r = self._client.settings, self._client._redis
-        if self._gone(streams.output_exists(r, self.request_id)):
+        if self._gone(streams.output_exists(r, self.request_id, self._call.info.shard)):
             return iter(())
-        return streams.iter_output(r, self.request_id, timeout_s=s.request_timeout_s, expire_after_s=s.output_ttl_s,
-                                   grace_s=s.redis_grace_s)
+        return streams.iter_output(r, self.request_id, self._call.info.shard, timeout_s=s.request_timeout_s,
+                                   expire_after_s=s.output_ttl_s, grace_s=s.redis_grace_s)

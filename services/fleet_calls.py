@@ -60,6 +60,7 @@ class CallInfo:
     request: dict[str, Any]  # the GenerationRequest as enqueued (JSON)
     echo: bool = False
     logprobs: int | None = None  # completion: logprobs; chat: top_logprobs; None: off
+    shard: int = 0  # where it was enqueued (shared.keys): its output stream is there
 
 
 @dataclass
@@ -162,7 +163,7 @@ class FleetCaller:
             call.result = merge_completions(call.request_id, bodies).model_dump(mode="json")
             return call.result
         info, s = call.info, self.settings
-        chunks = streams.aiter_output(self.redis, call.request_id, timeout_s=s.request_timeout_s,
+        chunks = streams.aiter_output(self.redis, call.request_id, info.shard, timeout_s=s.request_timeout_s,
                                       expire_after_s=s.output_ttl_s,  # job_record.finish shortens it
                                       grace_s=s.redis_grace_s)  # then RedisAway/OutputLost: Celery retries
         sub = await self._submitted(call)
@@ -178,8 +179,9 @@ class FleetCaller:
             raise GenerationFailed(f"no output for request {call.request_id} in {s.request_timeout_s:g}s; it was "
                                    "cancelled", 504, None, "timeout") from None
         call.result = body.model_dump(mode="json")
-        await job_record.finish(self.redis, call.request_id, asdict(info), call.result, ttl_s=s.job_ttl_s,
-                                output_ttl_s=s.output_ttl_after_read_s, request_hash=call.request_hash)
+        await job_record.finish(self.redis, call.request_id, info.shard, asdict(info), call.result,
+                                ttl_s=s.job_ttl_s, output_ttl_s=s.output_ttl_after_read_s,
+                                request_hash=call.request_hash)
         return call.result
 
     async def cancel(self, request_id: str) -> None:
@@ -217,15 +219,18 @@ class FleetCaller:
                 claimed = await job_record.claim(r, rid, ttl_s=s.job_ttl_s, lease_s=s.job_lease_s,
                                                  request_hash=digest)
                 if claimed.outcome is not Claim.HELD:
-                    if claimed.outcome is Claim.FRESH or not await streams.arequest_in_fleet(r, rid):
+                    found = None if claimed.outcome is Claim.FRESH else await streams.arequest_in_fleet(r, rid)
+                    if found is None:
                         try:
-                            await place(self.gateway, planned)
+                            info.shard = (await place(self.gateway, planned)).placement.shard
                         except APIError:  # refused before anything was enqueued (429): a retry may place it
                             await job_record.release(r, rid, claimed.lease)
                             raise
                     elif claimed.held is not None and not claimed.held.same_request(digest):
                         await job_record.release(r, rid, claimed.lease)  # the dead attempt enqueued another body
                         check_same_request(rid, claimed.held, digest)
+                    else:
+                        info.shard = found
                     await job_record.promote(r, rid, claimed.lease, asdict(info), ttl_s=s.job_ttl_s)
                     return Call(rid, info, request_hash=digest)
             rec = claimed.held
@@ -241,7 +246,7 @@ class FleetCaller:
         target = Target(model=info.model, workers=[], view=FleetView(), tokenizer=tok, max_model_len=0,
                         block_size=0, max_total_blocks=0)
         return Submitted(call.request_id, target, GenerationRequest.model_validate(info.request),
-                         Placement(None, "", ""))
+                         Placement(None, "", "", info.shard))
 
 
 def _attached(rid: str, rec: job_record.Record, digest: str) -> Call:

@@ -90,13 +90,13 @@ async def release(r: Any, request_id: str, lease: str) -> None:
     await streams.areplace_job(r, request_id, lease, "")
 
 
-async def finish(r: Any, request_id: str, call: dict[str, Any], result: dict[str, Any], *, ttl_s: float,
-                 output_ttl_s: float, request_hash: str = "") -> None:
+async def finish(r: Any, request_id: str, shard: int, call: dict[str, Any], result: dict[str, Any], *,
+                 ttl_s: float, output_ttl_s: float, request_hash: str = "") -> None:
     """Store the finished body; the output stream is no longer needed past `output_ttl_s`. The request itself
     is dropped from `call`: the body answers every later attempt, and the record lives `ttl_s` (a day)."""
     rec = Record(state="done", since=time.time(), call=dict(call, request={}), result=result,
                  request_hash=request_hash)
-    await streams.afinish_job(r, request_id, rec.dumps(), ttl_s=ttl_s, output_ttl_s=output_ttl_s)
+    await streams.afinish_job(r, request_id, shard, rec.dumps(), ttl_s=ttl_s, output_ttl_s=output_ttl_s)
 
 
 async def wait_placed(r: Any, request_id: str, *, lease_s: float = LEASE_S, poll_s: float = 0.05) -> Record | None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from typing import IO
 
 from gpu_worker.serve.worker_cmd import cpu_list
 from services import private_redis
+from services.redis_cluster import RedisCluster
 from services.supervisor import REDIS_POLICY, ChildRestarts, exit_reason
 from shared.settings import Settings, child_env, is_set, redacted_url
 
@@ -46,7 +48,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gateways", type=int, default=1,
                    help="gateway replicas, on --port, --port+1, ... (each a process of its own, as Kubernetes "
                    "runs replicas behind a Service; put a load balancer in front, or spread clients over them)")
-    p.add_argument("--redis-url", help="use this Redis instead of starting a private one")
+    p.add_argument("--redis-url", help="use this Redis instead of starting a private one (a Redis Cluster: "
+                   "redis+cluster://HOST:PORT, any one of its nodes)")
+    p.add_argument("--redis-cluster", type=int, metavar="MASTERS",
+                   help="start a private Redis Cluster of this many masters instead of one private Redis (in "
+                   "temporary directories, without persistence: to try or measure sharding)")
+    p.add_argument("--redis-shards", type=int, help="shards of the fleet's keys (env KVFLEET_REDIS_SHARDS; default "
+                   "1, or 4 per master with --redis-cluster)")
     p.add_argument("--data-dir", help="AOF directory of the private Redis; `kvfleet up` on the same one resumes "
                    "queued work (default ~/.local/share/kvfleet/redis-<port>)")
     p.add_argument("--redis-maxmemory", default=private_redis.DEFAULT_MAXMEMORY,
@@ -227,15 +235,31 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--workers must be >= 1")
     if args.gateways < 1:
         raise SystemExit(f"--gateways must be >= 1, got {args.gateways}")
-    settings = Settings.from_env(redis_url=args.redis_url, model=args.model, api_keys=args.api_keys)
+    if args.redis_cluster is not None and (args.redis_cluster < 1 or args.redis_url is not None):
+        raise SystemExit("--redis-cluster takes a number of masters >= 1, and no --redis-url")
+    shards = args.redis_shards or (4 * args.redis_cluster if args.redis_cluster else None)
+    if shards is not None and shards < 1:
+        raise SystemExit(f"--redis-shards must be >= 1, got {shards}")
+    settings = Settings.from_env(redis_url=args.redis_url, model=args.model, api_keys=args.api_keys,
+                                 redis_shards=shards)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
     signal.signal(signal.SIGINT, lambda *_: stopping.append(1))
-    redis_server = None
+    redis_server, redis_cluster = None, None
     children: list[Child] = []
     code = 0
     try:
-        if args.redis_url is None and not is_set("redis_url"):
+        if args.redis_cluster:
+            try:
+                redis_cluster = RedisCluster(args.redis_cluster, password=secrets.token_urlsafe(24)).start()
+            except (RuntimeError, OSError) as e:
+                say(f"cannot start the private Redis Cluster: {e}", err=True)
+                return 1
+            settings = settings.with_overrides(redis_url=redis_cluster.url)
+            say(f"private Redis Cluster: {args.redis_cluster} masters on 127.0.0.1 ports "
+                f"{', '.join(map(str, redis_cluster.ports))} (pids {', '.join(map(str, redis_cluster.pids))}), "
+                f"no persistence; the fleet's keys in {settings.redis_shards} shards")
+        elif args.redis_url is None and not is_set("redis_url"):
             data_dir = args.data_dir or private_redis.default_data_dir(args.port)
             try:
                 redis_server = private_redis.start(data_dir, args.redis_maxmemory)
@@ -245,7 +269,8 @@ def run(args: argparse.Namespace) -> int:
             settings = settings.with_overrides(redis_url=redis_server.url)
             say(private_redis.describe(redis_server))
         env = _child_env(settings)
-        for name, cmd in fleet_commands(args, settings, private=redis_server is not None):
+        env["KVFLEET_REDIS_SHARDS"] = str(settings.redis_shards)
+        for name, cmd in fleet_commands(args, settings, private=redis_server is not None or redis_cluster is not None):
             children.append(Child(name, cmd, env, ChildRestarts()))
             children[-1].start()
         gateways, workers = children[:args.gateways], children[args.gateways:]
@@ -286,4 +311,6 @@ def run(args: argparse.Namespace) -> int:
             c.join()
         if redis_server is not None:
             private_redis.stop(redis_server)
+        if redis_cluster is not None:
+            redis_cluster.stop()
         say("stopped")

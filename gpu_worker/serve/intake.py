@@ -11,10 +11,10 @@ Requests come from, in order of preference:
      its gateway's inbox, goes back to that gateway instead, which places it again: `_back_to_gateway`). Each
      claim bumps the entry's delivery count: the new owner token, which fences the old owner's writes out
      (shared.streams.worker);
-  3. its own stream kvfleet:req:{worker} (the router's choice), and new entries on dead workers' own streams,
+  3. its own stream kvfleet:{s}:req:{worker} (the router's choice), and new entries on dead workers' own streams,
      while its backlog is short;
   4. when it has room (nothing waiting, free blocks to spare, and everything it took already accounted), the
-     oldest untaken request of the shared stream kvfleet:req:any, if it fits its free blocks (or it is idle);
+     oldest untaken request of the shared stream kvfleet:{s}:req:any, if it fits its free blocks (or it is idle);
      else it stays, in order, for a worker with more room.
 A request delivered more than `max_deliveries` times goes to kvfleet:dead and its reader gets an error; one
 its whole cache cannot hold is forwarded to the live worker with room that can. So does an entry that cannot
@@ -90,7 +90,8 @@ class Intake:
         self.leased = leased  # the request ids the worker holds that carry a lease
         self._next_lease_check = 0.0
         self._lease_gone: dict[str, float] = {}  # request id -> when its lease was first seen gone
-        self.own = keys.req_stream(worker_id)
+        self.shard = settings.worker_shard  # every stream and key it reads or writes is in its shard
+        self.own, self.shared = keys.req_stream(worker_id, self.shard), keys.req_any(self.shard)
         self._stop = threading.Event()
         self._dead: list[str] = []
         self._next_scan = 0.0
@@ -102,9 +103,10 @@ class Intake:
 
     def start(self) -> Intake:
         streams.ensure_group(self.r, self.own)
-        streams.ensure_group(self.r, keys.REQ_ANY)
+        streams.ensure_group(self.r, self.shared)
+        streams.register_shard(self.r, self.shard)
         self._cancel_from = streams.cancel_cursor(self.r)
-        for owner_stream in (self.own, keys.REQ_ANY):  # what a previous run under this id left pending
+        for owner_stream in (self.own, self.shared):  # what a previous run under this id left pending
             self._claim(owner_stream, self.worker_id, min_idle_ms=0)
         for t in self._threads:
             t.start()
@@ -149,10 +151,11 @@ class Intake:
 
     def _regroup(self) -> None:
         """Redis lost the consumer groups: create them (and their streams) again, forget the dead workers it
-        no longer knows, and have the worker re-register (status, kvfleet:workers) at once."""
+        no longer knows, and have the worker re-register (status, its shard's workers set) at once."""
         log.warning("the consumer groups are gone (Redis restarted without its data?): creating them again")
         streams.ensure_group(self.r, self.own)
-        streams.ensure_group(self.r, keys.REQ_ANY)
+        streams.ensure_group(self.r, self.shared)
+        streams.register_shard(self.r, self.shard)
         self._dead, self._next_scan = [], 0.0
         if self.on_regroup is not None:
             self.on_regroup()
@@ -185,7 +188,7 @@ class Intake:
         want: dict[str, str] = {}
         if room.own_backlog:  # its own stream, and the new entries on dead workers' streams like its own
             want[self.own] = ">"
-            want.update({keys.req_stream(d): ">" for d in self._dead})
+            want.update({keys.req_stream(d, self.shard): ">" for d in self._dead})
         if not want:
             time.sleep(0.02)
             return
@@ -199,7 +202,7 @@ class Intake:
     def _take_shared_head(self, room: Room) -> bool:
         """Take the oldest untaken request of the shared stream if it fits the free blocks now (or this
         worker is idle); otherwise leave it, in order, for a worker with more room."""
-        head = streams.shared_head(self.r)
+        head = streams.shared_head(self.r, self.shard)
         wait_ms = SPARE_READ_BLOCK_MS if head is not None else READ_BLOCK_MS
         self._next_shared_look = time.monotonic() + wait_ms / 1000
         if head is None:
@@ -214,7 +217,7 @@ class Intake:
             need = 0  # malformed: take it, so _take dead-letters it
         if not room.idle and need > room.available_blocks - self.settings.reserve_blocks:
             return False
-        taken = streams.read_requests(self.r, self.worker_id, {keys.REQ_ANY: ">"}, count=1)
+        taken = streams.read_requests(self.r, self.worker_id, {self.shared: ">"}, count=1)
         for d in taken:
             self._take(d)
         if taken:
@@ -222,10 +225,10 @@ class Intake:
         return bool(taken)
 
     def _scan_dead(self) -> None:
-        """Find workers whose status expired; forget those that left nothing behind."""
-        self._dead = [w for w, s in streams.other_workers(self.r, self.worker_id).items() if s is None]
+        """Find the shard's workers whose status expired; forget those that left nothing behind."""
+        self._dead = [w for w, s in streams.other_workers(self.r, self.worker_id, self.shard).items() if s is None]
         for dead in list(self._dead):
-            if streams.prune_dead_worker(self.r, dead):
+            if streams.prune_dead_worker(self.r, dead, self.shard):
                 log.info("forgot dead worker %s", dead)
                 self._dead.remove(dead)
 
@@ -233,7 +236,7 @@ class Intake:
         """Claim everything dead workers left pending, whether or not this worker has room (the engine queues
         what it cannot run yet); their output so far seeds each Job."""
         return sum(self._claim(stream, dead, min_idle_ms=CLAIM_MIN_IDLE_MS)
-                   for dead in self._dead for stream in (keys.req_stream(dead), keys.REQ_ANY))
+                   for dead in self._dead for stream in (keys.req_stream(dead, self.shard), self.shared))
 
     def _claim(self, stream: str, owner: str, *, min_idle_ms: int) -> int:
         """Claim every entry `owner` left pending on `stream`, page by page, and take each."""
@@ -287,7 +290,7 @@ class Intake:
             self._back_to_gateway(job)
             return
         if d.deliveries > 1 or request.attempt > 0:
-            job.resume_from(streams.read_all_chunks(self.r, request.request_id))
+            job.resume_from(streams.read_all_chunks(self.r, request.request_id, self.shard))
         if job.done:
             streams.ack_and_delete(self.r, d.ack)
             return
@@ -308,16 +311,18 @@ class Intake:
 
     def _forward(self, job: Job, need: int) -> None:
         """This worker's whole cache cannot hold the request (it came from the shared stream, or a dead
-        worker's): pass it straight to the live worker with the largest cache that can, or fail it."""
-        able = [w for w in streams.other_workers(self.r, self.worker_id).values()
+        worker's): pass it straight to the live worker of the shard with the largest cache that can, or fail it
+        (a request never leaves its shard: its lease and output are there)."""
+        able = [w for w in streams.other_workers(self.r, self.worker_id, self.shard).values()
                 if w is not None and not w.draining and w.total_blocks >= need]
         if not able:
             self._finish(job, error=ChunkError(kind="invalid_request", message=(
-                f"the request needs {need} KV blocks and no live worker's cache holds that many")))
+                f"the request needs {need} KV blocks and no live worker's cache (of shard {self.shard}) holds "
+                "that many")))
             return
         target = max(able, key=lambda w: (w.free_blocks, w.total_blocks)).worker_id
         log.info("request %s needs %d blocks > this cache: forwarded to %s", job.request_id, need, target)
-        streams.forward(self.r, requeue(job.request), target, job.ack)
+        streams.forward(self.r, requeue(job.request), target, job.ack, self.shard)
 
     def _back_to_gateway(self, job: Job) -> None:
         """A gateway's request taken over from a worker that died (or a drained one): its output so far is in
@@ -335,7 +340,8 @@ class Intake:
         chunk = tracker.final_chunk(job, **kw)
         rid, reply_to = job.request_id, job.request.reply_to
         streams.publish(self.r, self.worker_id, output_ttl_s=self.settings.output_ttl_s, chunks=[chunk],
-                        acks=[job.ack], owners={rid: job.ack}, reply_to={rid: reply_to} if reply_to else None)
+                        acks=[job.ack], owners={rid: job.ack}, reply_to={rid: reply_to} if reply_to else None,
+                        shard=self.shard)
 
     def _dead_letter(self, job: Job, reason: str, kind: ErrorKind = "dead_letter") -> None:
         log.error("request %s -> %s: %s", job.request_id, keys.DEAD, reason)
@@ -369,7 +375,7 @@ class Intake:
     def _check_leases(self, request_ids: list[str]) -> None:
         """Cancel the requests whose lease is gone and stayed gone for LEASE_CONFIRM_S (one MGET)."""
         try:
-            alive = streams.leases_alive(self.r, request_ids)
+            alive = streams.leases_alive(self.r, request_ids, self.shard)
         except streams.RedisError:
             self._lease_gone.clear()  # what was seen before the outage proves nothing after it
             raise

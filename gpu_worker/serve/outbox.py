@@ -46,7 +46,7 @@ class HandBack:
 class _Batch:
     chunks: list[OutputChunk] = field(default_factory=list)
     owners: dict[str, streams.Ack] = field(default_factory=dict)  # request id -> the delivery its chunks need
-    reply_to: dict[str, str] = field(default_factory=dict)  # request id -> the gateway inbox its chunks go to
+    reply_to: dict[str, str] = field(default_factory=dict)  # request id -> the gateway whose inbox its chunks go to
     acks: list[streams.Ack] = field(default_factory=list)
     handbacks: list[HandBack] = field(default_factory=list)
     taken: list[str] = field(default_factory=list)  # request ids whose reservation the status now covers
@@ -83,8 +83,8 @@ class Outbox:
     def send(self, chunks: list[OutputChunk], ack: streams.Ack | None = None,
              dead_letter: DeadLetter | None = None, *, owner: streams.Ack | None = None,
              reply_to: str | None = None) -> None:
-        """Write `chunks` (into the `reply_to` inbox, else their request's own stream) under `owner` (default:
-        `ack`, the delivery they finish), then the ack. Writes for a delivery this worker no longer owns are
+        """Write `chunks` (into the `reply_to` gateway's inbox, else their request's own stream) under `owner`
+        (default: `ack`, the delivery they finish), then the ack. Writes for a delivery this worker no longer owns are
         refused; its request id then comes out of `lost`."""
         owner = owner or ack
         owners = {c.request_id: owner for c in chunks} if owner is not None else {}
@@ -113,7 +113,7 @@ class Outbox:
         self._thread.join(timeout_s)
         if remove_status:
             try:
-                streams.remove_status(self.r, self.worker_id)
+                streams.remove_status(self.r, self.worker_id, self.settings.worker_shard)
             except streams.RedisError as e:
                 log.warning("could not remove status: %s", e)
 
@@ -201,7 +201,8 @@ class Outbox:
         """One script (streams.publish); if it fails with an error that is not Redis's (something in the batch cannot be
         written), each chunk alone, dropping only those that cannot be written, then the rest."""
         publish = functools.partial(streams.publish, self.r, self.worker_id, output_ttl_s=self.settings.output_ttl_s,
-                                    status_ttl_s=self.settings.status_ttl_s, run_id=self.run_id)
+                                    status_ttl_s=self.settings.status_ttl_s, run_id=self.run_id,
+                                    shard=self.settings.worker_shard)
         self._drop_fenced_out(batch)
         held = self.held() if status is not None else {}
         rest = dict(requeued=[(hb.request, hb.ack) for hb in batch.handbacks], status=status, taken=batch.taken,

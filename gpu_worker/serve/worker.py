@@ -188,7 +188,7 @@ class Worker:
             self._fail(job, str(e), kind="invalid_request")
             return
         except RequestRejected as e:  # it does not fit this worker
-            if job.stream != keys.req_stream(self.worker_id) and req.attempt + 1 < self.settings.max_deliveries:
+            if job.stream != keys.req_stream(self.worker_id, self.settings.worker_shard) and req.attempt + 1 < self.settings.max_deliveries:
                 self.tracker.pop(rid)  # another worker may have the room this one lacks
                 self.telemetry.ended(rid, f"handed back: {e}")
                 self.outbox.hand_back(requeue(req), job.ack)
@@ -300,7 +300,7 @@ class Worker:
             promised_blocks=self.tracker.promised_blocks(self.engine.block_size,
                                                          self.settings.route_max_output_tokens), running=stats.num_running, waiting=stats.num_waiting,
             num_preemptions=stats.num_preemptions, num_finished=self.num_finished, pid=os.getpid(), host=socket.gethostname(),
-            started_at=self.started_at, run_id=self.run_id, draining=self.draining, restarts=self.settings.restarts,
+            started_at=self.started_at, run_id=self.run_id, shard=self.settings.worker_shard, draining=self.draining, restarts=self.settings.restarts,
             simulated=self.simulated,
             **self.metrics.recent())
 

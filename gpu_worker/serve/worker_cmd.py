@@ -63,7 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", help="Redis URL (redis://, rediss://, with password); env KVFLEET_REDIS_URL")
     p.add_argument("--model", help="HF directory, .gguf file or the default alias; env KVFLEET_MODEL")
     p.add_argument("--served-model-name", help="the name clients use (default: the engine's model name)")
-    p.add_argument("--worker-id", help="stable id (its stream is kvfleet:req:ID); default host-pid")
+    p.add_argument("--worker-id", help="stable id (its stream is kvfleet:{sN}:req:ID, N its shard); default host-pid")
     p.add_argument("--num-kv-blocks", type=int, help="KV cache size in blocks")
     p.add_argument("--kv-cache-memory", help="KV cache size in memory, e.g. 2GiB (instead of --num-kv-blocks)")
     p.add_argument("--block-size", type=int, help='tokens per KV-cache block (default 16; simulated: its profile\'s)')
@@ -149,6 +149,10 @@ def run(args: argparse.Namespace) -> int:
                                  status_ttl_s=args.status_ttl, max_deliveries=args.max_deliveries,
                                  metrics_host=args.metrics_host)
     keys.validate_worker_id(settings.worker_id)
+    if settings.redis_shards < 1:
+        log.error("kvfleet worker cannot start: KVFLEET_REDIS_SHARDS must be >= 1, got %d", settings.redis_shards)
+        return 2
+    log.info("worker %s lives in shard %d of %d", settings.worker_id, settings.worker_shard, settings.redis_shards)
     from shared.models import resolve_model
 
     worker: Worker | None = None  # the probes answer while the model loads: alive, not ready

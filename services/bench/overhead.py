@@ -134,8 +134,8 @@ def bench_fleet(args: argparse.Namespace) -> dict[str, dict[str, float]]:
             def via_redis(i: int) -> None:
                 req = GenerationRequest(request_id=f"r{i}-{uuid.uuid4().hex[:6]}", sampling_params=params,
                                         prompt_token_ids=tok(prompts[i % len(prompts)])["input_ids"])
-                streams.enqueue(r, req, "bench")
-                assert [c for c in streams.iter_output(r, req.request_id, timeout_s=60)][-1].final
+                streams.enqueue(r, req, "bench", 0)
+                assert [c for c in streams.iter_output(r, req.request_id, 0, timeout_s=60)][-1].final
 
             def via_gateway(i: int) -> None:
                 if not hasattr(local, "client"):

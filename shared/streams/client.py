@@ -25,7 +25,22 @@ def _retry_options(for_asyncio: bool) -> dict[str, Any]:
     return {"retry": retry, "retry_on_error": [redis.ConnectionError, redis.TimeoutError]}
 
 
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+
+
+def cluster_url(url: str) -> str | None:
+    """A Redis Cluster URL (redis+cluster://host:port, rediss+cluster://...: any one node) as redis-py's cluster
+    client takes it (redis://...); None for a single server's URL."""
+    scheme, sep, rest = url.partition("://")
+    return f"{CLUSTER_SCHEMES[scheme]}://{rest}" if sep and scheme in CLUSTER_SCHEMES else None
+
+
 def connect(url: str, **kwargs: Any) -> redis.Redis:
+    """A client of the server, or of the cluster (the client discovers every master and sends each command to
+    the one that holds its keys' slot; it retries a moved slot or a failed node itself)."""
+    if (node := cluster_url(url)) is not None:
+        kwargs.pop("health_check_interval", None)
+        return redis.RedisCluster.from_url(node, decode_responses=True, socket_connect_timeout=5, **kwargs)
     return redis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=5,
                                 **_retry_options(False) | kwargs)
 
@@ -33,7 +48,12 @@ def connect(url: str, **kwargs: Any) -> redis.Redis:
 def connect_async(url: str, *, max_connections: int | None = None, **kwargs: Any) -> aioredis.Redis:
     """With `max_connections` (a gateway: one connection per output stream read at once), a pool that makes a
     command wait up to 30 s for a free connection past that many, instead of failing with "Too many connections"
-    (redis-py's default pool fails past 100)."""
+    (redis-py's default pool fails past 100). On a cluster, at most that many per master (past them a command
+    fails: redis-py's cluster client has no waiting pool)."""
+    if (node := cluster_url(url)) is not None:
+        kwargs.pop("health_check_interval", None)
+        return aioredis.RedisCluster.from_url(node, decode_responses=True, socket_connect_timeout=5,
+                                              max_connections=max_connections or 100, **kwargs)
     options = dict(decode_responses=True, socket_connect_timeout=5) | _retry_options(True) | kwargs
     if max_connections is None:
         return aioredis.Redis.from_url(url, **options)

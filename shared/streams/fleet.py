@@ -23,17 +23,29 @@ async def aping(r: aioredis.Redis) -> None:
     await r.ping()
 
 
-async def aread_fleet(r: aioredis.Redis) -> FleetView:
-    """Every worker ever seen: the live ones (status present) with the blocks reserved on them, the dead ones."""
-    members = sorted(await r.smembers(keys.WORKERS))
-    if not members:
-        return FleetView()
+async def aread_shards(r: aioredis.Redis) -> list[int]:
+    """The shards workers ever lived in (shard 0 always)."""
+    return sorted({0} | {int(k) for k in await r.smembers(keys.SHARDS)})
+
+
+async def aread_fleet(r: aioredis.Redis, in_use: list[int] | None = None) -> FleetView:
+    """Every worker ever seen, in every shard (`in_use`: as aread_shards found them, read afresh when None): the
+    live ones (status present) with the blocks reserved on them, the dead ones. Two round trips (three with
+    the shards): the shards' workers, then their statuses and reservations."""
+    in_use = in_use if in_use is not None else await aread_shards(r)
+    pipe = r.pipeline(transaction=False)
+    for k in in_use:
+        pipe.smembers(keys.workers(k))
+    shards = {w: k for k, members in zip(in_use, await pipe.execute(), strict=True) for w in members}
+    view = FleetView(shards=shards, in_use=in_use)
+    if not shards:
+        return view
+    members = sorted(shards)
     pipe = r.pipeline(transaction=False)
     for w in members:
-        pipe.get(keys.status(w))
-        pipe.hvals(keys.reserved(w))
+        pipe.get(keys.status(w, shards[w]))
+        pipe.hvals(keys.reserved(w, shards[w]))
     replies = await pipe.execute()
-    view = FleetView()
     for w, raw, reserved in zip(members, replies[0::2], replies[1::2], strict=True):
         if raw is None:
             view.dead.append(w)
@@ -92,15 +104,17 @@ end
 
 
 async def aprefix_owners(r: aioredis.Redis, hashes: list[str]) -> list[list[str]]:
-    """The workers each block was last routed to, most recent first; [] where none was (or its entry expired)."""
+    """The workers each block of one prompt (`hashes`, from its first block on) was last routed to, most
+    recent first; [] where none was (or its entry expired). One MGET (the keys share the first block's tag)."""
     if not hashes:
         return []
-    return [v.split(",") if v else [] for v in await r.mget([keys.prefix_block(h) for h in hashes])]
+    return [v.split(",") if v else [] for v in await r.mget([keys.prefix_block(h, hashes[0]) for h in hashes])]
 
 
 async def aremember_prefix(r: aioredis.Redis, hashes: list[str], worker_id: str, *,
                            ttl_s: float = PREFIX_TTL_S, owners: int = PREFIX_OWNERS) -> None:
-    """These blocks were just routed to `worker_id` (one script run: it keeps up to `owners` per block)."""
+    """These blocks of one prompt were just routed to `worker_id` (one script run: it keeps up to `owners` per
+    block)."""
     if hashes:
-        await arun_script(r, _REMEMBER_PREFIX, [keys.prefix_block(h) for h in hashes],
+        await arun_script(r, _REMEMBER_PREFIX, [keys.prefix_block(h, hashes[0]) for h in hashes],
                           [worker_id, int(ttl_s), owners])

@@ -7,6 +7,7 @@ import redis.asyncio as aioredis
 
 from shared import keys
 from shared.streams.client import LuaScript, arun_script
+from shared.streams.fleet import aread_fleet
 from shared.streams.output import aoutput_exists
 from shared.streams.requests import parse_request
 
@@ -56,27 +57,34 @@ async def aget_job(r: aioredis.Redis, request_id: str) -> str | None:
     return await r.get(keys.job(request_id))
 
 
-async def afinish_job(r: aioredis.Redis, request_id: str, record: str, *, ttl_s: float,
+async def afinish_job(r: aioredis.Redis, request_id: str, shard: int, record: str, *, ttl_s: float,
                       output_ttl_s: float) -> None:
-    """Store the finished record, and let the output stream expire in `output_ttl_s`, in one MULTI."""
-    pipe = r.pipeline(transaction=True)
+    """Store the finished record, and let the output stream (in `shard`) expire in `output_ttl_s`: one round
+    trip (not a MULTI: on Redis Cluster the two keys are in different slots, and neither needs the other)."""
+    pipe = r.pipeline(transaction=False)
     pipe.set(keys.job(request_id), record, px=int(ttl_s * 1000))
-    pipe.pexpire(keys.out_stream(request_id), int(output_ttl_s * 1000))
+    pipe.pexpire(keys.out_stream(request_id, shard), int(output_ttl_s * 1000))
     await pipe.execute()
 
 
-async def arequest_in_fleet(r: aioredis.Redis, request_id: str) -> bool:
-    """Was the request enqueued? Its entry stays in a request stream until the worker writes its final chunk
-    (the ack and XDEL go in the same MULTI as that chunk), so: look in the streams first, then for output."""
-    names = [keys.REQ_ANY] + [keys.req_stream(w) for w in sorted(await r.smembers(keys.WORKERS))]
-    for name in names:
-        start = "-"
-        while True:
-            entries = await r.xrange(name, min=start, max="+", count=JOB_SCAN_PAGE)
-            for _entry_id, fields in entries:
-                if request_id in fields.get(keys.FIELD, "") and parse_request(fields).request_id == request_id:
-                    return True
-            if len(entries) < JOB_SCAN_PAGE:
-                break
-            start = "(" + entries[-1][0]
-    return await aoutput_exists(r, request_id)
+async def arequest_in_fleet(r: aioredis.Redis, request_id: str) -> int | None:
+    """Was the request enqueued, and in which shard? Its entry stays in a request stream until the worker
+    writes its final chunk (the ack and XDEL go in the same script as that chunk), so: look in every shard's
+    streams first, then for its output. None: nowhere."""
+    view = await aread_fleet(r)
+    for shard in view.in_use:
+        names = [keys.req_any(shard)] + [keys.req_stream(w, k) for w, k in sorted(view.shards.items()) if k == shard]
+        for name in names:
+            start = "-"
+            while True:
+                entries = await r.xrange(name, min=start, max="+", count=JOB_SCAN_PAGE)
+                for _entry_id, fields in entries:
+                    if request_id in fields.get(keys.FIELD, "") and parse_request(fields).request_id == request_id:
+                        return shard
+                if len(entries) < JOB_SCAN_PAGE:
+                    break
+                start = "(" + entries[-1][0]
+    for shard in view.in_use:
+        if await aoutput_exists(r, request_id, shard):
+            return shard
+    return None

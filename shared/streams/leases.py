@@ -1,10 +1,10 @@
-"""Leases on requests: a gateway holds kvfleet:lease:{request} (a short TTL) while its client waits and
+"""Leases on requests: a gateway holds kvfleet:{s}:lease:{request} (a short TTL) while its client waits and
 refreshes all of its leases in one round trip; a worker reads the leases of the requests it holds in one
 round trip, and aborts those whose lease lapsed (their gateway died: nobody reads the output)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import redis
 import redis.asyncio as aioredis
@@ -12,9 +12,10 @@ import redis.asyncio as aioredis
 from shared import keys
 
 
-async def ahold_leases(r: aioredis.Redis, request_ids: Iterable[str], ttl_s: float, *,
+async def ahold_leases(r: aioredis.Redis, request_ids: Mapping[str, int], ttl_s: float, *,
                        expire: Iterable[str] = (), expire_s: float = 0.0) -> set[str]:
-    """Set (or refresh) the lease of every request in `request_ids` to expire in `ttl_s`: one round trip.
+    """Set (or refresh) the lease of every request in `request_ids` (request id -> its shard) to expire in
+    `ttl_s`: one round trip.
     SET, not PEXPIRE, so a lease that expired while Redis was away comes back. -> the requests whose lease
     was not there (SET ... GET): Redis lost it (a restart without the data, a FLUSHALL), or it lapsed.
     In the same round trip, the keys in `expire` (output streams read to their end) expire in `expire_s`."""
@@ -22,16 +23,16 @@ async def ahold_leases(r: aioredis.Redis, request_ids: Iterable[str], ttl_s: flo
     ids = list(request_ids)
     pipe = r.pipeline(transaction=False)
     for rid in ids:
-        pipe.set(keys.lease(rid), 1, px=ms, get=True)
+        pipe.set(keys.lease(rid, request_ids[rid]), 1, px=ms, get=True)
     for key in expire:
         pipe.pexpire(key, max(1, int(expire_s * 1000)))
     previous = (await pipe.execute())[:len(ids)]
     return {rid for rid, old in zip(ids, previous, strict=True) if old is None}
 
 
-def leases_alive(r: redis.Redis, request_ids: list[str]) -> set[str]:
-    """Which of `request_ids` still have their lease: one MGET."""
+def leases_alive(r: redis.Redis, request_ids: list[str], shard: int = 0) -> set[str]:
+    """Which of `request_ids` (all in `shard`) still have their lease: one MGET."""
     if not request_ids:
         return set()
-    values = r.mget([keys.lease(rid) for rid in request_ids])
+    values = r.mget([keys.lease(rid, shard) for rid in request_ids])
     return {rid for rid, v in zip(request_ids, values, strict=True) if v is not None}

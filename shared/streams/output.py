@@ -30,25 +30,26 @@ class OutputTimeout(TimeoutError):
 
 
 
-def add_chunk_commands(pipe: Any, chunk: OutputChunk, ttl_s: float) -> None:
-    """Worker side: append one chunk to the request's output stream and push its expiry out."""
-    stream = keys.out_stream(chunk.request_id)
+def add_chunk_commands(pipe: Any, chunk: OutputChunk, ttl_s: float, shard: int) -> None:
+    """Append one chunk to the request's output stream (in `shard`) and push its expiry out."""
+    stream = keys.out_stream(chunk.request_id, shard)
     pipe.xadd(stream, {keys.FIELD: chunk.model_dump_json(exclude_defaults=True)})
     pipe.pexpire(stream, int(ttl_s * 1000))
 
 
-async def arestore_output(r: aioredis.Redis, request_id: str, chunks: list[OutputChunk], ttl_s: float) -> None:
-    """Gateway side: write chunks it already relayed into a fresh output stream (renamed to `request_id`),
-    before that request is enqueued, so the worker that takes it resumes after them (one round trip)."""
+async def arestore_output(r: aioredis.Redis, request_id: str, chunks: list[OutputChunk], ttl_s: float,
+                          shard: int) -> None:
+    """Gateway side: write chunks it already relayed into a fresh output stream (renamed to `request_id`) in
+    the shard it is about to be enqueued in, so the worker that takes it resumes after them (one round trip)."""
     pipe = r.pipeline(transaction=False)
     for chunk in chunks:
-        add_chunk_commands(pipe, chunk.model_copy(update={"request_id": request_id}), ttl_s)
+        add_chunk_commands(pipe, chunk.model_copy(update={"request_id": request_id}), ttl_s, shard)
     await pipe.execute()
 
 
-def read_all_chunks(r: redis.Redis, request_id: str) -> list[OutputChunk]:
+def read_all_chunks(r: redis.Redis, request_id: str, shard: int = 0) -> list[OutputChunk]:
     """Everything written so far (a worker resuming a request, a Celery task checking for a result)."""
-    return [OutputChunk.model_validate_json(f[keys.FIELD]) for _, f in r.xrange(keys.out_stream(request_id))]
+    return [OutputChunk.model_validate_json(f[keys.FIELD]) for _, f in r.xrange(keys.out_stream(request_id, shard))]
 
 
 class ChunkDeduper:
@@ -91,10 +92,10 @@ class _OutputCursor:
     given once), when it gives up, and whether Redis is away. `iter_output` and `aiter_output` differ only
     in how they call Redis and sleep."""
 
-    def __init__(self, request_id: str, timeout_s: float, grace_s: float, entry: tuple[str, str] | None,
-                 after_seq: int = -1):
+    def __init__(self, request_id: str, shard: int, timeout_s: float, grace_s: float,
+                 entry: tuple[str, str] | None, after_seq: int = -1):
         self.request_id, self.timeout_s, self.grace_s, self.entry = request_id, timeout_s, grace_s, entry
-        self.stream, self.last_id, self.dedup = keys.out_stream(request_id), "0-0", ChunkDeduper()
+        self.stream, self.last_id, self.dedup = keys.out_stream(request_id, shard), "0-0", ChunkDeduper()
         self.dedup.last_seq = after_seq
         self.deadline = time.monotonic() + timeout_s
         self.down_since: float | None = None
@@ -170,7 +171,7 @@ class OutputLost(RedisOutage):
     """Redis no longer holds the request: its output or its entry vanished (a restart without persistence)."""
 
 
-def iter_output(r: redis.Redis, request_id: str, *, timeout_s: float = 600.0, block_ms: int = 1000,
+def iter_output(r: redis.Redis, request_id: str, shard: int = 0, *, timeout_s: float = 600.0, block_ms: int = 1000,
                 expire_after_s: float = 120.0, grace_s: float = 15.0,
                 entry: tuple[str, str] | None = None) -> Iterator[OutputChunk]:
     """Yield the request's chunks in order, each once, until the final one; OutputTimeout when none comes
@@ -179,7 +180,7 @@ def iter_output(r: redis.Redis, request_id: str, *, timeout_s: float = 600.0, bl
     or raises OutputLost if Redis lost the request (`entry`, its (request stream, entry id), lets it tell
     before any output came); so it does when the stream it read from vanished (a FLUSHALL, checked after
     SILENCE_CHECK_S without output)."""
-    cursor = _OutputCursor(request_id, timeout_s, grace_s, entry)
+    cursor = _OutputCursor(request_id, shard, timeout_s, grace_s, entry)
     while True:
         try:
             reply, kept = r.xread(cursor.streams(), block=block_ms, count=256), None
@@ -198,7 +199,7 @@ def iter_output(r: redis.Redis, request_id: str, *, timeout_s: float = 600.0, bl
                 return
 
 
-async def aiter_output(r: aioredis.Redis, request_id: str, *, timeout_s: float = 600.0, block_ms: int = 1000,
+async def aiter_output(r: aioredis.Redis, request_id: str, shard: int = 0, *, timeout_s: float = 600.0, block_ms: int = 1000,
                        expire_after_s: float = 120.0, grace_s: float = 15.0,
                        entry: tuple[str, str] | None = None, after_seq: int = -1,
                        lost: Callable[[], bool] | None = None,
@@ -207,7 +208,7 @@ async def aiter_output(r: aioredis.Redis, request_id: str, *, timeout_s: float =
     request placed again with the chunks already relayed restored), `lost()`, asked after every read,
     turns true when the request's lease vanished (-> OutputLost), and `expire_later(stream)`, when given,
     takes over the expiry after the final chunk (the gateway batches them: gateway.leases)."""
-    cursor = _OutputCursor(request_id, timeout_s, grace_s, entry, after_seq)
+    cursor = _OutputCursor(request_id, shard, timeout_s, grace_s, entry, after_seq)
     while True:
         cursor.check_lease(lost)
         try:
@@ -230,9 +231,9 @@ async def aiter_output(r: aioredis.Redis, request_id: str, *, timeout_s: float =
                 return
 
 
-def output_exists(r: redis.Redis, request_id: str) -> bool:
+def output_exists(r: redis.Redis, request_id: str, shard: int = 0) -> bool:
     """The request's output stream is there (it expires a while after its final chunk was read)."""
-    return bool(r.exists(keys.out_stream(request_id)))
+    return bool(r.exists(keys.out_stream(request_id, shard)))
 
 
 async def aentry_exists(r: aioredis.Redis, stream: str, entry_id: str) -> bool:
@@ -240,12 +241,12 @@ async def aentry_exists(r: aioredis.Redis, stream: str, entry_id: str) -> bool:
     return bool(await r.xrange(stream, entry_id, entry_id))
 
 
-async def aoutput_exists(r: aioredis.Redis, request_id: str) -> bool:
-    return bool(await r.exists(keys.out_stream(request_id)))
+async def aoutput_exists(r: aioredis.Redis, request_id: str, shard: int = 0) -> bool:
+    return bool(await r.exists(keys.out_stream(request_id, shard)))
 
 
 # ---- a gateway's inbox ----------------------------------------------------------------------------
-# kvfleet:inbox:{gateway}: each entry is one worker flush's chunks for that gateway's requests, a JSON array
+# kvfleet:{s}:inbox:{gateway}, one per shard: each entry is one worker flush's chunks for that gateway's requests, a JSON array
 # (shared.streams.worker._FLUSH). The gateway creates it and keeps its expiry; workers never create it.
 
 _CHUNK_LIST = TypeAdapter(list[OutputChunk])

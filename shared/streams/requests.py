@@ -65,30 +65,32 @@ return redis.call('XADD', KEYS[1], '*', ARGV[4], ARGV[3])
 """)
 
 
-def enqueue_commands(pipe: Any, request: GenerationRequest, worker_id: str | None,
+def enqueue_commands(pipe: Any, request: GenerationRequest, worker_id: str | None, shard: int,
                      *, reservation_ttl_s: float = 30.0) -> None:
     """Queue on `pipe` (sync or async pipeline): the reservation of the request's blocks on the chosen
-    worker, then the XADD to its stream (kvfleet:req:any when `worker_id` is None). No capacity checks."""
+    worker, then the XADD to its stream (the shard's shared stream when `worker_id` is None). No capacity
+    checks."""
     if worker_id is not None and request.kv_blocks > 0:
-        pipe.hset(keys.reserved(worker_id), request.request_id, request.kv_blocks)
-        pipe.pexpire(keys.reserved(worker_id), int(reservation_ttl_s * 1000))
-    stream = keys.REQ_ANY if worker_id is None else keys.req_stream(worker_id)
+        pipe.hset(keys.reserved(worker_id, shard), request.request_id, request.kv_blocks)
+        pipe.pexpire(keys.reserved(worker_id, shard), int(reservation_ttl_s * 1000))
+    stream = keys.req_any(shard) if worker_id is None else keys.req_stream(worker_id, shard)
     pipe.xadd(stream, {keys.FIELD: request.model_dump_json()})
 
 
-def enqueue(r: redis.Redis, request: GenerationRequest, worker_id: str | None, **kw: Any) -> str:
+def enqueue(r: redis.Redis, request: GenerationRequest, worker_id: str | None, shard: int = 0, **kw: Any) -> str:
     pipe = r.pipeline(transaction=True)
-    enqueue_commands(pipe, request, worker_id, **kw)
+    enqueue_commands(pipe, request, worker_id, shard, **kw)
     return pipe.execute()[-1]
 
 
-async def aenqueue(r: aioredis.Redis, request: GenerationRequest, worker_id: str | None, **kw: Any) -> str:
+async def aenqueue(r: aioredis.Redis, request: GenerationRequest, worker_id: str | None, shard: int = 0,
+                   **kw: Any) -> str:
     pipe = r.pipeline(transaction=True)
-    enqueue_commands(pipe, request, worker_id, **kw)
+    enqueue_commands(pipe, request, worker_id, shard, **kw)
     return (await pipe.execute())[-1]
 
 
-async def aenqueue_routed(r: aioredis.Redis, request: GenerationRequest, worker_id: str, *,
+async def aenqueue_routed(r: aioredis.Redis, request: GenerationRequest, worker_id: str, shard: int, *,
                           min_headroom: int | None, queue_bound: int | None = None,
                           reservation_ttl_s: float = 30.0, lease_ttl_s: float | None = None) -> str | None:
     """Reserve `request.kv_blocks` on the worker and enqueue there, atomically; with `min_headroom` set, only
@@ -98,17 +100,18 @@ async def aenqueue_routed(r: aioredis.Redis, request: GenerationRequest, worker_
     now (route elsewhere)."""
     return await arun_script(
         r, _ENQUEUE_ROUTED,
-        [keys.status(worker_id), keys.reserved(worker_id), keys.req_stream(worker_id), keys.lease(request.request_id)],
+        [keys.status(worker_id, shard), keys.reserved(worker_id, shard), keys.req_stream(worker_id, shard),
+         keys.lease(request.request_id, shard)],
         [request.request_id, request.kv_blocks, -1 if min_headroom is None else min_headroom,
          int(reservation_ttl_s * 1000), request.model_dump_json(), keys.FIELD,
          -1 if queue_bound is None else queue_bound, keys.GROUP, _lease_ms(lease_ttl_s)])
 
 
-async def aenqueue_shared(r: aioredis.Redis, request: GenerationRequest, *, bound: int | None,
+async def aenqueue_shared(r: aioredis.Redis, request: GenerationRequest, shard: int, *, bound: int | None,
                           lease_ttl_s: float | None = None) -> str | None:
-    """Enqueue on kvfleet:req:any, atomically refusing (None) when `bound` requests already wait untaken; with
-    `lease_ttl_s`, the request's lease is set with it."""
-    return await arun_script(r, _ENQUEUE_SHARED, [keys.REQ_ANY, keys.lease(request.request_id)],
+    """Enqueue on the shard's shared stream, atomically refusing (None) when `bound` requests already wait
+    untaken there; with `lease_ttl_s`, the request's lease is set with it."""
+    return await arun_script(r, _ENQUEUE_SHARED, [keys.req_any(shard), keys.lease(request.request_id, shard)],
                              [-1 if bound is None else bound, keys.GROUP, request.model_dump_json(), keys.FIELD,
                               _lease_ms(lease_ttl_s)])
 

@@ -77,11 +77,12 @@ def read_requests(r: redis.Redis, consumer: str, want: dict[str, str], *, count:
     return [Delivery(stream, entry_id, fields) for stream, entries in reply or [] for entry_id, fields in entries]
 
 
-def shared_head(r: redis.Redis) -> dict[str, str] | None:
-    """The fields of the oldest entry of kvfleet:req:any that no worker has taken yet (None: none waits)."""
-    groups = {g["name"]: g for g in r.xinfo_groups(keys.REQ_ANY)}
+def shared_head(r: redis.Redis, shard: int = 0) -> dict[str, str] | None:
+    """The fields of the oldest entry of the shard's shared stream that no worker has taken yet (None: none
+    waits)."""
+    groups = {g["name"]: g for g in r.xinfo_groups(keys.req_any(shard))}
     last = groups.get(keys.GROUP, {}).get("last-delivered-id", "0-0")
-    head = r.xrange(keys.REQ_ANY, min=f"({last}", max="+", count=1)
+    head = r.xrange(keys.req_any(shard), min=f"({last}", max="+", count=1)
     return head[0][1] if head else None
 
 
@@ -104,7 +105,7 @@ def claim_pending(r: redis.Redis, stream: str, owner: str, consumer: str, *, min
         counts = {p["message_id"]: p["times_delivered"] for p in pending}
         got = r.xclaim(stream, keys.GROUP, consumer, min_idle_ms, list(counts))
         if got and owner != consumer:  # the fence: the owner's next flush finds no status of its run
-            r.delete(keys.status(owner))
+            r.delete(keys.status(owner, keys.stream_shard(stream)))
         for entry_id, fields in got:
             claimed.append(Delivery(stream, entry_id, fields or None, counts[entry_id] + 1))
         if len(pending) < CLAIM_PAGE:
@@ -125,11 +126,16 @@ def reclaim_own(r: redis.Redis, ack: Ack, consumer: str) -> Delivery | None:
     return Delivery(ack.stream, ack.entry_id, claimed[0][1], pending[0]["times_delivered"] + 1)
 
 
-def other_workers(r: redis.Redis, worker_id: str) -> dict[str, WorkerStatus | None]:
-    """Every other worker ever seen (kvfleet:workers), by id, with its status: None when the status expired
-    (the worker is dead)."""
-    members = sorted(r.smembers(keys.WORKERS) - {worker_id})
-    raw = r.mget([keys.status(w) for w in members]) if members else []
+def register_shard(r: redis.Redis, shard: int) -> None:
+    """A worker lives in `shard`: the fleet reads (aread_fleet) look there from now on."""
+    r.sadd(keys.SHARDS, shard)
+
+
+def other_workers(r: redis.Redis, worker_id: str, shard: int = 0) -> dict[str, WorkerStatus | None]:
+    """Every other worker of the shard ever seen, by id, with its status: None when the status expired (the
+    worker is dead). One MGET: the statuses share the shard's slot."""
+    members = sorted(r.smembers(keys.workers(shard)) - {worker_id})
+    raw = r.mget([keys.status(w, shard) for w in members]) if members else []
     return {w: None if s is None else WorkerStatus.model_validate_json(s) for w, s in zip(members, raw, strict=True)}
 
 
@@ -146,12 +152,13 @@ return 1
 """)
 
 
-def prune_dead_worker(r: redis.Redis, dead: str) -> bool:
-    """Forget a dead worker that left nothing behind (no status, its own stream empty, nothing of
-    kvfleet:req:any pending on it): delete its stream and reservations, drop it from kvfleet:workers and from
-    the shared stream's group, atomically. False: it still has requests to take over (or came back)."""
-    return bool(run_script(r, _PRUNE_DEAD, [keys.status(dead), keys.req_stream(dead), keys.reserved(dead),
-                                            keys.REQ_ANY, keys.WORKERS], [keys.GROUP, dead]))
+def prune_dead_worker(r: redis.Redis, dead: str, shard: int = 0) -> bool:
+    """Forget a dead worker of the shard that left nothing behind (no status, its own stream empty, nothing of
+    the shared stream pending on it): delete its stream and reservations, drop it from the shard's workers and
+    from the shared stream's group, atomically. False: it still has requests to take over (or came back)."""
+    return bool(run_script(r, _PRUNE_DEAD, [keys.status(dead, shard), keys.req_stream(dead, shard),
+                                            keys.reserved(dead, shard), keys.req_any(shard), keys.workers(shard)],
+                           [keys.GROUP, dead]))
 
 
 def is_cancelled(r: redis.Redis, request_id: str) -> bool:
@@ -171,16 +178,17 @@ def ack_and_delete(r: redis.Redis, ack: Ack) -> None:
     pipe.execute()
 
 
-def forward(r: redis.Redis, request: GenerationRequest, worker_id: str, ack: Ack) -> None:
-    """Enqueue the request on another worker (reserving its blocks there) and ack this entry, in one MULTI;
-    then, for a gateway's request, tell its relay where it went (a `moved` entry in the gateway's inbox)."""
+def forward(r: redis.Redis, request: GenerationRequest, worker_id: str, ack: Ack, shard: int = 0) -> None:
+    """Enqueue the request on another worker of the shard (reserving its blocks there) and ack this entry, in
+    one MULTI; then, for a gateway's request, tell its relay where it went (a `moved` entry in the gateway's
+    inbox)."""
     pipe = r.pipeline(transaction=True)
-    enqueue_commands(pipe, request, worker_id)
+    enqueue_commands(pipe, request, worker_id, shard)
     ack_commands(pipe, ack)
     entry_id = pipe.execute()[-3]  # the XADD's, before the XACK and XDEL
     if request.reply_to:
-        moved = json.dumps([request.request_id, keys.req_stream(worker_id), entry_id])
-        r.xadd(request.reply_to, {keys.MOVED_FIELD: moved}, nomkstream=True)
+        moved = json.dumps([request.request_id, keys.req_stream(worker_id, shard), entry_id])
+        r.xadd(keys.inbox(request.reply_to, shard), {keys.MOVED_FIELD: moved}, nomkstream=True)
 
 
 def dead_letter(r: redis.Redis, letter: DeadLetter) -> None:
@@ -321,13 +329,14 @@ def publish(r: redis.Redis, worker_id: str, *, output_ttl_s: float, chunks: Sequ
             requeued: Sequence[tuple[GenerationRequest, Ack]] = (), acks: Sequence[Ack] = (),
             owners: Mapping[str, Ack] | None = None, reply_to: Mapping[str, str] | None = None,
             status: WorkerStatus | None = None, status_ttl_s: float = 0.0, taken: Sequence[str] = (),
-            run_id: str = "", held: Sequence[Ack] = ()) -> list[Ack]:
-    """One flush, one script, in this order: the output chunks, the hand-backs (XADD to kvfleet:req:any + ack
+            run_id: str = "", held: Sequence[Ack] = (), shard: int = 0) -> list[Ack]:
+    """One flush, one script, in this order: the output chunks, the hand-backs (XADD to the shared stream + ack
     of the old entry), the acks (XACK + XDEL, so an entry is acked only with or after the chunks before it),
     and with `status` the HDEL of the reservations of the `taken` requests, which that status now counts.
     The status (SET with a TTL of status_ttl_s) goes first: it is the fence (see _FLUSH).
 
-    A chunk of a request with a `reply_to` inbox goes into that inbox, in one entry per inbox per flush with
+    Every key is the worker's `shard`'s. A chunk of a request with a `reply_to` gateway goes into that gateway's
+    inbox of the shard, in one entry per inbox per flush with
     all of the flush's chunks for it; the others into their request's own stream (XADD; the expiry pushed out
     to output_ttl_s at its first chunk, every EXPIRE_EVERY-th and its last). A chunk is written under
     `owners[chunk.request_id]` (unchecked when absent), a hand-back and an ack under their own Ack: checked
@@ -343,32 +352,33 @@ def publish(r: redis.Redis, worker_id: str, *, output_ttl_s: float, chunks: Sequ
         return len(bodies) + 1
 
     rows: dict[str, Any] = {"group": keys.GROUP, "field": keys.FIELD, "ttl": int(output_ttl_s * 1000),
-                            "fence": plan.key(keys.status(worker_id))}
+                            "fence": plan.key(keys.status(worker_id, shard))}
     rows["chunks"], boxes = [], {}
     for c in chunks:
         owner, at = plan.owner(owners.get(c.request_id)), body(c.model_dump_json(exclude_defaults=True))
-        if (inbox := reply_to.get(c.request_id)) is not None:
-            boxes.setdefault(inbox, []).append([owner, at])
+        if (gateway := reply_to.get(c.request_id)) is not None:
+            boxes.setdefault(keys.inbox(gateway, shard), []).append([owner, at])
         else:
-            rows["chunks"].append([owner, plan.key(keys.out_stream(c.request_id)), at,
+            rows["chunks"].append([owner, plan.key(keys.out_stream(c.request_id, shard)), at,
                                    int(c.seq % EXPIRE_EVERY == 0 or c.final)])
     rows["inboxes"] = [[plan.key(inbox), parts] for inbox, parts in boxes.items()]
     if requeued:
-        rows["any"], rows["moved"] = plan.key(keys.REQ_ANY), keys.MOVED_FIELD
+        rows["any"], rows["moved"] = plan.key(keys.req_any(shard)), keys.MOVED_FIELD
     rows["requeued"] = [[plan.owner(ack), body(request.model_dump_json())]
-                        + ([plan.key(request.reply_to), request.request_id] if request.reply_to else [])
+                        + ([plan.key(keys.inbox(request.reply_to, shard)), request.request_id]
+                           if request.reply_to else [])
                         for request, ack in requeued]
     rows["acks"] = [[plan.owner(ack)] for ack in acks]
     for ack in held:
         plan.owner(ack)
     if status is not None:
-        rows["status"] = [body(status.model_dump_json()), int(status_ttl_s * 1000), plan.key(keys.WORKERS),
-                          plan.key(keys.reserved(worker_id)), *taken]
+        rows["status"] = [body(status.model_dump_json()), int(status_ttl_s * 1000), plan.key(keys.workers(shard)),
+                          plan.key(keys.reserved(worker_id, shard)), *taken]
     rows["owners"] = plan.owner_rows()
     refused = run_script(r, _FLUSH, plan.keys, [json.dumps(rows), *bodies])
     return [plan.owners[i - 1] for i in refused or []]
 
 
-def remove_status(r: redis.Redis, worker_id: str) -> None:
+def remove_status(r: redis.Redis, worker_id: str, shard: int = 0) -> None:
     """Delete the worker's status: to the others it is dead at once, and they take over what it left."""
-    r.delete(keys.status(worker_id))
+    r.delete(keys.status(worker_id, shard))

@@ -103,7 +103,7 @@ def test_scaledobject_scales_the_workers_on_the_shared_stream():
         assert trigger["type"] == "redis-streams"
         assert set(meta) <= REDIS_STREAMS_METADATA, set(meta) - REDIS_STREAMS_METADATA
         assert meta["address"] == address, "KEDA runs in its own namespace: use the Service's full name"
-        assert meta["stream"] == keys.REQ_ANY and meta["consumerGroup"] == keys.GROUP
+        assert meta["stream"] == keys.req_any() and meta["consumerGroup"] == keys.GROUP
         assert trigger["authenticationRef"]["name"] == auth["metadata"]["name"]
         modes |= set(meta) & {"lagCount", "pendingEntriesCount", "streamLength"}
         for count in ("lagCount", "pendingEntriesCount", "activationLagCount"):

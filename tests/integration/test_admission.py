@@ -42,7 +42,7 @@ def test_every_policy_stops_at_the_bound_and_answers_429(redis_url, policy):
         try:
             await r.flushdb()
             workers = [status("w0", waiting=1), status("w1", waiting=0)]  # w0 already has one waiting
-            await r.sadd(keys.WORKERS, "w0", "w1")
+            await r.sadd(keys.workers(), "w0", "w1")
             for w in workers:
                 await r.set(keys.status(w.worker_id), w.model_dump_json())
                 await r.xgroup_create(keys.req_stream(w.worker_id), keys.GROUP, id="0", mkstream=True)
@@ -65,7 +65,7 @@ def test_every_policy_stops_at_the_bound_and_answers_429(redis_url, policy):
             # w0: 3 less the 1 it reported waiting; w1: 3; the shared stream: 2
             assert Counter(placed) == {"w0": 2, "w1": 3, None: 2}, placed
             lengths = [await r.xlen(keys.req_stream("w0")), await r.xlen(keys.req_stream("w1")),
-                       await r.xlen(keys.REQ_ANY)]
+                       await r.xlen(keys.req_any())]
             assert lengths == [2, 3, 2]
 
             # w1 takes one entry (now running, pending in its group): there is room for one more on w1

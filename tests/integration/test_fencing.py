@@ -46,7 +46,7 @@ def test_a_worker_that_lost_the_entry_can_neither_write_nor_ack_nor_hand_back(r)
                               acks=[old.ack], owners={"req": old.ack}, requeued=[(request("req"), old.ack)])
     assert refused == [old.ack]
     assert [c.worker_id for c in streams.read_all_chunks(r, "req")] == [OLD]
-    assert r.xlen(keys.REQ_ANY) == 0, "no hand-back from a worker that lost the request"
+    assert r.xlen(keys.req_any()) == 0, "no hand-back from a worker that lost the request"
     [pending] = r.xpending_range(old.stream, keys.GROUP, "-", "+", 10)
     assert (pending["consumer"], pending["times_delivered"]) == (NEW, 2)
 
@@ -68,7 +68,7 @@ def test_a_refused_request_does_not_hold_back_the_rest_of_the_flush(r):
                               acks=[lost.ack, kept_again.ack], owners={"lost": lost.ack, "kept": kept_again.ack})
     assert refused == [lost.ack]
     assert streams.read_all_chunks(r, "lost") == [] and len(streams.read_all_chunks(r, "kept")) == 1
-    assert r.get(keys.status(OLD)) is not None and r.sismember(keys.WORKERS, OLD)
+    assert r.get(keys.status(OLD)) is not None and r.sismember(keys.workers(), OLD)
     assert r.xrange(kept.stream, kept.entry_id, kept.entry_id) == []  # acked and deleted
 
 
@@ -85,23 +85,23 @@ def test_a_takeover_claims_every_pending_entry_page_by_page(r):
 
 def test_a_dead_worker_is_forgotten_only_when_it_left_nothing_and_stays_dead(r):
     dead = "w-dead"
-    streams.ensure_group(r, keys.REQ_ANY)
-    r.sadd(keys.WORKERS, dead)
+    streams.ensure_group(r, keys.req_any())
+    r.sadd(keys.workers(), dead)
     r.set(keys.status(dead), "{}")  # it came back meanwhile
     assert not streams.prune_dead_worker(r, dead)
     r.delete(keys.status(dead))
     streams.enqueue(r, request("queued"), dead)  # a gateway's XADD just before the prune
     assert not streams.prune_dead_worker(r, dead)
-    assert r.xlen(keys.req_stream(dead)) == 1 and r.sismember(keys.WORKERS, dead)
+    assert r.xlen(keys.req_stream(dead)) == 1 and r.sismember(keys.workers(), dead)
     r.delete(keys.req_stream(dead))
     streams.enqueue(r, request("shared"), None)
-    streams.read_requests(r, dead, {keys.REQ_ANY: ">"}, count=1)  # pending on it in the shared stream
+    streams.read_requests(r, dead, {keys.req_any(): ">"}, count=1)  # pending on it in the shared stream
     assert not streams.prune_dead_worker(r, dead)
-    streams.claim_pending(r, keys.REQ_ANY, dead, NEW, min_idle_ms=0)
+    streams.claim_pending(r, keys.req_any(), dead, NEW, min_idle_ms=0)
     r.hset(keys.reserved(dead), "x", 1)
     assert streams.prune_dead_worker(r, dead)
-    assert not r.sismember(keys.WORKERS, dead) and not r.exists(keys.reserved(dead))
-    assert dead not in {c["name"] for c in r.xinfo_consumers(keys.REQ_ANY, keys.GROUP)}
+    assert not r.sismember(keys.workers(), dead) and not r.exists(keys.reserved(dead))
+    assert dead not in {c["name"] for c in r.xinfo_consumers(keys.req_any(), keys.GROUP)}
 
 
 def test_readers_drop_chunks_from_an_older_owner():

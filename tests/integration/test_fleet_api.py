@@ -58,7 +58,7 @@ def test_health_models_and_fleet_status(fleet, client, model):
     out = subprocess.run([sys.executable, "-m", "services.cli", "status"], cwd=REPO, env=fleet.env,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert "w0" in out.stdout and "w1" in out.stdout and "kvfleet:req:any" in out.stdout
+    assert "w0" in out.stdout and "w1" in out.stdout and "kvfleet:{s0}:req:any" in out.stdout
     assert "p@ss:word" not in out.stdout + out.stderr
     probes = f"http://127.0.0.1:{fleet.metrics_port}"
     assert httpx.get(probes + "/livez").status_code == 200 and httpx.get(probes + "/readyz").text == "ok\n"

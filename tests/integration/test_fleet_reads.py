@@ -31,7 +31,7 @@ def status(wid: str, free: int) -> WorkerStatus:
 def test_fleet_view_and_snapshot(redis_url):
     async def body(r):
         assert await streams.aread_fleet(r) == FleetView()
-        await r.sadd(keys.WORKERS, "w0", "w1")  # w1 was seen once; its status expired
+        await r.sadd(keys.workers(), "w0", "w1")  # w1 was seen once; its status expired
         await r.set(keys.status("w0"), status("w0", 40).model_dump_json())
         await streams.aenqueue(r, GenerationRequest(request_id="a", prompt_token_ids=[1], kv_blocks=3), "w0")
         await streams.aenqueue(r, GenerationRequest(request_id="b", prompt_token_ids=[1], kv_blocks=2), "w0")
@@ -46,7 +46,7 @@ def test_fleet_view_and_snapshot(redis_url):
         assert w0["worker_id"] == "w0" and w0["free_blocks"] == 40 and w0["reserved_blocks"] == 5
         assert 0 <= w0["heartbeat_age_s"] < 5
         assert snap["dead_workers"] == ["w1"] and snap["dead_letters"] == 0
-        assert snap["streams"] == {keys.REQ_ANY: {"length": 0, "pending": 0},  # no such stream yet
+        assert snap["streams"] == {keys.req_any(): {"length": 0, "pending": 0},  # no such stream yet
                                    keys.req_stream("w0"): {"length": 2, "pending": 1},
                                    keys.req_stream("w1"): {"length": 0, "pending": 0}}
         assert [await streams.anext_turn(r) for _ in range(3)] == [1, 2, 3]
@@ -60,11 +60,11 @@ def test_prefix_index_remembers_where_blocks_went(redis_url):
         b = block_hashes(list(range(32)) + [99] * 20, 16, "m")
         assert await streams.aprefix_owners(r, []) == []
         assert await streams.aprefix_owners(r, b) == [[], [], []]
-        await streams.aremember_prefix(r, a, "w1")
-        await streams.aremember_prefix(r, b[2:], "w2")
+        await streams.aremember_prefix(r, b, "w2")
+        await streams.aremember_prefix(r, a, "w1")  # a and b share their first two blocks
         owners = await streams.aprefix_owners(r, b)
-        assert owners == [["w1"], ["w1"], ["w2"]] and prefix_overlap(owners) == {"w1": 2, "w2": 3}
-        assert 0 < await r.ttl(keys.prefix_block(a[0])) <= streams.PREFIX_TTL_S
+        assert owners == [["w1", "w2"], ["w1", "w2"], ["w2"]] and prefix_overlap(owners) == {"w1": 2, "w2": 3}
+        assert 0 < await r.ttl(keys.prefix_block(a[0], a[0])) <= streams.PREFIX_TTL_S
         # a hot prompt outgrows w1: each worker it goes to is kept, most recent first, up to PREFIX_OWNERS
         for w in ("w3", "w1", "w4", "w5", "w6"):
             await streams.aremember_prefix(r, a, w)

@@ -62,12 +62,12 @@ def test_one_flush_writes_one_entry_per_gateway_and_each_relay_gets_its_own_chun
         for rid in ("x", "y"):
             a.open(rid)
         b.open("z")
-        reply_to = {"x": a.key, "y": a.key, "z": b.key}
+        reply_to = {"x": a.gateway_id, "y": a.gateway_id, "z": b.gateway_id}
         flushes = [[chunk("x", 0), chunk("y", 0), chunk("z", 0)],
                    [chunk("x", 1), chunk("y", 1, final=True), chunk("z", 1, final=True)],
                    [chunk("x", 2, final=True), chunk("stray", 0)]]
         for flush in flushes:
-            streams.publish(r, W, output_ttl_s=60, chunks=flush, reply_to=reply_to | {"stray": a.key})
+            streams.publish(r, W, output_ttl_s=60, chunks=flush, reply_to=reply_to | {"stray": a.gateway_id})
         got = await asyncio.gather(collect(a, "x"), collect(a, "y"), collect(b, "z"))
         assert [[c.seq for c in g] for g in got] == [[0, 1, 2], [0, 1], [0, 1]]
         assert r.xlen(a.key) == 1 + 3 and r.xlen(b.key) == 1 + 2, "one entry per flush per gateway (+ its opening)"
@@ -82,7 +82,7 @@ def test_one_flush_writes_one_entry_per_gateway_and_each_relay_gets_its_own_chun
 
 
 def test_a_worker_never_creates_an_inbox_nobody_keeps(r):
-    assert streams.publish(r, W, output_ttl_s=60, chunks=[chunk("gone", 0)], reply_to={"gone": keys.inbox("dead")}) == []
+    assert streams.publish(r, W, output_ttl_s=60, chunks=[chunk("gone", 0)], reply_to={"gone": "dead"}) == []
     assert not r.exists(keys.inbox("dead"))
 
 
@@ -96,7 +96,7 @@ def test_a_relay_ends_as_its_request_does(r, redis_url):
         write = [chunk("gap", 0), chunk("gap", 2), chunk("moved", 0),
                  chunk("moved", 1, final=True, error=ChunkError(kind="worker_lost", message="w died")),
                  chunk("after", 3), chunk("after", 4, final=True)]
-        streams.publish(r, W, output_ttl_s=60, chunks=write, reply_to={c.request_id: inbox.key for c in write})
+        streams.publish(r, W, output_ttl_s=60, chunks=write, reply_to={c.request_id: inbox.gateway_id for c in write})
         with pytest.raises(streams.OutputLost, match="lost chunks 1..1"):
             await collect(inbox, "gap")
         with pytest.raises(streams.OutputLost, match="lease vanished"):
@@ -137,7 +137,7 @@ def test_the_reader_creates_the_inbox_again_when_redis_lost_it(r, redis_url):
                 break
         assert r.exists(inbox.key) and 0 < r.pttl(inbox.key) <= 60_000
         inbox.open("x")
-        streams.publish(r, W, output_ttl_s=60, chunks=[chunk("x", 0, final=True)], reply_to={"x": inbox.key})
+        streams.publish(r, W, output_ttl_s=60, chunks=[chunk("x", 0, final=True)], reply_to={"x": inbox.gateway_id})
         assert [c.seq for c in await collect(inbox, "x")] == [0]
         await inbox.close()
         assert not r.exists(inbox.key), "a gateway that stops deletes its inbox"
@@ -193,7 +193,7 @@ def test_a_relay_whose_entry_was_acked_without_its_final_chunk_is_lost(r, redis_
         await inbox.start()
         d = taken(r, "dropped")
         inbox.open("dropped")
-        streams.publish(r, W, output_ttl_s=60, chunks=[chunk("dropped", 0)], reply_to={"dropped": inbox.key})
+        streams.publish(r, W, output_ttl_s=60, chunks=[chunk("dropped", 0)], reply_to={"dropped": inbox.gateway_id})
         relay = asyncio.ensure_future(collect(inbox, "dropped", timeout_s=30, entry=(d.stream, d.entry_id)))
         await asyncio.sleep(1.0)
         assert not relay.done(), "the entry is there: it waits"
@@ -221,18 +221,18 @@ def test_a_relay_follows_its_request_when_a_worker_moves_it(r, redis_url):
         relays = {}
         for rid in ("handed", "forwarded"):
             inbox.open(rid)
-            d = taken(r, rid, reply_to=inbox.key)
+            d = taken(r, rid, reply_to=inbox.gateway_id)
             relays[rid] = (asyncio.ensure_future(collect(inbox, rid, timeout_s=30, entry=(d.stream, d.entry_id))),
                            d)
         handed, forwarded = relays["handed"][1], relays["forwarded"][1]
         requeued = [(streams.parse_request(handed.fields), handed.ack)]
         assert streams.publish(r, W, output_ttl_s=60, requeued=requeued, run_id="run-1") == []
         forward(r, streams.parse_request(forwarded.fields), "w-other", forwarded.ack)
-        assert r.xlen(handed.stream) == 0 and r.xlen(keys.REQ_ANY) == 1 and r.xlen(keys.req_stream("w-other")) == 1
+        assert r.xlen(handed.stream) == 0 and r.xlen(keys.req_any()) == 1 and r.xlen(keys.req_stream("w-other")) == 1
         await asyncio.sleep(1.2)  # several silence checks
         assert not any(task.done() for task, _ in relays.values()), [t.exception() for t, _ in relays.values()
                                                                       if t.done()]
-        streams.publish(r, "w-other", output_ttl_s=60, reply_to={"handed": inbox.key, "forwarded": inbox.key},
+        streams.publish(r, "w-other", output_ttl_s=60, reply_to={"handed": inbox.gateway_id, "forwarded": inbox.gateway_id},
                         chunks=[chunk("handed", 0, final=True), chunk("forwarded", 0, final=True)])
         for rid, (task, _) in relays.items():
             assert [c.seq for c in await asyncio.wait_for(task, 5)] == [0], rid

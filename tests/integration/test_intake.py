@@ -68,7 +68,7 @@ def final_chunks(r, rid: str) -> list[OutputChunk]:
 
 
 def test_reads_its_own_stream_and_the_shared_one_only_with_room(r, start_intake):
-    streams.ensure_group(r, keys.REQ_ANY)
+    streams.ensure_group(r, keys.req_any())
     streams.enqueue(r, request("own-1"), ME)
     streams.enqueue(r, request("shared-1"), None)
     room = roomy(spare=False, idle=False)
@@ -86,7 +86,7 @@ def test_reads_its_own_stream_and_the_shared_one_only_with_room(r, start_intake)
 
     room.available_blocks = 60
     job = next_job(inbox)
-    assert (job.request_id, job.stream, job.deliveries) == ("shared-1", keys.REQ_ANY, 1)
+    assert (job.request_id, job.stream, job.deliveries) == ("shared-1", keys.req_any(), 1)
     assert streams.shared_head(r) is None
 
 
@@ -103,19 +103,19 @@ def test_takes_over_a_dead_workers_pending_requests(r, start_intake):
     """A worker whose status expired left two requests pending on its stream (one half answered) and one
     on the shared stream; a live worker's pending request is not touched."""
     dead, live = "w-dead", "w-live"
-    for stream in (keys.req_stream(dead), keys.req_stream(live), keys.REQ_ANY):
+    for stream in (keys.req_stream(dead), keys.req_stream(live), keys.req_any()):
         streams.ensure_group(r, stream)
     streams.enqueue(r, request("dead-own-1"), dead)
     streams.enqueue(r, request("dead-own-2"), dead)
     streams.enqueue(r, request("dead-shared"), None)
     streams.enqueue(r, request("live-own"), live)
     deliver_to(r, dead, keys.req_stream(dead), 2)
-    deliver_to(r, dead, keys.REQ_ANY)
+    deliver_to(r, dead, keys.req_any())
     deliver_to(r, live, keys.req_stream(live))
     streams.publish(r, dead, output_ttl_s=60, chunks=[
         OutputChunk(request_id="dead-own-1", seq=0, token_ids=[11], text="a"),
         OutputChunk(request_id="dead-own-1", seq=1, token_ids=[12, 13], text="bc")])
-    r.sadd(keys.WORKERS, dead)
+    r.sadd(keys.workers(), dead)
     streams.publish(r, live, output_ttl_s=60, status_ttl_s=60, status=WorkerStatus(
         worker_id=live, model="m", max_model_len=1024, block_size=16, total_blocks=64, free_blocks=64))
 
@@ -129,7 +129,7 @@ def test_takes_over_a_dead_workers_pending_requests(r, start_intake):
         room.accounted = intake.handed  # the main thread took it: the intake may look again
     assert {rid: (j.stream, j.deliveries) for rid, j in jobs.items()} == {
         "dead-own-1": (keys.req_stream(dead), 2), "dead-own-2": (keys.req_stream(dead), 2),
-        "dead-shared": (keys.REQ_ANY, 2)}
+        "dead-shared": (keys.req_any(), 2)}
     resumed = jobs["dead-own-1"]
     assert (resumed.sent_tokens, resumed.next_seq) == ([[11, 12, 13]], 2)
     assert not jobs["dead-own-2"].resumed
@@ -146,12 +146,12 @@ def test_takes_over_a_dead_workers_pending_requests(r, start_intake):
 def test_prunes_a_dead_worker_once_it_is_drained(r, start_intake):
     dead = "w-gone"
     streams.ensure_group(r, keys.req_stream(dead))
-    streams.ensure_group(r, keys.REQ_ANY)
+    streams.ensure_group(r, keys.req_any())
     streams.enqueue(r, request("left-behind", max_tokens=4).model_copy(update={"kv_blocks": 1}), dead)
     deliver_to(r, dead, keys.req_stream(dead))
     streams.enqueue(r, request("on-shared"), None)
-    deliver_to(r, dead, keys.REQ_ANY)  # makes it a consumer of the shared stream's group
-    r.sadd(keys.WORKERS, dead)
+    deliver_to(r, dead, keys.req_any())  # makes it a consumer of the shared stream's group
+    r.sadd(keys.workers(), dead)
     time.sleep(1.1)
     room = roomy()
     intake, inbox = start_intake(room)
@@ -160,13 +160,13 @@ def test_prunes_a_dead_worker_once_it_is_drained(r, start_intake):
     taken.append(next_job(inbox))
     room.accounted = intake.handed
     time.sleep(QUIET_S)  # a few scans: the entry on its own stream is taken but not yet acked
-    assert r.sismember(keys.WORKERS, dead)
+    assert r.sismember(keys.workers(), dead)
 
     for job in taken:
         streams.ack_and_delete(r, streams.Ack(job.stream, job.entry_id))
-    wait_for(lambda: not r.sismember(keys.WORKERS, dead), what="the drained dead worker to be forgotten")
+    wait_for(lambda: not r.sismember(keys.workers(), dead), what="the drained dead worker to be forgotten")
     assert not r.exists(keys.req_stream(dead), keys.reserved(dead))
-    assert dead not in {c["name"] for c in r.xinfo_consumers(keys.REQ_ANY, keys.GROUP)}
+    assert dead not in {c["name"] for c in r.xinfo_consumers(keys.req_any(), keys.GROUP)}
 
 
 def test_dead_letters_a_request_past_max_deliveries(r, start_intake):
@@ -174,7 +174,7 @@ def test_dead_letters_a_request_past_max_deliveries(r, start_intake):
     streams.ensure_group(r, keys.req_stream(dead))
     entry = streams.enqueue(r, request(rid), dead)
     deliver_to(r, dead, keys.req_stream(dead))
-    r.sadd(keys.WORKERS, dead)
+    r.sadd(keys.workers(), dead)
     time.sleep(1.1)
     _, inbox = start_intake(roomy(), max_deliveries=1)
 

@@ -30,7 +30,7 @@ def test_one_claim_wins_and_the_others_attach(redis_url):
         rec = await waiter
         assert rec.state == "enqueued" and rec.call == {"kind": "completion"}
         assert not await job_record.promote(r, "j1", mine.lease, {}, ttl_s=60)  # not a placing lease any more
-        await job_record.finish(r, "j1", {"kind": "completion"}, {"id": "j1"}, ttl_s=60, output_ttl_s=1)
+        await job_record.finish(r, "j1", 0, {"kind": "completion"}, {"id": "j1"}, ttl_s=60, output_ttl_s=1)
         again = await job_record.claim(r, "j1", ttl_s=60)
         assert again.outcome is Claim.HELD and again.held.result == {"id": "j1"}
         assert 0 < await r.pttl(keys.job("j1")) <= 60_000
@@ -64,7 +64,7 @@ def test_every_state_keeps_the_request_hash(redis_url):
         assert await job_record.promote(r, "j5", first.lease, {"kind": "completion"}, ttl_s=60)
         rec = await job_record.get(r, "j5")
         assert rec.state == "enqueued" and rec.same_request("h1") and not rec.same_request("h2")
-        await job_record.finish(r, "j5", {"kind": "completion"}, {"id": "j5"}, ttl_s=60, output_ttl_s=1,
+        await job_record.finish(r, "j5", 0, {"kind": "completion"}, {"id": "j5"}, ttl_s=60, output_ttl_s=1,
                                 request_hash="h1")
         held = await job_record.claim(r, "j5", ttl_s=60, request_hash="h2")
         assert held.outcome is Claim.HELD and held.held.request_hash == "h1" and not held.held.same_request("h2")
@@ -80,18 +80,18 @@ def test_every_state_keeps_the_request_hash(redis_url):
 
 def test_in_fleet_finds_a_request_in_any_stream_or_by_its_output(redis_url):
     async def body(r):
-        await r.sadd(keys.WORKERS, "w0", "w1")
+        await r.sadd(keys.workers(), "w0", "w1")
         for i in range(600):  # more than a page of other requests before it
             await streams.aenqueue(r, GenerationRequest(request_id=f"other-{i}", prompt_token_ids=[1]), "w1")
-        assert not await streams.arequest_in_fleet(r, "j3")
+        assert await streams.arequest_in_fleet(r, "j3") is None
         await streams.aenqueue(r, GenerationRequest(request_id="j3", prompt_token_ids=[1]), "w1")
-        assert await streams.arequest_in_fleet(r, "j3")
+        assert await streams.arequest_in_fleet(r, "j3") == 0
         await streams.aenqueue(r, GenerationRequest(request_id="j4", prompt_token_ids=[1]), None)
-        assert await streams.arequest_in_fleet(r, "j4")
-        assert not await streams.arequest_in_fleet(r, "j5")
+        assert await streams.arequest_in_fleet(r, "j4") == 0
+        assert await streams.arequest_in_fleet(r, "j5") is None
         await r.xadd(keys.out_stream("j5"), {keys.FIELD: OutputChunk(request_id="j5", seq=0).model_dump_json()})
-        assert await streams.arequest_in_fleet(r, "j5")  # taken, finished and acked: only its output is left
-        assert not await streams.arequest_in_fleet(r, "j")  # a prefix of other ids is not a match
+        assert await streams.arequest_in_fleet(r, "j5") == 0  # taken, finished and acked: only its output is left
+        assert await streams.arequest_in_fleet(r, "j") is None  # a prefix of other ids is not a match
 
     run(redis_url, body)
 
@@ -104,7 +104,7 @@ def test_a_done_record_keeps_the_answer_not_a_copy_of_the_request(redis_url):
               "usage": {"prompt_tokens": 4000, "completion_tokens": 2, "total_tokens": 4002}}
 
     async def body(r):
-        await job_record.finish(r, "j-big", call, result, ttl_s=60, output_ttl_s=1)
+        await job_record.finish(r, "j-big", 0, call, result, ttl_s=60, output_ttl_s=1)
         raw = await streams.aget_job(r, "j-big")
         rec = await job_record.get(r, "j-big")
         assert rec.state == "done" and rec.result == result and rec.call["request"] == {}

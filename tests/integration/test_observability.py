@@ -110,7 +110,7 @@ def test_one_request_is_one_trace_from_gateway_to_worker(fleet, receiver):
     r = route.attributes
     assert r["kvfleet.routing.policy"] == "free_blocks" and r["kvfleet.worker.id"] == "w0"
     assert 0 < r["kvfleet.routing.free_blocks"] <= BLOCKS and r["kvfleet.kv.blocks"] >= 1
-    assert enqueue.attributes["messaging.destination.name"] == "kvfleet:req:w0"
+    assert enqueue.attributes["messaging.destination.name"] == "kvfleet:{s0}:req:w0"
     w = work.attributes
     assert w["kvfleet.worker.id"] == "w0" and w["gen_ai.request.model"] == model
     assert w["gen_ai.usage.input_tokens"] == out.usage.prompt_tokens and w["gen_ai.usage.output_tokens"] == 6
@@ -171,8 +171,8 @@ def test_metrics_move_while_requests_run(fleet):
     assert value(g, "kvfleet_routing_decisions_total", policy="free_blocks", worker="w0") >= 5
     assert value(g, "kvfleet_gateway_time_to_first_token_seconds_count") >= 5
     assert value(g, "kvfleet_rejected_total") == 0
-    assert value(g, "kvfleet_stream_length", stream="kvfleet:req:w0") == 0
-    assert value(g, "kvfleet_stream_pending", stream="kvfleet:req:any") == 0
+    assert value(g, "kvfleet_stream_length", stream="kvfleet:{s0}:req:w0") == 0
+    assert value(g, "kvfleet_stream_pending", stream="kvfleet:{s0}:req:any") == 0
     assert value(g, "kvfleet_fleet_free_blocks", worker="w0") == BLOCKS
     assert value(g, "kvfleet_fleet_workers", state="live") == 1
 
@@ -185,7 +185,7 @@ def test_top_once_shows_the_fleet(fleet):
     assert f"{BLOCKS}/{BLOCKS}" in row and "[....................]" in row
     ttft = row.split()[-3]  # "p50/p95/p99" in ms, from the requests above
     assert all(x.isdigit() for x in ttft.split("/")), row
-    assert any(line.startswith("kvfleet:req:any") for line in out.stdout.splitlines())
+    assert any(line.startswith("kvfleet:{s0}:req:any") for line in out.stdout.splitlines())
     assert "p@ss:word" not in out.stdout + out.stderr
 
 
@@ -332,7 +332,7 @@ def test_a_placement_outside_http_is_one_trace_with_its_root(tiny_llama_dir):
         with RedisServer() as srv:
             asyncio.run(place(srv.url))
             r = streams.connect(srv.url)
-            (_, fields), = r.xrange(keys.REQ_ANY)
+            (_, fields), = r.xrange(keys.req_any())
             request = streams.parse_request(fields)
             r.close()
     finally:
@@ -344,7 +344,7 @@ def test_a_placement_outside_http_is_one_trace_with_its_root(tiny_llama_dir):
     attrs = root.attributes
     assert attrs["gen_ai.operation.name"] == "text_completion" and attrs["gen_ai.request.model"] == str(tiny_llama_dir)
     assert attrs["kvfleet.request.id"] == "task-1" and attrs["gen_ai.usage.input_tokens"] > 0
-    assert attrs["kvfleet.worker.id"] == "any" and enqueue.attributes["messaging.destination.name"] == keys.REQ_ANY
+    assert attrs["kvfleet.worker.id"] == "any" and enqueue.attributes["messaging.destination.name"] == keys.req_any()
     assert request.request_id == "task-1"
     assert request.trace_context["traceparent"].split("-")[1:3] == [f"{root.context.trace_id:032x}",
                                                                      f"{enqueue.context.span_id:016x}"]

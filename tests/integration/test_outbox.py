@@ -125,7 +125,7 @@ def test_status_published_with_its_ttl_and_refreshed_by_the_heartbeat(r, outbox)
     first = WorkerStatus.model_validate_json(raw)
     assert first.free_blocks == 40
     assert 0 < r.pttl(keys.status(ME)) <= 2000
-    assert r.sismember(keys.WORKERS, ME)
+    assert r.sismember(keys.workers(), ME)
     later = wait_for(lambda: (s := WorkerStatus.model_validate_json(r.get(keys.status(ME)))).heartbeat
                      > first.heartbeat and s, what="a heartbeat")
     assert later.free_blocks == 40  # unchanged state, published again so it does not expire
@@ -141,7 +141,7 @@ def test_reservations_of_taken_requests_go_with_the_status_that_counts_them(r, o
         wait_for(lambda: r.hlen(keys.reserved(ME)) == 1, what="the reservations to go")
     assert r.hgetall(keys.reserved(ME)) == {"still-queued": "5"}
     [block] = [b for b in mon.transactions() if any(w[0] == "HDEL" for w in b)]
-    assert [w[:2] for w in block] == [["SET", keys.status(ME)], ["SADD", keys.WORKERS], ["HDEL", keys.reserved(ME)]]
+    assert [w[:2] for w in block] == [["SET", keys.status(ME)], ["SADD", keys.workers()], ["HDEL", keys.reserved(ME)]]
     assert sorted(block[2][2:]) == ["taken-1", "taken-2"]
     assert WorkerStatus.model_validate_json(r.get(keys.status(ME))).free_blocks == 59
 
@@ -149,7 +149,7 @@ def test_reservations_of_taken_requests_go_with_the_status_that_counts_them(r, o
 def test_a_hand_back_requeues_on_the_shared_stream_and_acks_the_entry(r, outbox):
     ack = a_pending_entry(r, "back")
     outbox.hand_back(GenerationRequest(request_id="back", prompt_token_ids=[1, 2, 3], attempt=1), ack)
-    wait_for(lambda: r.xlen(keys.REQ_ANY) == 1, what="the requeued request")
-    [(_, fields)] = r.xrange(keys.REQ_ANY)
+    wait_for(lambda: r.xlen(keys.req_any()) == 1, what="the requeued request")
+    [(_, fields)] = r.xrange(keys.req_any())
     assert streams.parse_request(fields).attempt == 1
     assert r.xlen(ack.stream) == 0 and r.xpending(ack.stream, keys.GROUP)["pending"] == 0

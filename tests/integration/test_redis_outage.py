@@ -208,7 +208,7 @@ def test_flushed_while_queued_the_gateway_places_it_again(fleet):
     try:
         reader = threading.Thread(target=_sse_events, args=(fleet, None, started, events), daemon=True)
         reader.start()
-        fleet.wait_for(lambda: r.xlen(keys.req_stream("w0")) + r.xlen(keys.REQ_ANY) > 0, timeout_s=30,
+        fleet.wait_for(lambda: r.xlen(keys.req_stream("w0")) + r.xlen(keys.req_any()) > 0, timeout_s=30,
                        what="the request to be placed")  # (acked entries are deleted: none is left from before)
         time.sleep(0.2)
         assert not events

@@ -159,14 +159,14 @@ def test_a_draining_worker_hands_back_what_it_has_not_started_at_once(fleet):
     streams.ensure_group(r, keys.req_stream("w0"))
     pipe = r.pipeline(transaction=True)
     for i, rid in enumerate(rids):
-        streams.enqueue_commands(pipe, request(rid, i, 300), "w0")
+        streams.enqueue_commands(pipe, request(rid, i, 300), "w0", 0)
     pipe.execute()
     fleet.wait_for(lambda: streams.read_all_chunks(r, rids[0]), what="the first request to start")
     fleet.wait_for(lambda: (s := streams.other_workers(r, "w1").get("w0")) and s.waiting == 3,
                    what="the other three to wait")
     fleet.signal_worker("w0", signal.SIGTERM)
-    fleet.wait_for(lambda: r.xlen(keys.REQ_ANY) == 3, timeout_s=10, what="the waiting requests handed back")
-    handed = {streams.parse_request(f).request_id for _, f in r.xrange(keys.REQ_ANY)}
+    fleet.wait_for(lambda: r.xlen(keys.req_any()) == 3, timeout_s=10, what="the waiting requests handed back")
+    handed = {streams.parse_request(f).request_id for _, f in r.xrange(keys.req_any())}
     assert handed == set(rids[1:])
     assert fleet.workers["w0"].poll() is None, "w0 still finishes the one it started"
     assert r.xpending(keys.req_stream("w0"), keys.GROUP)["pending"] == 1

@@ -116,13 +116,13 @@ def test_a_request_delivered_too_often_goes_to_dead_letters(fleet):
     r.xreadgroup(keys.GROUP, ghost, {keys.req_stream(ghost): ">"}, count=1)  # delivery 1
     for _ in range(2):  # deliveries 2 and 3 (as if two more workers had died on it)
         r.xclaim(keys.req_stream(ghost), keys.GROUP, ghost, 0, [entry])
-    r.sadd(keys.WORKERS, ghost)  # a worker with no status: dead
+    r.sadd(keys.workers(), ghost)  # a worker with no status: dead
     chunks = list(streams.iter_output(r, rid, timeout_s=30))
     assert len(chunks) == 1 and chunks[0].final and chunks[0].error.kind == "dead_letter"
     assert "delivered 4 times" in chunks[0].error.message
     letters = [DeadLetter.model_validate_json(f[keys.FIELD]) for _, f in r.xrange(keys.DEAD)]
     assert [(d.request.request_id, d.deliveries) for d in letters] == [(rid, 4)]
-    fleet.wait_for(lambda: not r.sismember(keys.WORKERS, ghost), timeout_s=15, what="the ghost to be forgotten")
+    fleet.wait_for(lambda: not r.sismember(keys.workers(), ghost), timeout_s=15, what="the ghost to be forgotten")
     assert r.xlen(keys.req_stream(ghost)) == 0
 
 

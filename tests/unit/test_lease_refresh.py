@@ -13,6 +13,7 @@ import pytest
 from gateway.leases import Leases
 from gpu_worker.serve.intake import LEASE_CONFIRM_S, Cancel, Intake
 from shared import keys, streams
+from shared.settings import Settings
 
 pytestmark = pytest.mark.unit
 
@@ -41,7 +42,7 @@ class Pipe:
 def place(leases: Leases, r: FakeRedis, rid: str) -> None:
     """What placing a request does to its lease: the enqueue sets it (a SET, here), the gateway holds it."""
     r.stored.add(keys.lease(rid))
-    leases.hold(r, rid)
+    leases.hold(r, rid, 0)
 
 
 class FakeRedis:
@@ -136,11 +137,11 @@ def test_output_streams_read_to_their_end_expire_with_the_next_refresh_not_one_r
 
 def test_the_worker_cancels_a_request_only_once_its_lease_stayed_gone(monkeypatch):
     alive = {"kept"}
-    monkeypatch.setattr(streams, "leases_alive", lambda _r, ids: {i for i in ids if i in alive})
+    monkeypatch.setattr(streams, "leases_alive", lambda _r, ids, _shard: {i for i in ids if i in alive})
     clock = [100.0]
     monkeypatch.setattr("gpu_worker.serve.intake.time.monotonic", lambda: clock[0])
     inbox: queue.Queue = queue.Queue()
-    intake = Intake(None, None, "w", inbox, lambda: None)
+    intake = Intake(None, Settings(worker_id="w"), "w", inbox, lambda: None)
     intake._check_leases(["kept", "gone"])
     assert inbox.empty()
     clock[0] += LEASE_CONFIRM_S

@@ -44,7 +44,7 @@ class ScriptedRedis:
 
 
 def read(r: ScriptedRedis, **kw) -> list[int]:
-    return [c.seq for c in streams.iter_output(r, RID, timeout_s=30, block_ms=1, **kw)]
+    return [c.seq for c in streams.iter_output(r, RID, 0, timeout_s=30, block_ms=1, **kw)]
 
 
 def test_a_dropped_connection_pauses_the_reader_and_it_goes_on_after_the_last_entry():

