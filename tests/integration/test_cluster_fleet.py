@@ -9,16 +9,27 @@ equals the undisturbed greedy output."""
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
+import httpx
+import openai
 import pytest
-from fleet_harness import Fleet
+from fleet_harness import Fleet, wait_for
 
 from services.client import FleetClient
+from services.redis_server import free_port
 from shared import keys, streams
 from shared.settings import Settings
 
 pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
 
 SHARDS = 4
 WORKERS = {"w0": 0, "w1": 1, "w2": 2, "w4": 0}  # worker -> its shard (its id's trailing number % SHARDS)
@@ -122,3 +133,33 @@ def test_sigkill_mid_stream_the_worker_of_the_same_shard_takes_over(fleet):
     for ref, got in zip(reference, after, strict=True):
         assert got.finish == "length" and got.text == ref.text, f"request {got.i} (on {got.worker}) differs"
     assert "w0" not in {w["worker_id"] for w in fleet.fleet_status()["workers"]}
+
+
+def test_kvfleet_up_on_a_private_redis_cluster(tiny_llama_dir, tmp_path):
+    """`kvfleet up --redis-cluster 3`: three masters formed, 12 shards, the workers in shards 0 and 1; a
+    completion through the gateway; SIGTERM stops the cluster's nodes too."""
+    log, port, key = tmp_path / "up.log", free_port(), "sk-cluster"
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    with open(log, "wb") as out:
+        up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--redis-cluster", "3", "--workers", "2",
+                               "--port", str(port), "--model", str(tiny_llama_dir), "--num-kv-blocks", "64",
+                               "--max-num-seqs", "8", "--api-key", key, "--no-warmup"],
+                              cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        wait_for(lambda: "kvfleet: ready" in log.read_text() or up.poll() is not None, 180, "the fleet", log)
+        text = log.read_text()
+        assert up.poll() is None, text[-3000:]
+        pids = [int(p) for p in re.search(r"Redis Cluster: 3 masters .* \(pids ([\d, ]+)\)", text).group(1).split(",")]
+        assert "the fleet's keys in 12 shards" in text
+        base = f"http://127.0.0.1:{port}"
+        fleet = httpx.get(base + "/v1/fleet", headers={"Authorization": f"Bearer {key}"}, timeout=10).json()
+        assert {w["worker_id"]: w["shard"] for w in fleet["workers"]} == {"w0": 0, "w1": 1}
+        client = openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0, timeout=60)
+        done = client.completions.create(model=str(tiny_llama_dir), prompt="hello", max_tokens=5, temperature=0,
+                                         extra_body={"ignore_eos": True})
+        assert done.usage.completion_tokens == 5
+    finally:
+        up.send_signal(signal.SIGTERM)
+        up.wait(120)
+    assert "kvfleet: stopped" in log.read_text()
+    assert not [p for p in pids if os.path.exists(f"/proc/{p}")], "the cluster's nodes were stopped"

@@ -129,3 +129,16 @@ def test_shards_have_their_own_slots():
     assert len(slots([keys.req_any(k) for k in range(16)])) == 16
     assert len(slots([keys.status("w", 0), keys.lease("r", 0), keys.inbox("g", 0), keys.out_stream("r", 0),
                       keys.workers(0), keys.reserved("w", 0)])) == 1
+
+
+def test_celery_refuses_a_redis_cluster_broker_by_name():
+    from celery import Celery
+
+    from services.celery_app import configure
+    from shared.settings import Settings
+
+    with pytest.raises(ValueError, match="KVFLEET_CELERY_BROKER_URL is a Redis Cluster.*plain redis://") as e:
+        configure(Celery("t"), Settings(redis_url="redis+cluster://:secret@10.0.0.1:7000"))
+    assert "secret" not in str(e.value)
+    configure(Celery("t"), Settings(redis_url="redis+cluster://10.0.0.1:7000",
+                                    celery_broker_url="redis://10.0.0.2:6379/1"))  # a broker of its own: fine
