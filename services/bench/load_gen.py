@@ -140,7 +140,10 @@ async def send_one(client: httpx.AsyncClient, ep: Endpoint, req: BenchRequest, t
 
 
 def client_for(url: str, max_connections: int, timeout_s: float) -> httpx.AsyncClient:
-    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+    # An idle connection is dropped after 3 s, before the server's keep-alive timeout (uvicorn's 5 s, vLLM's too):
+    # with httpx's default 5 s, a request could go out on a connection the server was closing (a ReadError).
+    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
+                          keepalive_expiry=3.0)
     return httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(timeout_s, connect=10.0))
 
 

@@ -61,6 +61,38 @@ def connect_async(url: str, *, max_connections: int | None = None, **kwargs: Any
     return aioredis.Redis.from_pool(pool)
 
 
+# ---- stream reads that name their node ------------------------------------------------------------
+# XREAD and XREADGROUP name their keys after STREAMS, so Redis's command table marks them "movablekeys", and
+# redis-py's cluster client asks the server where their keys are (COMMAND GETKEYS) before each call: one more
+# round trip per read. Every read here is of one shard's keys, so the cluster client is told the node.
+
+def _stream_args(streams: dict[str, str], count: int | None, block_ms: int | None) -> list[Any]:
+    args: list[Any] = []
+    if count:
+        args += ["COUNT", count]
+    if block_ms is not None:
+        args += ["BLOCK", block_ms]
+    return args + ["STREAMS", *streams, *streams.values()]
+
+
+def _node(r: Any, streams: dict[str, str]) -> dict[str, Any]:
+    if isinstance(r, redis.RedisCluster | aioredis.RedisCluster):
+        return {"target_nodes": r.get_node_from_key(next(iter(streams)))}
+    return {}
+
+
+def xread(r: Any, streams: dict[str, str], *, count: int | None = None, block_ms: int | None = None) -> Any:
+    """XREAD (sync or asyncio client: await the result of the latter)."""
+    return r.execute_command("XREAD", *_stream_args(streams, count, block_ms), **_node(r, streams))
+
+
+def xreadgroup(r: Any, group: str, consumer: str, streams: dict[str, str], *, count: int | None = None,
+               block_ms: int | None = None) -> Any:
+    """XREADGROUP (sync or asyncio client: await the result of the latter)."""
+    return r.execute_command("XREADGROUP", "GROUP", group, consumer, *_stream_args(streams, count, block_ms),
+                             **_node(r, streams))
+
+
 # ---- errors callers catch -------------------------------------------------------------------------
 # Modules outside this package catch these instead of importing redis.
 

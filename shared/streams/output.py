@@ -20,7 +20,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from shared import keys
 from shared.messages import OutputChunk
-from shared.streams.client import CONNECTION_ERRORS
+from shared.streams.client import CONNECTION_ERRORS, xread
 
 log = logging.getLogger("kvfleet.streams")
 
@@ -183,7 +183,7 @@ def iter_output(r: redis.Redis, request_id: str, shard: int = 0, *, timeout_s: f
     cursor = _OutputCursor(request_id, shard, timeout_s, grace_s, entry)
     while True:
         try:
-            reply, kept = r.xread(cursor.streams(), block=block_ms, count=256), None
+            reply, kept = xread(r, cursor.streams(), block_ms=block_ms, count=256), None
             if cursor.should_check(bool(reply)):
                 kept = bool(r.exists(cursor.stream)), bool(entry and r.xrange(entry[0], entry[1], entry[1]))
         except CONNECTION_ERRORS as e:
@@ -212,7 +212,7 @@ async def aiter_output(r: aioredis.Redis, request_id: str, shard: int = 0, *, ti
     while True:
         cursor.check_lease(lost)
         try:
-            reply, kept = await r.xread(cursor.streams(), block=block_ms, count=256), None
+            reply, kept = await xread(r, cursor.streams(), block_ms=block_ms, count=256), None
             if cursor.should_check(bool(reply)):
                 kept = bool(await r.exists(cursor.stream)), bool(entry and await aentry_exists(r, *entry))
         except CONNECTION_ERRORS as e:
@@ -280,7 +280,7 @@ async def aread_inbox(r: aioredis.Redis, inbox: str, after: str, *, block_ms: in
     """The chunks of the entries after `after` (waiting up to block_ms for one), the moves among them (request
     id, stream, entry id: a worker put that request on another stream), and the new cursor. An entry that
     cannot be read is skipped (and logged)."""
-    reply = await r.xread({inbox: after}, block=block_ms, count=count)
+    reply = await xread(r, {inbox: after}, block_ms=block_ms, count=count)
     chunks: list[OutputChunk] = []
     moves: list[tuple[str, str, str]] = []
     for _stream, entries in reply or []:

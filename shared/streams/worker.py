@@ -22,7 +22,7 @@ import redis
 
 from shared import keys
 from shared.messages import DeadLetter, GenerationRequest, OutputChunk, WorkerStatus
-from shared.streams.client import LuaScript, run_script
+from shared.streams.client import LuaScript, run_script, xread, xreadgroup
 from shared.streams.requests import enqueue_commands
 
 # ---- worker side: intake --------------------------------------------------------------------------
@@ -73,7 +73,7 @@ def ensure_group(r: redis.Redis, stream: str) -> None:
 def read_requests(r: redis.Redis, consumer: str, want: dict[str, str], *, count: int,
                   block_ms: int | None = None) -> list[Delivery]:
     """XREADGROUP as `consumer` from each stream in `want` (stream -> id, ">" for new entries)."""
-    reply = r.xreadgroup(keys.GROUP, consumer, want, count=count, block=block_ms)
+    reply = xreadgroup(r, keys.GROUP, consumer, want, count=count, block_ms=block_ms)
     return [Delivery(stream, entry_id, fields) for stream, entries in reply or [] for entry_id, fields in entries]
 
 
@@ -204,7 +204,7 @@ def cancel_cursor(r: redis.Redis) -> str:
 def read_cancels(r: redis.Redis, after: str, *, block_ms: int = 1000, count: int = 256) -> tuple[str, list[str]]:
     """The request ids cancelled after entry `after` (waiting up to block_ms for one), and the new cursor."""
     ids = []
-    for _stream, entries in r.xread({keys.CANCEL: after}, block=block_ms, count=count) or []:
+    for _stream, entries in xread(r, {keys.CANCEL: after}, block_ms=block_ms, count=count) or []:
         for entry_id, fields in entries:
             after = entry_id
             ids.append(fields[keys.FIELD])

@@ -26,8 +26,9 @@ class ScriptedRedis:
         self.script, self.output_exists, self.entry_exists = list(script), output_exists, entry_exists
         self.read_from: list[str] = []
 
-    def xread(self, want: dict[str, str], block: int, count: int):
-        self.read_from.append(next(iter(want.values())))
+    def execute_command(self, command: str, *args):
+        assert command == "XREAD" and args[-3] == "STREAMS", args  # COUNT n BLOCK ms STREAMS key id
+        self.read_from.append(args[-1])
         step = self.script.pop(0) if self.script else []
         if isinstance(step, Exception):
             raise step
