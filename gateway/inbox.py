@@ -21,7 +21,7 @@ import socket
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from shared import keys, streams
@@ -132,19 +132,22 @@ class Inbox:
 
     async def chunks(self, request_id: str, *, timeout_s: float, grace_s: float,
                      lost: Callable[[], bool] | None = None, after_seq: int = -1,
-                     entry: tuple[str, str] | None = None) -> AsyncIterator[OutputChunk]:
+                     entry: tuple[str, str] | None = None,
+                     stranded: Callable[[int], Awaitable[bool]] | None = None) -> AsyncIterator[OutputChunk]:
         """The request's chunks in order, each once, after chunk `after_seq` (those a request placed again
         had relayed already, and were restored for its worker) until its final one. OutputTimeout when none comes for
         timeout_s, RedisAway when the inbox could not be read for grace_s, OutputLost when `lost()` (its lease
         vanished) or a chunk number was skipped (Redis lost chunks), or when after SILENCE_CHECK_S without a
         chunk its request `entry` (stream, id) is gone, acked, with no final chunk here (one dropped on its way),
-        WorkerLost when its worker died."""
+        WorkerLost when its worker died, or when after SILENCE_CHECK_S without a chunk `stranded(shard)` says no
+        live worker is left in its shard to run it (while other shards have some)."""
         box = self.boxes.get(request_id)
         if box is None:
             raise RuntimeError(f"no mailbox open for request {request_id}")
         box.dedup.last_seq = max(box.dedup.last_seq, after_seq)
         box.entry = box.entry or entry
-        shard = self.shards.get(keys.stream_shard(box.entry[0]) if box.entry else 0)
+        shard_id = keys.stream_shard(box.entry[0]) if box.entry else 0
+        shard = self.shards.get(shard_id)
         deadline = time.monotonic() + timeout_s
         next_check = time.monotonic() + SILENCE_CHECK_S
         while True:
@@ -170,6 +173,8 @@ class Inbox:
                 raise streams.OutputTimeout(f"no output for request {request_id} in {timeout_s:g}s")
             if box.entry is not None and now >= next_check and down_since is None:
                 next_check = now + SILENCE_CHECK_S
+                if stranded is not None and not box.items and await stranded(shard_id):
+                    raise WorkerLost(f"no live worker is left in shard {shard_id} to run request {request_id}")
                 if not await self._entry_alive(box.entry) and not box.items:
                     await box.wait(TICK_S)  # its last chunks may be on their way
                     if not box.items:

@@ -14,6 +14,7 @@ from typing import Any
 from opentelemetry import trace
 
 from gateway.errors import APIError, bad_request
+from gateway.fleet_view import read_view
 from gateway.inbox import WorkerLost
 from gateway.metrics import GatewayMetrics
 from gateway.placement import Submitted, place, replan
@@ -112,11 +113,23 @@ def _chunks(state: GatewayState, sub: Submitted, after_seq: int) -> AsyncIterato
     entry = (where.stream, where.entry_id)
     if state.inbox is not None:
         return state.inbox.chunks(sub.request_id, timeout_s=settings.request_timeout_s,
-                                  grace_s=settings.redis_grace_s, lost=lost, after_seq=after_seq, entry=entry)
+                                  grace_s=settings.redis_grace_s, lost=lost, after_seq=after_seq, entry=entry,
+                                  stranded=lambda shard: _stranded(state, shard))
     return streams.aiter_output(state.redis, sub.request_id, where.shard, timeout_s=settings.request_timeout_s,
                                 expire_after_s=settings.output_ttl_after_read_s, grace_s=settings.redis_grace_s,
                                 entry=entry, after_seq=after_seq, lost=lost,
                                 expire_later=leases.expire_later if leases is not None else None)
+
+
+async def _stranded(state: GatewayState, shard: int) -> bool:
+    """No live worker is left in `shard` (all of its workers died and none came back), while other shards have
+    some: a request waiting there is placed again elsewhere (a request never leaves its shard on its own).
+    With one shard, or none live anywhere, it waits for a worker to come back (kvfleet up restarts it)."""
+    try:
+        live = {w.shard for w in (await read_view(state.views, state.redis)).live}
+    except streams.RedisError:
+        return False  # unknown: the outage is handled on its own
+    return bool(live) and shard not in live
 
 
 async def _place_again(state: GatewayState, sub: Submitted, relayed: list[OutputChunk], n: int) -> Submitted:

@@ -135,6 +135,26 @@ def test_sigkill_mid_stream_the_worker_of_the_same_shard_takes_over(fleet):
     assert "w0" not in {w["worker_id"] for w in fleet.fleet_status()["workers"]}
 
 
+def test_a_shard_whose_last_worker_died_has_its_requests_placed_again_elsewhere(fleet):
+    """w1 is shard 1's only worker: killed mid-stream, nobody in its shard can take its requests over; after
+    a silence its gateway places them again in a live shard, with the chunks relayed so far restored."""
+    reference = _run(fleet, 8, offset=200)
+    for t in reference:
+        t.join(120)
+    assert all(t.error is None and t.finish == "length" for t in reference), [repr(t.error) for t in reference]
+    after = _run(fleet, 8, offset=200)
+    fleet.wait_for(lambda: any(t.worker == "w1" and 2 < t.chunks < MAX_TOKENS for t in after), timeout_s=60,
+                   what="a stream on w1 to get going")
+    fleet.signal_worker("w1")
+    for t in after:
+        t.join(120)
+    errors = [(t.i, repr(t.error)) for t in after if t.error is not None]
+    assert not errors, f"{errors}\n{fleet.tail(30)}"
+    for ref, got in zip(reference, after, strict=True):
+        assert got.finish == "length" and got.text == ref.text, f"request {got.i} (on {got.worker}) differs"
+    assert {w["shard"] for w in fleet.fleet_status()["workers"]} == {0, 2}
+
+
 def test_kvfleet_up_on_a_private_redis_cluster(tiny_llama_dir, tmp_path):
     """`kvfleet up --redis-cluster 3`: three masters formed, 12 shards, the workers in shards 0 and 1; a
     completion through the gateway; SIGTERM stops the cluster's nodes too."""
