@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -170,3 +171,32 @@ def inbox_chunks(r, request_id: str) -> list[OutputChunk]:
                 found += [OutputChunk.model_validate(c) for c in json.loads(fields[keys.FIELD])
                           if c["request_id"] == request_id]
     return found
+
+
+def stream_prompt(i: int) -> str:
+    return f"Request number {i}: write down everything you know about the number {i * 7}."
+
+
+class Stream(threading.Thread):
+    """One streamed completion through a fleet's gateway (the openai client, greedy, `ignore_eos`): its text so
+    far, chunk count, finish reason, the worker it was routed to (X-Kvfleet-Worker) and the error that ended it."""
+
+    def __init__(self, fleet: Fleet, i: int, max_tokens: int = 64):
+        super().__init__(daemon=True)
+        self.fleet, self.i, self.max_tokens = fleet, i, max_tokens
+        self.text, self.chunks, self.finish, self.worker, self.error = "", 0, None, None, None
+
+    def run(self) -> None:
+        try:
+            client = self.fleet.client(timeout=120)
+            raw = client.completions.with_raw_response.create(
+                model=self.fleet.model, prompt=stream_prompt(self.i), max_tokens=self.max_tokens, temperature=0,
+                stream=True, extra_body={"ignore_eos": True})
+            self.worker = raw.headers["x-kvfleet-worker"]
+            for event in raw.parse():
+                if event.choices:
+                    self.text += event.choices[0].text
+                    self.chunks += 1
+                    self.finish = event.choices[0].finish_reason or self.finish
+        except Exception as e:  # reported by the test
+            self.error = e

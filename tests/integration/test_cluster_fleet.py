@@ -14,13 +14,12 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from fleet_harness import Fleet, wait_for
+from fleet_harness import Fleet, Stream, stream_prompt, wait_for
 
 from services.client import FleetClient
 from services.redis_server import free_port
@@ -47,33 +46,8 @@ def fleet(tiny_llama_dir, tmp_path_factory):
         yield f
 
 
-def _prompt(i: int) -> str:
-    return f"Request number {i}: write down everything you know about the number {i * 7}."
-
-
-class Stream(threading.Thread):
-    def __init__(self, fleet: Fleet, i: int):
-        super().__init__(daemon=True)
-        self.fleet, self.i = fleet, i
-        self.text, self.chunks, self.finish, self.worker, self.error = "", 0, None, None, None
-
-    def run(self) -> None:
-        try:
-            raw = self.fleet.client(timeout=120).completions.with_raw_response.create(
-                model=self.fleet.model, prompt=_prompt(self.i), max_tokens=MAX_TOKENS, temperature=0, stream=True,
-                extra_body={"ignore_eos": True})
-            self.worker = raw.headers["x-kvfleet-worker"]
-            for event in raw.parse():
-                if event.choices:
-                    self.text += event.choices[0].text
-                    self.chunks += 1
-                    self.finish = event.choices[0].finish_reason or self.finish
-        except Exception as e:  # reported by the test
-            self.error = e
-
-
 def _run(fleet: Fleet, n: int, offset: int = 0) -> list[Stream]:
-    threads = [Stream(fleet, offset + i) for i in range(n)]
+    threads = [Stream(fleet, offset + i, MAX_TOKENS) for i in range(n)]
     for t in threads:
         t.start()
     return threads
@@ -91,7 +65,7 @@ def test_workers_publish_their_shards_and_the_keys_spread_over_the_masters(fleet
 
 def test_the_openai_client_through_the_gateway_on_a_cluster(fleet):
     client = fleet.client(timeout=120)
-    once = client.completions.create(model=fleet.model, prompt=_prompt(0), max_tokens=MAX_TOKENS, temperature=0,
+    once = client.completions.create(model=fleet.model, prompt=stream_prompt(0), max_tokens=MAX_TOKENS, temperature=0,
                                      extra_body={"ignore_eos": True})
     streamed = _run(fleet, 8)  # round_robin: two rounds over the four workers, every shard
     for t in streamed:
@@ -108,50 +82,43 @@ def test_the_openai_client_through_the_gateway_on_a_cluster(fleet):
 def test_a_backend_services_job_on_a_cluster(fleet):
     settings = Settings.from_env({"KVFLEET_REDIS_URL": fleet.redis.url, "KVFLEET_REDIS_SHARDS": str(SHARDS)})
     with FleetClient(settings=settings) as fc:
-        handles = [fc.submit(_prompt(i), max_tokens=16, temperature=0, request_id=f"cluster-job-{i}")
+        handles = [fc.submit(stream_prompt(i), max_tokens=16, temperature=0, request_id=f"cluster-job-{i}")
                    for i in range(4)]
         bodies = [h.result(timeout=120) for h in handles]
         assert all(b["choices"][0]["finish_reason"] in ("length", "stop") for b in bodies)
         assert len({h._call.info.shard for h in handles}) >= 2  # placed in several shards (free_blocks routing)
-        again = fc.submit(_prompt(0), max_tokens=16, temperature=0, request_id="cluster-job-0")
+        again = fc.submit(stream_prompt(0), max_tokens=16, temperature=0, request_id="cluster-job-0")
         assert again.result(timeout=30) == bodies[0]  # attached to its job record, not run again
 
 
-def test_sigkill_mid_stream_the_worker_of_the_same_shard_takes_over(fleet):
-    reference = _run(fleet, 8, offset=100)
+def _kill_mid_stream(fleet: Fleet, victim: str, offset: int) -> None:
+    """8 streams undisturbed, then the same 8 again with `victim` killed (SIGKILL) once one of its streams is
+    midway: every client's text equals the undisturbed one."""
+    reference = _run(fleet, 8, offset)
     for t in reference:
         t.join(120)
     assert all(t.error is None and t.finish == "length" for t in reference), [repr(t.error) for t in reference]
-    after = _run(fleet, 8, offset=100)
-    fleet.wait_for(lambda: any(t.worker == "w0" and 2 < t.chunks < MAX_TOKENS for t in after), timeout_s=60,
-                   what="a stream on w0 to get going")
-    fleet.signal_worker("w0")
+    after = _run(fleet, 8, offset)
+    fleet.wait_for(lambda: any(t.worker == victim and 2 < t.chunks < MAX_TOKENS for t in after), timeout_s=60,
+                   what=f"a stream on {victim} to get going")
+    fleet.signal_worker(victim)
     for t in after:
         t.join(120)
     errors = [(t.i, repr(t.error)) for t in after if t.error is not None]
     assert not errors, f"{errors}\n{fleet.tail(30)}"
     for ref, got in zip(reference, after, strict=True):
         assert got.finish == "length" and got.text == ref.text, f"request {got.i} (on {got.worker}) differs"
+
+
+def test_sigkill_mid_stream_the_worker_of_the_same_shard_takes_over(fleet):
+    _kill_mid_stream(fleet, "w0", offset=100)  # w4 lives in shard 0 too
     assert "w0" not in {w["worker_id"] for w in fleet.fleet_status()["workers"]}
 
 
 def test_a_shard_whose_last_worker_died_has_its_requests_placed_again_elsewhere(fleet):
     """w1 is shard 1's only worker: killed mid-stream, nobody in its shard can take its requests over; after
     a silence its gateway places them again in a live shard, with the chunks relayed so far restored."""
-    reference = _run(fleet, 8, offset=200)
-    for t in reference:
-        t.join(120)
-    assert all(t.error is None and t.finish == "length" for t in reference), [repr(t.error) for t in reference]
-    after = _run(fleet, 8, offset=200)
-    fleet.wait_for(lambda: any(t.worker == "w1" and 2 < t.chunks < MAX_TOKENS for t in after), timeout_s=60,
-                   what="a stream on w1 to get going")
-    fleet.signal_worker("w1")
-    for t in after:
-        t.join(120)
-    errors = [(t.i, repr(t.error)) for t in after if t.error is not None]
-    assert not errors, f"{errors}\n{fleet.tail(30)}"
-    for ref, got in zip(reference, after, strict=True):
-        assert got.finish == "length" and got.text == ref.text, f"request {got.i} (on {got.worker}) differs"
+    _kill_mid_stream(fleet, "w1", offset=200)
     assert {w["shard"] for w in fleet.fleet_status()["workers"]} == {0, 2}
 
 

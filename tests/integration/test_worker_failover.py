@@ -6,11 +6,10 @@ dead-letter stream and its reader gets an error."""
 from __future__ import annotations
 
 import signal
-import threading
 import time
 
 import pytest
-from fleet_harness import Fleet
+from fleet_harness import Fleet, Stream
 
 from shared import keys, streams
 from shared.messages import DeadLetter, GenerationRequest
@@ -31,34 +30,6 @@ def fleet(tiny_llama_dir, tmp_path_factory):
         f.start_gateway()
         f.wait_ready(workers=2)
         yield f
-
-
-def _prompt(i: int) -> str:
-    return f"Request number {i}: write down everything you know about the number {i * 7}."
-
-
-class Stream(threading.Thread):
-    """One streaming completion: its text so far, chunk count, the worker it was routed to."""
-
-    def __init__(self, fleet: Fleet, i: int, max_tokens: int = MAX_TOKENS):
-        super().__init__(daemon=True)
-        self.fleet, self.i, self.max_tokens = fleet, i, max_tokens
-        self.text, self.chunks, self.finish, self.worker, self.error = "", 0, None, None, None
-
-    def run(self) -> None:
-        try:
-            client = self.fleet.client(timeout=120)
-            raw = client.completions.with_raw_response.create(
-                model=self.fleet.model, prompt=_prompt(self.i), max_tokens=self.max_tokens, temperature=0, stream=True,
-                extra_body={"ignore_eos": True})
-            self.worker = raw.headers["x-kvfleet-worker"]
-            for event in raw.parse():
-                if event.choices:
-                    self.text += event.choices[0].text
-                    self.chunks += 1
-                    self.finish = event.choices[0].finish_reason or self.finish
-        except Exception as e:  # reported by the test
-            self.error = e
 
 
 def _run_all(fleet: Fleet, kill_after_chunks: int | None = None) -> tuple[list[Stream], dict]:

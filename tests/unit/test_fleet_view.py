@@ -14,12 +14,25 @@ from shared.fleet_state import FleetView
 
 pytestmark = pytest.mark.unit
 
+SHARD_READS: list[float] = []
+
+
+@pytest.fixture(autouse=True)
+def one_shard(monkeypatch):
+    async def shards(_r) -> list[int]:
+        SHARD_READS.append(asyncio.get_running_loop().time())
+        return [0]
+
+    SHARD_READS.clear()
+    monkeypatch.setattr(fleet_view.streams, "aread_shards", shards)
+
 
 class Reads:
     def __init__(self, fail: int = 0):
         self.count, self.fail = 0, fail
 
-    async def __call__(self, _r) -> FleetView:
+    async def __call__(self, _r, in_use=None) -> FleetView:
+        assert in_use == [0]  # the shards, read by the views at most every SHARDS_EVERY_S
         self.count += 1
         await asyncio.sleep(0.01)
         if self.fail:
@@ -75,3 +88,15 @@ def test_a_failed_read_is_not_cached(monkeypatch):
         return await views.get(None)
 
     assert asyncio.run(go()).reservations == {"w0": 2}
+
+
+def test_the_shards_are_read_once_a_second_not_with_every_view(monkeypatch):
+    monkeypatch.setattr(fleet_view.streams, "aread_fleet", Reads())
+
+    async def go() -> None:
+        views = FleetViews(max_age_s=0.0)
+        for _ in range(5):
+            await views.get(None)
+
+    asyncio.run(go())
+    assert len(SHARD_READS) == 1
