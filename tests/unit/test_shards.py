@@ -95,6 +95,12 @@ def test_every_atomic_step_of_a_worker_touches_one_slot(shard):
                     chunks=[OutputChunk(request_id="a", seq=0), OutputChunk(request_id="b", seq=0, final=True)],
                     reply_to={"a": "gw-a"}, owners={"a": mine, "b": taken_shared}, acks=[taken_shared],
                     requeued=[(handed, Ack(own, "3-0", 1))], held=[mine, taken_shared])
+    fenced = len(r.steps)
+    streams.publish(r, "w5", output_ttl_s=60, shard=shard, status=status, status_ttl_s=5, taken=["a"], run_id="run",
+                    chunks=[OutputChunk(request_id="a", seq=1), OutputChunk(request_id="b", seq=1, final=True)],
+                    reply_to={"a": "gw-a"}, owners={"a": mine, "b": taken_shared}, acks=[taken_shared])
+    assert len(r.steps) == fenced + 1  # the fence held (the stand-in says so): one script, _FLUSH_FENCED
+    assert {keys.inbox("gw-a", shard), keys.out_stream("b", shard), shared} <= set(r.steps[-1])
     streams.forward(r, handed.model_copy(update={"kv_blocks": 3}), "w9", mine, shard)
     streams.prune_dead_worker(r, "w1", shard)
     streams.leases_alive(r, ["a", "b"], shard)
