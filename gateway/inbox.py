@@ -92,11 +92,6 @@ class Inbox:
         self.dropped = 0  # chunks for requests with no mailbox
         self._closing = False
 
-    @property
-    def key(self) -> str:
-        """The inbox of shard 0 (an unsharded fleet's only one)."""
-        return keys.inbox(self.gateway_id, 0)
-
     async def start(self) -> None:
         """Create shard 0's inbox and start reading it (the others once a request goes there). Redis away: the
         reader creates it once it is back."""

@@ -28,15 +28,20 @@ async def aread_shards(r: aioredis.Redis) -> list[int]:
     return sorted({0} | {int(k) for k in await r.smembers(keys.SHARDS)})
 
 
+async def aread_members(r: aioredis.Redis, in_use: list[int]) -> dict[str, int]:
+    """Every worker ever seen in the shards `in_use`, with its shard: one round trip."""
+    pipe = r.pipeline(transaction=False)
+    for k in in_use:
+        pipe.smembers(keys.workers(k))
+    return {w: k for k, members in zip(in_use, await pipe.execute(), strict=True) for w in members}
+
+
 async def aread_fleet(r: aioredis.Redis, in_use: list[int] | None = None) -> FleetView:
     """Every worker ever seen, in every shard (`in_use`: as aread_shards found them, read afresh when None): the
     live ones (status present) with the blocks reserved on them, the dead ones. Two round trips (three with
     the shards): the shards' workers, then their statuses and reservations."""
     in_use = in_use if in_use is not None else await aread_shards(r)
-    pipe = r.pipeline(transaction=False)
-    for k in in_use:
-        pipe.smembers(keys.workers(k))
-    shards = {w: k for k, members in zip(in_use, await pipe.execute(), strict=True) for w in members}
+    shards = await aread_members(r, in_use)
     view = FleetView(shards=shards, in_use=in_use)
     if not shards:
         return view

@@ -7,7 +7,7 @@ import redis.asyncio as aioredis
 
 from shared import keys
 from shared.streams.client import LuaScript, arun_script
-from shared.streams.fleet import aread_fleet
+from shared.streams.fleet import aread_members, aread_shards
 from shared.streams.output import aoutput_exists
 from shared.streams.requests import parse_request
 
@@ -71,9 +71,10 @@ async def arequest_in_fleet(r: aioredis.Redis, request_id: str) -> int | None:
     """Was the request enqueued, and in which shard? Its entry stays in a request stream until the worker
     writes its final chunk (the ack and XDEL go in the same script as that chunk), so: look in every shard's
     streams first, then for its output. None: nowhere."""
-    view = await aread_fleet(r)
-    for shard in view.in_use:
-        names = [keys.req_any(shard)] + [keys.req_stream(w, k) for w, k in sorted(view.shards.items()) if k == shard]
+    in_use = await aread_shards(r)
+    members = await aread_members(r, in_use)
+    for shard in in_use:
+        names = [keys.req_any(shard)] + [keys.req_stream(w, k) for w, k in sorted(members.items()) if k == shard]
         for name in names:
             start = "-"
             while True:
@@ -84,7 +85,7 @@ async def arequest_in_fleet(r: aioredis.Redis, request_id: str) -> int | None:
                 if len(entries) < JOB_SCAN_PAGE:
                     break
                 start = "(" + entries[-1][0]
-    for shard in view.in_use:
+    for shard in in_use:
         if await aoutput_exists(r, request_id, shard):
             return shard
     return None

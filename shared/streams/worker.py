@@ -296,6 +296,11 @@ return refused
 
 EXPIRE_EVERY = 64  # an output stream's expiry is pushed out at its first chunk, every 64th and its last
 
+
+def _expires(c: OutputChunk) -> int:
+    """1 when writing `c` pushes its output stream's expiry out (EXPIRE_EVERY)."""
+    return int(c.seq % EXPIRE_EVERY == 0 or c.final)
+
 # The same flush while the fence holds, which is nearly always: no ownership to check, so no plan to decode
 # (_FLUSH's cjson and its walk cost ~60 us of Redis CPU for 32 chunks; this one ~9 us besides its XADDs): each
 # inbox's chunks come joined, the keys and values in order. -1, having written nothing, when the status in
@@ -343,7 +348,7 @@ def _publish_fenced(r: redis.Redis, worker_id: str, shard: int, run_id: str, out
         if (gateway := reply_to.get(c.request_id)) is not None:
             boxes.setdefault(keys.inbox(gateway, shard), []).append(text)
         else:
-            out.append((keys.out_stream(c.request_id, shard), text, int(c.seq % EXPIRE_EVERY == 0 or c.final)))
+            out.append((keys.out_stream(c.request_id, shard), text, _expires(c)))
     names = [keys.status(worker_id, shard), keys.reserved(worker_id, shard), *boxes, *(o[0] for o in out),
              *(a.stream for a in acks)]
     args: list[Any] = [run_id, status.model_dump_json() if status is not None else "", int(status_ttl_s * 1000),
@@ -424,8 +429,7 @@ def publish(r: redis.Redis, worker_id: str, *, output_ttl_s: float, chunks: Sequ
         if (gateway := reply_to.get(c.request_id)) is not None:
             boxes.setdefault(keys.inbox(gateway, shard), []).append([owner, at])
         else:
-            rows["chunks"].append([owner, plan.key(keys.out_stream(c.request_id, shard)), at,
-                                   int(c.seq % EXPIRE_EVERY == 0 or c.final)])
+            rows["chunks"].append([owner, plan.key(keys.out_stream(c.request_id, shard)), at, _expires(c)])
     rows["inboxes"] = [[plan.key(inbox), parts] for inbox, parts in boxes.items()]
     if requeued:
         rows["any"], rows["moved"] = plan.key(keys.req_any(shard)), keys.MOVED_FIELD

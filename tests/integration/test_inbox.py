@@ -70,7 +70,7 @@ def test_one_flush_writes_one_entry_per_gateway_and_each_relay_gets_its_own_chun
             streams.publish(r, W, output_ttl_s=60, chunks=flush, reply_to=reply_to | {"stray": a.gateway_id})
         got = await asyncio.gather(collect(a, "x"), collect(a, "y"), collect(b, "z"))
         assert [[c.seq for c in g] for g in got] == [[0, 1, 2], [0, 1], [0, 1]]
-        assert r.xlen(a.key) == 1 + 3 and r.xlen(b.key) == 1 + 2, "one entry per flush per gateway (+ its opening)"
+        assert r.xlen(keys.inbox(a.gateway_id)) == 1 + 3 and r.xlen(keys.inbox(b.gateway_id)) == 1 + 2, "one entry per flush per gateway (+ its opening)"
         assert not any(r.exists(keys.out_stream(rid)) for rid in "xyz"), "no stream of their own"
         await asyncio.sleep(0.3)
         assert a.dropped == 1, "the chunk of a request with no mailbox is dropped"
@@ -133,14 +133,14 @@ def test_the_reader_creates_the_inbox_again_when_redis_lost_it(r, redis_url):
         r.flushall()
         for _ in range(40):
             await asyncio.sleep(0.1)
-            if r.exists(inbox.key):
+            if r.exists(keys.inbox(inbox.gateway_id)):
                 break
-        assert r.exists(inbox.key) and 0 < r.pttl(inbox.key) <= 60_000
+        assert r.exists(keys.inbox(inbox.gateway_id)) and 0 < r.pttl(keys.inbox(inbox.gateway_id)) <= 60_000
         inbox.open("x")
         streams.publish(r, W, output_ttl_s=60, chunks=[chunk("x", 0, final=True)], reply_to={"x": inbox.gateway_id})
         assert [c.seq for c in await collect(inbox, "x")] == [0]
         await inbox.close()
-        assert not r.exists(inbox.key), "a gateway that stops deletes its inbox"
+        assert not r.exists(keys.inbox(inbox.gateway_id)), "a gateway that stops deletes its inbox"
         await ar.aclose()
 
     run(main())
