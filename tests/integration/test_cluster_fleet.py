@@ -139,8 +139,14 @@ def test_kvfleet_up_on_a_private_redis_cluster(tiny_llama_dir, tmp_path):
         pids = [int(p) for p in re.search(r"Redis Cluster: 3 masters .* \(pids ([\d, ]+)\)", text).group(1).split(",")]
         assert "the fleet's keys in 12 shards" in text
         base = f"http://127.0.0.1:{port}"
-        fleet = httpx.get(base + "/v1/fleet", headers={"Authorization": f"Bearer {key}"}, timeout=10).json()
-        assert {w["worker_id"]: w["shard"] for w in fleet["workers"]} == {"w0": 0, "w1": 1}
+
+        def shards() -> dict[str, int]:
+            fleet = httpx.get(base + "/v1/fleet", headers={"Authorization": f"Bearer {key}"}, timeout=10).json()
+            return {w["worker_id"]: w["shard"] for w in fleet["workers"]}
+
+        # "ready" means one live worker; the second may still be loading its model
+        wait_for(lambda: len(shards()) == 2, 120, "both workers", log)
+        assert shards() == {"w0": 0, "w1": 1}
         client = openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0, timeout=60)
         done = client.completions.create(model=str(tiny_llama_dir), prompt="hello", max_tokens=5, temperature=0,
                                          extra_body={"ignore_eos": True})
