@@ -249,6 +249,24 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(y, fx);
 }
 
+// The lines of a block ahead, prefetched (into L2) a few at a time over the work on the current block. The
+// burst this replaced (every line of the block two ahead, at the block's start) overflowed the core's miss
+// buffers: on a Zen 4, one thread read shuffled float32 blocks at 8.5-8.9 GB/s with it and 15-18 GB/s with
+// the prefetches spread, which is what a plain read of the same blocks reaches there.
+struct SpreadPrefetch {
+  const char *k = nullptr, *v = nullptr;
+  int64_t i = 0, n = 0;
+  void start(const char* nk, const char* nv, int64_t lines) { k = nk; v = nv; i = 0; n = lines; }
+  inline void step() {
+    if (i < n) {
+      _mm_prefetch(k + 64 * i, _MM_HINT_T1);
+      _mm_prefetch(v + 64 * i, _MM_HINT_T1);
+      ++i;
+    }
+  }
+  void finish() { while (i < n) step(); }
+};
+
 // One sequence, block size 16, head dim 16 * C, G query heads per kv head: AVX-512 throughout. Blocks outer,
 // heads inner: each block's keys and values (all heads) are read once, contiguously, while block b + 2 is
 // prefetched; running max, sum and output of every head stay in L1 (acc).
@@ -256,7 +274,7 @@ template <int C, int G, typename T>
 void decode_seq_avx512(const T* __restrict q, const T* __restrict kc, const T* __restrict vc,
                        const int32_t* table, int len, int64_t row, int hq, int hkv, float scale,
                        float* __restrict qf, float* __restrict acc, float* __restrict ml, T* __restrict out) {
-  constexpr int D = 16 * C, BS = 16, PF = 2;
+  constexpr int D = 16 * C, BS = 16, PF = 1;  // blocks ahead: 1 measured best (2 and 4 slower)
   const int64_t tok_stride = int64_t(hkv) * D, blk_stride = int64_t(BS) * hkv * D;
   const int64_t blk_lines = blk_stride * int64_t(sizeof(T)) / 64;
   const int num_blocks = (len + BS - 1) / BS;
@@ -278,14 +296,10 @@ void decode_seq_avx512(const T* __restrict q, const T* __restrict kc, const T* _
   for (int b = 0; b < num_blocks; ++b) {
     const int n = b == num_blocks - 1 ? len - b * BS : BS;
     const __mmask16 valid = n == 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1);
-    if (b + PF < num_blocks) {
-      const char* nk = (const char*)(kc + int64_t(table[b + PF]) * blk_stride);
-      const char* nv = (const char*)(vc + int64_t(table[b + PF]) * blk_stride);
-      for (int64_t i = 0; i < blk_lines; ++i) {
-        _mm_prefetch(nk + 64 * i, _MM_HINT_T1);
-        _mm_prefetch(nv + 64 * i, _MM_HINT_T1);
-      }
-    }
+    SpreadPrefetch pf;
+    if (b + PF < num_blocks)
+      pf.start((const char*)(kc + int64_t(table[b + PF]) * blk_stride),
+               (const char*)(vc + int64_t(table[b + PF]) * blk_stride), blk_lines);
     const T* kb = kc + int64_t(table[b]) * blk_stride;
     const T* vb = vc + int64_t(table[b]) * blk_stride;
     for (int h = 0; h < hkv; ++h) {
@@ -300,6 +314,7 @@ void decode_seq_avx512(const T* __restrict q, const T* __restrict kc, const T* _
           __m512i qb[C / 2];
           for (int c = 0; c < C / 2; ++c) qb[c] = _mm512_loadu_si512(q + (row * hq + hh) * D + 32 * c);
           for (int j = 0; j < BS; ++j) {
+            pf.step();
             const T* k = kb + j * tok_stride + h * D;
             __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)qb[0], (__m512bh)_mm512_loadu_si512(k));
             for (int c = 1; c < C / 2; ++c)
@@ -313,6 +328,7 @@ void decode_seq_avx512(const T* __restrict q, const T* __restrict kc, const T* _
           __m512 qv[C];
           for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(qf + hh * D + 16 * c);
           for (int j = 0; j < BS; ++j) {
+            pf.step();
             const T* k = kb + j * tok_stride + h * D;
             __m512 a = _mm512_mul_ps(qv[0], load16(k));
             for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[c], load16(k + 16 * c), a);
@@ -335,6 +351,7 @@ void decode_seq_avx512(const T* __restrict q, const T* __restrict kc, const T* _
       for (int g = 0; g < G; ++g)
         for (int c = 0; c < C; ++c) a[g][c] = _mm512_loadu_ps(acc + (h * G + g) * D + 16 * c);
       for (int j = 0; j < n; ++j) {
+        pf.step();
         const T* v = vb + j * tok_stride + h * D;
         __m512 vv[C];
         for (int c = 0; c < C; ++c) vv[c] = load16(v + 16 * c);
@@ -346,6 +363,7 @@ void decode_seq_avx512(const T* __restrict q, const T* __restrict kc, const T* _
       for (int g = 0; g < G; ++g)
         for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + (h * G + g) * D + 16 * c, a[g][c]);
     }
+    pf.finish();
   }
   for (int hh = 0; hh < hq; ++hh) {
     const float inv = 1.0f / l[hh];
