@@ -75,6 +75,9 @@ class Settings:
     # the requests it places meanwhile (workers publish at most 20 times a second); 0: a read per request.
     fleet_view_max_age_s: float = 0.05
     queue_when_no_workers: bool = False  # scale-to-zero: queue in the shared stream instead of 503
+    # A CPU worker makes its whole KV cache resident in the background after it starts (first-touch page
+    # faults then never land in a forward); 0: pages fault in on first use (memory grows only as it is used).
+    kv_prefault: bool = True
     metrics_host: str = "127.0.0.1"  # where a worker serves /livez, /readyz, /metrics (0.0.0.0 in pods)
     # With api_keys set, the gateway's /metrics needs the key like every route; this opens /metrics alone, for
     # scrapers that cannot send one (Prometheus by pod annotations). /docs, /openapi.json, /v1/fleet stay closed.

@@ -11,6 +11,9 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Many workers and engines run at once here: their KV caches stay lazily faulted (memory grows only as used);
+# tests/unit/test_kv_prefault.py turns it on where it is the subject.
+os.environ.setdefault("KVFLEET_KV_PREFAULT", "0")
 sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_models import make_tiny_model  # noqa: E402

@@ -36,6 +36,7 @@ from gpu_worker.engine.sampler import Sampler, SamplingRow
 from gpu_worker.executor.model_loader import checked_max_model_len, eos_token_ids, load_model_files
 from gpu_worker.executor.model_runner import ModelRunner
 from shared.sampling_params import SamplingParams
+from shared.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -97,9 +98,11 @@ class LLMEngine:
                    max_num_seqs: int = 128, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                    enable_prefix_caching: bool = True, scheduling_policy: str | SchedulingPolicy = "fcfs",
                    seed: int = 0, log_memory_usage_s: float = 0.0, use_triton: bool | None = None,
-                   tensor_parallel_size: int = 1) -> LLMEngine:
+                   tensor_parallel_size: int = 1, prefault_kv: bool | None = None) -> LLMEngine:
         """tensor_parallel_size N > 1: this process is rank 0 of N (gpu_worker.executor.tp_runner), the weights
-        and KV heads split over N devices (GPUs) or N shares of this process's CPUs."""
+        and KV heads split over N devices (GPUs) or N shares of this process's CPUs. prefault_kv: make the CPU
+        KV cache resident in the background (gpu_worker.executor.kv_prefault); None: KVFLEET_KV_PREFAULT
+        (default on)."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
@@ -111,7 +114,8 @@ class LLMEngine:
                                     log_memory_usage_s=log_memory_usage_s)
         runner_kwargs = dict(dtype=DTYPES[dtype], max_model_len=max_model_len, block_size=block_size,
                              num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-                             use_triton=use_triton)
+                             use_triton=use_triton,
+                             prefault_kv=Settings.from_env().kv_prefault if prefault_kv is None else prefault_kv)
         if tensor_parallel_size > 1:
             from gpu_worker.executor.tp_runner import TensorParallelRunner
 

@@ -25,6 +25,7 @@ import torch
 from gpu_worker.core.config import num_blocks_for_memory, parse_memory_size
 from gpu_worker.core.sched_output import ScheduledSeq, SchedulerOutput
 from gpu_worker.executor.batch_split import split_batch
+from gpu_worker.executor.kv_prefault import KVPrefault
 from gpu_worker.executor.model_loader import ModelFiles
 from gpu_worker.executor.models.llama import LlamaForCausalLM
 from gpu_worker.executor.ops import AttentionMetadata
@@ -96,7 +97,8 @@ def choose_num_blocks(shape: KVCacheShape, device: torch.device, *, num_kv_block
 class ModelRunner:
     def __init__(self, files: ModelFiles, *, dtype: torch.dtype, device: torch.device, max_model_len: int,
                  block_size: int, num_kv_blocks: int | None = None, kv_cache_memory: str | int | None = None,
-                 max_num_seqs: int = 128, use_triton: bool | None = None, tp: TPGroup | None = None):
+                 max_num_seqs: int = 128, use_triton: bool | None = None, tp: TPGroup | None = None,
+                 prefault_kv: bool = True):
         self.device, self.dtype, self.block_size = device, dtype, block_size
         self.tp = tp or TPGroup(rank=0, size=1)
         self.model = LlamaForCausalLM(files.config, max_positions=max_model_len, dtype=dtype, device=device,
@@ -122,6 +124,8 @@ class ModelRunner:
         # never-written slots hold no NaN (masked attention weights still multiply them by 0).
         self.kv_caches = [(torch.empty(cache_shape, dtype=dtype, device=device),
                            torch.empty(cache_shape, dtype=dtype, device=device)) for _ in range(arch.num_layers)]
+        # CPU: the pages made resident in the background, so that no forward pays their first-touch faults
+        self.kv_prefault = KVPrefault(self.kv_caches if prefault_kv else [], self.num_blocks)
         self._zeroed = torch.zeros(self.num_blocks, dtype=torch.bool)  # [num_blocks]
         reads_only_written = getattr(self.model.ops.paged_attention, "reads_only_written_slots", None)
         self._zero_fresh_blocks = not (reads_only_written and reads_only_written(dtype))
@@ -170,6 +174,7 @@ class ModelRunner:
         return None
 
     def close(self) -> None:
+        self.kv_prefault.stop()
         if self._pool is not None:
             self._pool.shutdown()
 

@@ -1,0 +1,61 @@
+"""The KV cache's background pre-fault (gpu_worker.executor.kv_prefault): it makes the pages resident and
+never changes what the engine wrote, even while the engine writes the same blocks; and an engine serving
+while it runs gives the same greedy tokens as one with it off."""
+
+from __future__ import annotations
+
+import torch
+
+from gpu_worker.engine.llm_engine import LLMEngine
+from gpu_worker.executor.kv_prefault import KVPrefault
+from shared.sampling_params import SamplingParams
+
+
+def _resident_kib() -> int:
+    with open("/proc/self/smaps_rollup") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Rss:"))
+
+
+def test_pages_become_resident_and_contents_stay():
+    blocks = 512
+    caches = [(torch.empty(blocks, 16, 2, 64), torch.empty(blocks, 16, 2, 64)) for _ in range(4)]  # 32 MiB
+    caches[0][0][0].fill_(3.0)  # written before it starts
+    caches[3][1][blocks - 1].fill_(-1.5)
+    before = _resident_kib()
+    prefault = KVPrefault(caches, blocks)
+    caches[1][0][7].fill_(2.0)  # written while it may be running
+    assert prefault.wait(60)
+    if not prefault.supported:  # a kernel before 5.14: nothing to check but that it said so and ended
+        return
+    assert prefault.blocks_done == blocks and prefault.seconds is not None
+    assert _resident_kib() - before >= 0.9 * 32 * 1024, "the caches' pages were made resident"
+    assert bool((caches[0][0][0] == 3.0).all()) and bool((caches[3][1][blocks - 1] == -1.5).all())
+    assert bool((caches[1][0][7] == 2.0).all())
+
+
+def test_stop_ends_it_early():
+    caches = [(torch.empty(4096, 16, 2, 64), torch.empty(4096, 16, 2, 64))]
+    prefault = KVPrefault(caches, 4096)
+    prefault.stop()
+    assert prefault.wait(60)
+    assert prefault.blocks_done <= 4096
+
+
+def test_greedy_output_is_the_same_while_the_cache_is_made_resident(tiny_llama_dir):
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [[5 + i, 17, 3 * i + 1, 42, 9] * (i + 1) for i in range(6)]
+    texts = []
+    for prefault_kv in (False, True):
+        engine = LLMEngine.from_model(str(tiny_llama_dir), num_kv_blocks=2048, prefault_kv=prefault_kv)
+        if not prefault_kv:
+            assert engine.runner.kv_prefault.done, "off: nothing runs"
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, params)
+        out: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                out.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
+        assert engine.runner.kv_prefault.wait(60)
+        engine.close()
+        texts.append(out)
+    assert texts[0] == texts[1]
