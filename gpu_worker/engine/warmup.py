@@ -6,17 +6,22 @@ Three small rounds through the real engine API (scheduler, KV cache, runner, sam
 prefill (up to WARMUP_PROMPT_TOKENS, at most half the KV cache; in chunks when the step budget is smaller) with greedy decoding; a batch
 of short requests decoding together with seeded sampling, top-p/top-k, penalties and logprobs; and n=2 (a
 forked prompt, copy-on-write). The prompts are fixed ids drawn from a seed, so their cached blocks match no
-real prompt and are the first evicted. Returns what it did and how long it took, for the start log.
+real prompt and are the first evicted. Then it waits until the KV cache is resident (on CPU the runner
+pre-faults it in the background from its start: gpu_worker.executor.kv_prefault), as vLLM's start zeroes its
+cache. Returns what it did and how long it took, for the start log.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from dataclasses import dataclass
 
 from gpu_worker.engine.llm_engine import LLMEngine
 from shared.sampling_params import SamplingParams
+
+log = logging.getLogger("kvfleet.worker")
 
 WARMUP_PROMPT_TOKENS = 512  # the long prefill (capped by the context window and half the KV cache)
 WARMUP_BATCH = 8  # short requests decoding together
@@ -30,10 +35,12 @@ class Warmup:
     requests: int
     prompt_tokens: int
     output_tokens: int
+    kv_wait_s: float = 0.0  # then waiting for the KV cache to be resident (gpu_worker.executor.kv_prefault)
 
     def describe(self) -> str:
         return (f"warm-up: {self.requests} requests ({self.prompt_tokens} prompt, {self.output_tokens} output "
-                f"tokens) in {self.steps} steps, {self.seconds:.2f} s")
+                f"tokens) in {self.steps} steps, {self.seconds:.2f} s"
+                + (f", then {self.kv_wait_s:.1f} s until the KV cache was resident" if self.kv_wait_s >= 0.05 else ""))
 
 
 def warm_up(engine: LLMEngine, *, seed: int = 0) -> Warmup:
@@ -67,4 +74,11 @@ def warm_up(engine: LLMEngine, *, seed: int = 0) -> Warmup:
                     raise RuntimeError(f"the warm-up request {out.request_id} failed: {out.error}")
                 output_tokens += sum(len(o.token_ids) for o in out.outputs)
             steps += 1
-    return Warmup(time.perf_counter() - start, steps, requests, prompt_tokens, output_tokens)
+    seconds = time.perf_counter() - start
+    prefault = getattr(engine.runner, "kv_prefault", None)  # None: a tensor-parallel or simulated runner
+    if prefault is not None and not prefault.done:
+        log.info("warm-up done in %.2f s; waiting for the KV cache to be resident (%d of %d blocks so far)",
+                 seconds, prefault.blocks_done, prefault.num_blocks)
+        prefault.wait()
+    return Warmup(seconds, steps, requests, prompt_tokens, output_tokens,
+                  kv_wait_s=time.perf_counter() - start - seconds)

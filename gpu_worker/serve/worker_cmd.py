@@ -96,8 +96,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="compute threads (default: one per CPU the worker may use; see --cpus); more threads than "
                         "free cores make every step wait for the slowest")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
-                   help="skip the warm-up (a long prefill, a batch of sampled decodes and n=2 through the engine "
-                        "before the worker registers, so the first request pays no first-call costs)")
+                   help="skip the warm-up (a long prefill, a batch of sampled decodes and n=2 through the engine, "
+                        "then a wait until the KV cache is resident, before the worker registers, so the first "
+                        "request pays no first-call costs or page faults; KVFLEET_KV_PREFAULT=0 skips the wait "
+                        "alone)")
     p.add_argument("--step-log", metavar="FILE",
                    help="append one JSON line per engine step (its shape and wall-clock seconds) to FILE, for "
                         "`kvfleet bench calibrate --from-steps FILE`")

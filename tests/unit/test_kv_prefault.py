@@ -1,6 +1,6 @@
 """The KV cache's background pre-fault (gpu_worker.executor.kv_prefault): it makes the pages resident and
 never changes what the engine wrote, even while the engine writes the same blocks; and an engine serving
-while it runs gives the same greedy tokens as one with it off."""
+while it runs gives the same greedy tokens as one with it off; the warm-up returns with the cache resident."""
 
 from __future__ import annotations
 
@@ -59,3 +59,14 @@ def test_greedy_output_is_the_same_while_the_cache_is_made_resident(tiny_llama_d
         engine.close()
         texts.append(out)
     assert texts[0] == texts[1]
+
+
+def test_warm_up_returns_with_the_cache_resident(tiny_llama_dir):
+    from gpu_worker.engine.warmup import warm_up
+
+    engine = LLMEngine.from_model(str(tiny_llama_dir), num_kv_blocks=4096, prefault_kv=True)
+    report = warm_up(engine)
+    assert engine.runner.kv_prefault.done and report.kv_wait_s >= 0
+    if engine.runner.kv_prefault.supported:
+        assert engine.runner.kv_prefault.blocks_done == 4096
+    engine.close()
