@@ -7,7 +7,8 @@ prefill chunk's keys and values (30 layers) took 750-1,000 ms into fresh blocks 
 ones. vLLM zeroes its cache while it starts; kvfleet becomes ready first and does this afterwards, on one
 thread at the lowest priority (nice 19), with madvise(MADV_POPULATE_WRITE): the kernel maps the pages and
 never changes their contents, so it is safe while the engine writes the same blocks. Where the kernel lacks
-it (Linux < 5.14) nothing is done, and pages fault in on first use as before.
+it (Linux < 5.14), or while the machine's available memory is low (memory_low), it stops, and the pages left
+fault in on first use as before.
 """
 
 from __future__ import annotations
@@ -25,7 +26,27 @@ log = logging.getLogger("kvfleet.runner")
 
 MADV_POPULATE_WRITE = 23  # linux/mman.h, Linux 5.14+
 CHUNK_BLOCKS = 64  # blocks per madvise call: small enough to stop promptly
+# It stops (the rest faulting in when used, as without it) while the machine's available memory is below this
+# share of its total or 1 GiB: several workers on one machine each size their cache from the memory free at
+# their start, and a lazily faulted cache never touches the blocks its load never needs.
+MIN_AVAILABLE_SHARE, MIN_AVAILABLE_BYTES = 0.10, 2**30
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def memory_low(meminfo: str | None = None) -> bool:
+    """Is the machine's available memory (MemAvailable) under MIN_AVAILABLE_SHARE of MemTotal or
+    MIN_AVAILABLE_BYTES? `meminfo`: the text of /proc/meminfo (read when None); False where it cannot tell."""
+    try:
+        if meminfo is None:
+            with open("/proc/meminfo") as f:
+                meminfo = f.read()
+        info = {k: int(v.split()[0]) * 1024 for k, _, v in (line.partition(":") for line in meminfo.splitlines())
+                if k in ("MemTotal", "MemAvailable")}
+    except (OSError, ValueError, IndexError):
+        return False
+    if len(info) < 2:
+        return False
+    return info["MemAvailable"] < max(MIN_AVAILABLE_BYTES, MIN_AVAILABLE_SHARE * info["MemTotal"])
 
 
 def _madvise():
@@ -77,6 +98,10 @@ class KVPrefault:
             for first in range(0, self.num_blocks, CHUNK_BLOCKS):
                 if self._stop.is_set():
                     return
+                if memory_low():
+                    log.warning("KV cache: pre-faulting stopped at block %d of %d: the machine's available memory "
+                                "is low; the rest faults in when first used", first, self.num_blocks)
+                    return
                 count = min(CHUNK_BLOCKS, self.num_blocks - first)
                 for t in self.tensors:
                     per_block = t.stride(0) * t.element_size()
@@ -90,8 +115,8 @@ class KVPrefault:
                                      os.strerror(err))
                             return
                         if err == errno.ENOMEM:  # out of memory: stop here, the rest faults in when used
-                            log.warning("KV cache: pre-faulting stopped at block %d of %d (out of memory)",
-                                        first, self.num_blocks)
+                            log.warning("KV cache: pre-faulting stopped at block %d of %d (out of memory); the "
+                                        "rest faults in when first used", first, self.num_blocks)
                             return
                 self.blocks_done = first + count
             self.seconds = time.perf_counter() - start

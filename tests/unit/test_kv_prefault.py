@@ -70,3 +70,27 @@ def test_warm_up_returns_with_the_cache_resident(tiny_llama_dir):
     if engine.runner.kv_prefault.supported:
         assert engine.runner.kv_prefault.blocks_done == 4096
     engine.close()
+
+
+def test_it_stops_while_the_machine_is_short_of_memory(monkeypatch):
+    from gpu_worker.executor import kv_prefault
+
+    monkeypatch.setattr(kv_prefault, "memory_low", lambda: True)
+    caches = [(torch.empty(256, 16, 2, 64), torch.empty(256, 16, 2, 64))]
+    prefault = KVPrefault(caches, 256)
+    assert prefault.wait(60)
+    assert prefault.blocks_done == 0 and prefault.seconds is None
+
+
+def test_memory_low_is_under_a_tenth_of_the_total_or_one_gib():
+    from gpu_worker.executor.kv_prefault import memory_low
+
+    def meminfo(total_gib: float, available_gib: float) -> str:
+        return (f"MemTotal:       {int(total_gib * 2**20)} kB\nMemFree:          1000 kB\n"
+                f"MemAvailable:   {int(available_gib * 2**20)} kB\n")
+
+    assert memory_low(meminfo(16, 1.5))  # under 1.6 GiB, a tenth
+    assert not memory_low(meminfo(16, 4))
+    assert memory_low(meminfo(4, 0.9))  # under 1 GiB
+    assert not memory_low(meminfo(4, 1.5))
+    assert not memory_low("MemTotal: 1 kB\n")  # cannot tell: go on
