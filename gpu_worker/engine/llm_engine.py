@@ -212,6 +212,19 @@ class LLMEngine:
         """Why the engine cannot go on although no step failed yet (a tensor-parallel rank died), or None."""
         return self.runner.fault()
 
+    def wait_kv_resident(self) -> float:
+        """Block until the runner's KV cache is resident (on CPU it is pre-faulted in the background from the
+        runner's start: gpu_worker.executor.kv_prefault); the seconds waited. A runner without one (CUDA,
+        tensor-parallel, simulated): 0 at once."""
+        prefault = getattr(self.runner, "kv_prefault", None)
+        if prefault is None or prefault.done:
+            return 0.0
+        start = time.perf_counter()
+        log.info("waiting for the KV cache to be resident (%d of %d blocks so far)", prefault.blocks_done,
+                 prefault.num_blocks)
+        prefault.wait()
+        return time.perf_counter() - start
+
     def close(self) -> None:
         """Stop the runner's threads and processes (a tensor-parallel runner's executors). Idempotent."""
         self.runner.close()

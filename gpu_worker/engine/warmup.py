@@ -13,15 +13,12 @@ cache. Returns what it did and how long it took, for the start log.
 
 from __future__ import annotations
 
-import logging
 import random
 import time
 from dataclasses import dataclass
 
 from gpu_worker.engine.llm_engine import LLMEngine
 from shared.sampling_params import SamplingParams
-
-log = logging.getLogger("kvfleet.worker")
 
 WARMUP_PROMPT_TOKENS = 512  # the long prefill (capped by the context window and half the KV cache)
 WARMUP_BATCH = 8  # short requests decoding together
@@ -75,10 +72,4 @@ def warm_up(engine: LLMEngine, *, seed: int = 0) -> Warmup:
                 output_tokens += sum(len(o.token_ids) for o in out.outputs)
             steps += 1
     seconds = time.perf_counter() - start
-    prefault = getattr(engine.runner, "kv_prefault", None)  # None: a tensor-parallel or simulated runner
-    if prefault is not None and not prefault.done:
-        log.info("warm-up done in %.2f s; waiting for the KV cache to be resident (%d of %d blocks so far)",
-                 seconds, prefault.blocks_done, prefault.num_blocks)
-        prefault.wait()
-    return Warmup(seconds, steps, requests, prompt_tokens, output_tokens,
-                  kv_wait_s=time.perf_counter() - start - seconds)
+    return Warmup(seconds, steps, requests, prompt_tokens, output_tokens, kv_wait_s=engine.wait_kv_resident())

@@ -145,6 +145,7 @@ def calibrate(model: str, *, dtype: str = "float32", name: str | None = None, qu
 
     engine = LLMEngine.from_model(model, dtype=dtype, enable_prefix_caching=False, max_num_seqs=128,
                                   max_num_batched_tokens=2048)
+    engine.wait_kv_resident()  # no page faults in the timed steps, as in a worker after its warm-up
     vocab = engine.runner.vocab_size
     measure(engine, [(2, 64, 4)], vocab, progress=False)  # warm-up: one-time costs stay out of the fit
     samples = measure(engine, QUICK_CASES if quick else PREFILL_CASES + DECODE_CASES, vocab, progress,

@@ -37,14 +37,12 @@ def run_engine(model_dir: Path, workload: Workload, shape: ModelShape, args: arg
             engine.add_request(f"warmup-{i}", r.prompt_token_ids[::-1], _params(4))
         while engine.has_unfinished_requests():
             engine.step()
-        # timed from a resident KV cache, as vLLM's (it zeroes its cache while it starts); a worker serves
-        # while this goes on in the background (gpu_worker.executor.kv_prefault)
-        prefault = getattr(engine.runner, "kv_prefault", None)
-        t_prefault = time.perf_counter()
-        if prefault is not None and not prefault.done:
-            print("kvfleet: making the KV cache resident before timing ...", file=sys.stderr, flush=True)
-            prefault.wait()
-        prefault_s = time.perf_counter() - t_prefault
+        # timed from a resident KV cache, as vLLM's (it zeroes its cache while it starts), as a worker's
+        # warm-up waits for it (gpu_worker.executor.kv_prefault)
+        prefault_s = engine.wait_kv_resident()
+        if prefault_s >= 0.05:
+            print(f"kvfleet: waited {prefault_s:.1f} s for the KV cache to be resident before timing",
+                  file=sys.stderr, flush=True)
         base = engine.stats()
         bar = None
         if progress:

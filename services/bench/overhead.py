@@ -66,6 +66,7 @@ def bench_engine(args: argparse.Namespace) -> dict[str, float]:
     from shared.sampling_params import SamplingParams
 
     engine = LLMEngine.from_model(args.model, num_kv_blocks=args.num_kv_blocks)
+    engine.wait_kv_resident()  # as a worker's warm-up does
     tok, params = engine.tokenizer, SamplingParams(max_tokens=1, temperature=0)
     prompts = _prompts(20_000)
     ids = [tok(p)["input_ids"] for p in prompts[: 2 * args.requests + 10_010]]
