@@ -27,6 +27,7 @@ class IncrementalDetokenizer:
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
         self._pending = ""  # decoded, not taken yet
         self._taken_tail = ""  # the last max_stop_len - 1 characters taken: where a stop string may begin
+        self._stopped = False  # a stop string cut the text: nothing after it is released
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -59,11 +60,14 @@ class IncrementalDetokenizer:
         # The cut is never inside taken text: it was held back while it could begin a stop string, and
         # with include_stop_str_in_output the cut is after the match, which ends in the new text.
         self._pending = text[base: i + len(s) if self.include_stop else i]
+        self._stopped = True
         return s
 
     def take_text(self, finished: bool) -> str:
         """The text decoded since the last call. While running, a tail that could still begin a stop string
         is held back for a later call; once finished, everything is released."""
+        if finished and not self._stopped:
+            self._release_partial_character()
         hold = 0 if finished or not self.stop or self.include_stop else self._hold()
         text = self._pending[: len(self._pending) - hold]
         self._pending = self._pending[len(text):]
@@ -71,6 +75,17 @@ class IncrementalDetokenizer:
             tail = self._taken_tail + text
             self._taken_tail = tail[max(len(tail) - self._max_stop_len + 1, 0):]
         return text
+
+    def _release_partial_character(self) -> None:
+        """At the end: the text of the last tokens, held back while they ended inside a UTF-8 character, with
+        the replacement character standing for the incomplete bytes, as the tokenizer's decode of the whole
+        output gives it."""
+        if self.read_offset < len(self.token_ids):
+            prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+            full_text = self._decode(self.token_ids[self.prefix_offset:])
+            if len(full_text) > len(prefix_text):
+                self._pending += full_text[len(prefix_text):]
+            self.prefix_offset = self.read_offset = len(self.token_ids)
 
     def _hold(self) -> int:
         """Characters at the end of the pending text that begin a stop string (the longest such prefix).

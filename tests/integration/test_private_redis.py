@@ -85,7 +85,11 @@ def test_up_again_on_the_same_data_dir_answers_a_queued_request(tiny_llama_dir, 
         settings = Settings.from_env(redis_url=server.url, model=model, queue_when_no_workers=True)
         with FleetClient(settings=settings) as client:
             rid = client.submit("queued before the restart", **params).request_id
-        wait_for(lambda: rid.encode() in (data / "appendonly.aof").read_bytes(), 60, "the AOF to hold the request")
+        # the record says "enqueued" once the request is in its stream: both written to the AOF. (The request id
+        # alone shows up with the "placing" record first; with appendfsync everysec Redis may write the rest up to
+        # 2 s after it answered, while a background fsync runs, and a SIGKILL then loses it.)
+        wait_for(lambda: re.search(rid.encode() + rb"[\s\S]*enqueued", (data / "appendonly.aof").read_bytes()), 60,
+                 "the AOF to hold the request and its enqueued record")
         os.kill(server.proc.pid, signal.SIGKILL)
         server.proc.wait(10)
     finally:

@@ -53,3 +53,26 @@ def test_taken_text_equals_the_whole_text_rule(include):
         assert (taken, got_stop) == (want[-1], want_stop), (stop, steps)
         if got_stop is None:
             assert taken + detok.take_text(finished=True) == "".join(VOCAB[i] for ids in steps for i in ids)
+
+
+class ByteTokenizer:
+    """Each id one byte of UTF-8; decode replaces incomplete bytes with U+FFFD, as byte-level BPE tokenizers do."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_an_output_ending_inside_a_character_ends_as_the_whole_decode_does():
+    ids = list("ok é".encode()) + list("€".encode())[:2]  # the last character cut after 2 of its 3 bytes
+    detok = IncrementalDetokenizer(ByteTokenizer(), [])
+    detok.add_tokens(ids)
+    running = detok.take_text(finished=False)
+    assert running == "ok é", "held back while the character may still complete"
+    assert running + detok.take_text(finished=True) == ByteTokenizer().decode(ids) == "ok é\ufffd"
+
+
+def test_after_a_stop_string_nothing_held_back_is_released():
+    ids = list(b"ab STOP") + list("€".encode())[:1]
+    detok = IncrementalDetokenizer(ByteTokenizer(), [], stop=["STOP"])
+    assert detok.add_tokens(ids) == "STOP"
+    assert detok.take_text(finished=True) == "ab "

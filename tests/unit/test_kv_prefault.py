@@ -4,6 +4,10 @@ while it runs gives the same greedy tokens as one with it off; the warm-up retur
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import os
+
 import torch
 
 from gpu_worker.engine.llm_engine import LLMEngine
@@ -11,26 +15,47 @@ from gpu_worker.executor.kv_prefault import KVPrefault
 from shared.sampling_params import SamplingParams
 
 
-def _resident_kib() -> int:
-    with open("/proc/self/smaps_rollup") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("Rss:"))
+def _fresh(blocks: int) -> tuple[torch.Tensor, torch.Tensor, mmap.mmap, mmap.mmap]:
+    """A key and a value cache [blocks, 16, 2, 64] on pages of their own, never touched (a fresh anonymous map:
+    torch.empty may reuse memory that earlier tests made resident)."""
+    maps = [mmap.mmap(-1, blocks * 16 * 2 * 64 * 4) for _ in range(2)]
+    k, v = (torch.frombuffer(m, dtype=torch.float32).view(blocks, 16, 2, 64) for m in maps)
+    return k, v, maps[0], maps[1]
+
+
+def _resident_share(t: torch.Tensor) -> float:
+    """Share of the pages under `t` that are resident (mincore)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = t.data_ptr() & ~(page - 1)
+    length = t.data_ptr() + t.numel() * t.element_size() - start
+    pages = (length + page - 1) // page
+    vec = (ctypes.c_ubyte * pages)()
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) == 0, os.strerror(ctypes.get_errno())
+    return sum(b & 1 for b in vec) / pages
 
 
 def test_pages_become_resident_and_contents_stay():
     blocks = 512
-    caches = [(torch.empty(blocks, 16, 2, 64), torch.empty(blocks, 16, 2, 64)) for _ in range(4)]  # 32 MiB
+    caches, maps = [], []
+    for _ in range(2):
+        k, v, mk, mv = _fresh(blocks)
+        caches.append((k, v))
+        maps += [mk, mv]
+    assert _resident_share(caches[1][1]) < 0.1, "a fresh map starts out of memory"
     caches[0][0][0].fill_(3.0)  # written before it starts
-    caches[3][1][blocks - 1].fill_(-1.5)
-    before = _resident_kib()
+    caches[1][1][blocks - 1].fill_(-1.5)
     prefault = KVPrefault(caches, blocks)
     caches[1][0][7].fill_(2.0)  # written while it may be running
     assert prefault.wait(60)
     if not prefault.supported:  # a kernel before 5.14: nothing to check but that it said so and ended
         return
     assert prefault.blocks_done == blocks and prefault.seconds is not None
-    assert _resident_kib() - before >= 0.9 * 32 * 1024, "the caches' pages were made resident"
-    assert bool((caches[0][0][0] == 3.0).all()) and bool((caches[3][1][blocks - 1] == -1.5).all())
+    for k, v in caches:
+        assert _resident_share(k) == 1.0 and _resident_share(v) == 1.0, "every page of the caches is resident"
+    assert bool((caches[0][0][0] == 3.0).all()) and bool((caches[1][1][blocks - 1] == -1.5).all())
     assert bool((caches[1][0][7] == 2.0).all())
+    assert bool((caches[0][1] == 0.0).all()), "pages never written read as zeros"
 
 
 def test_stop_ends_it_early():
