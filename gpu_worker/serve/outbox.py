@@ -156,6 +156,13 @@ class Outbox:
     def _merge(into: _Batch, item: _Batch | None) -> None:
         if item is None:
             return
+        for rid, owner in item.owners.items():
+            old = into.owners.get(rid)
+            if old is not None and old != owner:
+                # A new delivery of the request (this worker lost the old one, claimed it again and resumed it
+                # from what Redis holds): what the old delivery left queued here is never written, least of all
+                # under the new delivery's owner token, which the fast flush would let through (duplicate chunks).
+                into.chunks = [c for c in into.chunks if c.request_id != rid]
         into.chunks += item.chunks
         into.owners.update(item.owners)
         into.reply_to.update(item.reply_to)
