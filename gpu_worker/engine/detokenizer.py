@@ -38,11 +38,7 @@ class IncrementalDetokenizer:
         start = len(self._pending)
         for tid in new_token_ids:
             self.token_ids.append(tid)
-            prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
-            full_text = self._decode(self.token_ids[self.prefix_offset:])
-            if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
-                self._pending += full_text[len(prefix_text):]
-                self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+            self._advance(partial_ok=False)
         return self._check_stop(start) if self.stop and len(self._pending) > start else None
 
     def _check_stop(self, new_from: int) -> str | None:
@@ -66,8 +62,8 @@ class IncrementalDetokenizer:
     def take_text(self, finished: bool) -> str:
         """The text decoded since the last call. While running, a tail that could still begin a stop string
         is held back for a later call; once finished, everything is released."""
-        if finished and not self._stopped:
-            self._release_partial_character()
+        if finished and not self._stopped and self.read_offset < len(self.token_ids):
+            self._advance(partial_ok=True)  # the last tokens, held back while they ended inside a character
         hold = 0 if finished or not self.stop or self.include_stop else self._hold()
         text = self._pending[: len(self._pending) - hold]
         self._pending = self._pending[len(text):]
@@ -76,16 +72,15 @@ class IncrementalDetokenizer:
             self._taken_tail = tail[max(len(tail) - self._max_stop_len + 1, 0):]
         return text
 
-    def _release_partial_character(self) -> None:
-        """At the end: the text of the last tokens, held back while they ended inside a UTF-8 character, with
-        the replacement character standing for the incomplete bytes, as the tokenizer's decode of the whole
-        output gives it."""
-        if self.read_offset < len(self.token_ids):
-            prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
-            full_text = self._decode(self.token_ids[self.prefix_offset:])
-            if len(full_text) > len(prefix_text):
-                self._pending += full_text[len(prefix_text):]
-            self.prefix_offset = self.read_offset = len(self.token_ids)
+    def _advance(self, *, partial_ok: bool) -> None:
+        """Move the text the tokens after read_offset add to the pending text, unless it ends inside a UTF-8
+        character (U+FFFD stands for the incomplete bytes); partial_ok: even then (the output has ended, and
+        the tokenizer's decode of the whole output gives U+FFFD there too)."""
+        prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        full_text = self._decode(self.token_ids[self.prefix_offset:])
+        if len(full_text) > len(prefix_text) and (partial_ok or not full_text.endswith("\ufffd")):
+            self._pending += full_text[len(prefix_text):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
 
     def _hold(self) -> int:
         """Characters at the end of the pending text that begin a stop string (the longest such prefix).
