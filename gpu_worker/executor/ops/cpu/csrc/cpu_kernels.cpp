@@ -673,17 +673,17 @@ void rotary(const int64_t* __restrict pos, const T* __restrict q, int64_t q_stri
 // keys are transposed once (kt[d][j]) so that a query row's 16 scores are 16-wide FMAs, then softmax online
 // and P V. Tiles past a query tile's last position are skipped; the diagonal tile is masked.
 #if defined(__AVX512F__)
-// The end of a prefill work item: each query row's output acc / l into its head's slot of out.
+// The end of a prefill work item: acc holds each query head's output transposed (lane i of acc[g][d] = row i's
+// element d); row i's output acc / l goes into its head's slot of out.
 template <int C, typename T>
-void prefill_store_rows(const float* __restrict acc, const float* __restrict l, int rows, int i0, int h, int hq,
-                        int g_size, T* __restrict out) {
+void prefill_store_transposed(const float* __restrict acc, const float* __restrict l, int rows, int i0, int h,
+                              int hq, int g_size, T* __restrict out) {
   constexpr int D = 16 * C, TILE = 16;
   for (int g = 0; g < g_size; ++g)
     for (int i = 0; i < rows; ++i) {
-      const int r = g * TILE + i;
-      const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
+      const float inv = 1.0f / l[g * TILE + i];
       T* o = out + (int64_t(i0 + i) * hq + h * g_size + g) * D;
-      for (int c = 0; c < C; ++c) store16(o + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + 16 * c), inv));
+      for (int d = 0; d < D; ++d) from_f(acc[(g * D + d) * TILE + i] * inv, o + d);
     }
 }
 
@@ -691,28 +691,28 @@ template <int C, typename T>
 void prefill_tile(const T* __restrict q, const T* __restrict kc, const T* __restrict vc, const int32_t* table,
                   int ctx, int q_len, int i0, int h, int hq, int hkv, int g_size, int bs, float scale,
                   float* __restrict buf, T* __restrict out) {
-  constexpr int D = 16 * C, TILE = 16, R = C <= 4 ? 4 : 2;
+  constexpr int D = 16 * C, TILE = 16;
   const int rows = std::min(TILE, q_len - i0), first_pos = ctx - q_len + i0, last_pos = first_pos + rows - 1;
-  const int nrow = g_size * TILE;  // row r = g * TILE + i
-  float* qf = buf;                 // [nrow][D]
-  float* acc = qf + nrow * D;      // [nrow][D]
-  float* m = acc + nrow * D;       // [nrow]
-  float* l = m + nrow;             // [nrow]
-  float* kt = l + nrow;            // [D][TILE]
-  float* vt = kt + D * TILE;       // [TILE][D]
-  float* pr = vt + TILE * D;       // [R][TILE]
+  float* qt = buf;                   // [g][D][TILE]: each query head's 16 rows, transposed and scaled
+  float* acc = qt + g_size * D * TILE;  // [g][D][TILE]: the output, transposed as the queries
+  float* m = acc + g_size * TILE * D;   // [g][TILE]
+  float* l = m + g_size * TILE;         // [g][TILE]
+  float* kt = l + g_size * TILE;        // [TILE][D]: the key tile, contiguous (one base for the broadcasts)
+  float* vt = kt + TILE * D;            // [TILE][D]
+  float* pt = vt + TILE * D;            // [g][TILE keys][TILE rows]: probabilities
+  float* corr = pt + g_size * TILE * TILE;  // [g][TILE]
   const int64_t tok_stride = int64_t(hkv) * D;
-  for (int g = 0; g < g_size; ++g)
+  for (int g = 0; g < g_size; ++g) {
     for (int i = 0; i < TILE; ++i) {
-      const int r = g * TILE + i;
       const T* qp = q + (int64_t(i0 + std::min(i, rows - 1)) * hq + h * g_size + g) * D;
-      for (int c = 0; c < C; ++c) {
-        _mm512_storeu_ps(qf + r * D + 16 * c, _mm512_mul_ps(load16(qp + 16 * c), _mm512_set1_ps(scale)));
-        _mm512_storeu_ps(acc + r * D + 16 * c, _mm512_setzero_ps());
-      }
-      m[r] = -3.0e38f;
-      l[r] = 0.0f;
+      for (int d = 0; d < D; ++d) qt[(g * D + d) * TILE + i] = to_f(qp[d]) * scale;
     }
+    for (int d = 0; d < D; ++d) _mm512_storeu_ps(acc + (g * D + d) * TILE, _mm512_setzero_ps());
+    _mm512_storeu_ps(m + g * TILE, _mm512_set1_ps(-3.0e38f));
+    _mm512_storeu_ps(l + g * TILE, _mm512_setzero_ps());
+  }
+  const __m512i row_pos = _mm512_add_epi32(_mm512_set1_epi32(first_pos),
+                                           _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
   for (int t0 = 0; t0 <= last_pos; t0 += TILE) {
     const int nk = std::min(TILE, last_pos + 1 - t0);  // keys t0 .. t0 + nk - 1
     for (int j = 0; j < TILE; ++j) {
@@ -721,80 +721,89 @@ void prefill_tile(const T* __restrict q, const T* __restrict kc, const T* __rest
         const int64_t slot = int64_t(table[t / bs]) * bs + t % bs;
         const T* kr = kc + slot * tok_stride + int64_t(h) * D;
         const T* vr = vc + slot * tok_stride + int64_t(h) * D;
-        for (int c = 0; c < C; ++c) _mm512_storeu_ps(vt + j * D + 16 * c, load16(vr + 16 * c));
-        for (int d = 0; d < D; ++d) kt[d * TILE + j] = to_f(kr[d]);
+        for (int c = 0; c < C; ++c) {
+          _mm512_storeu_ps(kt + j * D + 16 * c, load16(kr + 16 * c));
+          _mm512_storeu_ps(vt + j * D + 16 * c, load16(vr + 16 * c));
+        }
       } else {
-        for (int c = 0; c < C; ++c) _mm512_storeu_ps(vt + j * D + 16 * c, _mm512_setzero_ps());
-        for (int d = 0; d < D; ++d) kt[d * TILE + j] = 0.0f;
+        for (int c = 0; c < C; ++c) {
+          _mm512_storeu_ps(kt + j * D + 16 * c, _mm512_setzero_ps());
+          _mm512_storeu_ps(vt + j * D + 16 * c, _mm512_setzero_ps());
+        }
       }
     }
-    // R query rows at a time: independent FMA chains, and each key / value vector loaded once for R rows
-    for (int g = 0; g < g_size; ++g)
-      for (int i = 0; i < TILE; i += R) {
-        if (t0 > first_pos + i + R - 1) continue;  // these rows see none of this tile
-        const int r0 = g * TILE + i;
-        __m512 s0[R], s1[R];
-        for (int k = 0; k < R; ++k) s0[k] = s1[k] = _mm512_setzero_ps();
-        for (int d = 0; d < D; d += 2) {
-          const __m512 k0 = _mm512_loadu_ps(kt + d * TILE), k1 = _mm512_loadu_ps(kt + (d + 1) * TILE);
-          for (int k = 0; k < R; ++k) {
-            s0[k] = _mm512_fmadd_ps(_mm512_set1_ps(qf[(r0 + k) * D + d]), k0, s0[k]);
-            s1[k] = _mm512_fmadd_ps(_mm512_set1_ps(qf[(r0 + k) * D + d + 1]), k1, s1[k]);
-          }
-        }
-        float corr[R];
-        int upto = 0;  // keys any of the R rows sees
-        for (int k = 0; k < R; ++k) {
-          const int r = r0 + k;
-          const int visible = std::max(0, std::min(nk, first_pos + i + k - t0 + 1));
-          upto = std::max(upto, visible);
-          const __mmask16 valid = visible >= 16 ? __mmask16(0xffff) : __mmask16((1u << visible) - 1);
-          const __m512 sc = _mm512_mask_mov_ps(_mm512_set1_ps(-3.0e38f), valid, _mm512_add_ps(s0[k], s1[k]));
-          const float mx = std::max(m[r], _mm512_reduce_max_ps(sc));
-          const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(sc, _mm512_set1_ps(mx))));
-          corr[k] = std::exp(m[r] - mx);
-          l[r] = l[r] * corr[k] + _mm512_reduce_add_ps(p);
-          m[r] = mx;
-          _mm512_storeu_ps(pr + k * TILE, p);
-        }
-        __m512 a[R][C];
-        for (int k = 0; k < R; ++k) {
-          const __m512 cv = _mm512_set1_ps(corr[k]);
-          for (int c = 0; c < C; ++c) a[k][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (r0 + k) * D + 16 * c), cv);
-        }
-        for (int j = 0; j < upto; ++j) {
-          __m512 v[C];
-          for (int c = 0; c < C; ++c) v[c] = _mm512_loadu_ps(vt + j * D + 16 * c);
-          for (int k = 0; k < R; ++k) {
-            const __m512 pj = _mm512_set1_ps(pr[k * TILE + j]);
-            for (int c = 0; c < C; ++c) a[k][c] = _mm512_fmadd_ps(pj, v[c], a[k][c]);
-          }
-        }
-        for (int k = 0; k < R; ++k)
-          for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + (r0 + k) * D + 16 * c, a[k][c]);
+    __mmask16 visible[TILE];  // key j: the rows (lanes) at or after its position
+    const bool diagonal = t0 + TILE - 1 > first_pos;
+    for (int j = 0; j < TILE; ++j)
+      visible[j] = diagonal ? _mm512_cmpge_epi32_mask(row_pos, _mm512_set1_epi32(t0 + j)) : __mmask16(0xffff);
+    for (int g = 0; g < g_size; ++g) {
+      // scores: lane i of s[j] = row i . key j; one query-column load per 16 FMAs with broadcast keys
+      __m512 s[TILE];
+      for (int j = 0; j < TILE; ++j) s[j] = _mm512_setzero_ps();
+      const float* qg = qt + g * D * TILE;
+      for (int d = 0; d < D; ++d) {
+        const __m512 qv = _mm512_loadu_ps(qg + d * TILE);
+        for (int j = 0; j < TILE; ++j) s[j] = _mm512_fmadd_ps(qv, _mm512_set1_ps(kt[j * D + d]), s[j]);
       }
+      // online softmax, all 16 rows at once: the max and the sums run across registers, not lanes
+      const __m512 m_old = _mm512_loadu_ps(m + g * TILE);
+      __m512 mx = m_old;
+      for (int j = 0; j < TILE; ++j) {
+        if (diagonal) s[j] = _mm512_mask_mov_ps(_mm512_set1_ps(-3.0e38f), visible[j], s[j]);
+        mx = _mm512_max_ps(mx, s[j]);
+      }
+      __m512 sum = _mm512_setzero_ps();
+      for (int j = 0; j < TILE; ++j) {
+        const __m512 p = _mm512_maskz_mov_ps(visible[j], exp16(_mm512_sub_ps(s[j], mx)));
+        sum = _mm512_add_ps(sum, p);
+        _mm512_storeu_ps(pt + (g * TILE + j) * TILE, p);
+      }
+      const __m512 cv = exp16(_mm512_sub_ps(m_old, mx));
+      _mm512_storeu_ps(l + g * TILE, _mm512_fmadd_ps(_mm512_loadu_ps(l + g * TILE), cv, sum));
+      _mm512_storeu_ps(m + g * TILE, mx);
+      _mm512_storeu_ps(corr + g * TILE, cv);
+    }
+    // P V into the transposed output (lane i of acc[g][d] = row i's element d), after every head's softmax
+    // (the probabilities are read back long after their stores): as the scores, 16 accumulators, one
+    // probability-column load per 16 FMAs with broadcast values
+    for (int g = 0; g < g_size; ++g) {
+      const float* pg = pt + g * TILE * TILE;
+      const __m512 cv = _mm512_loadu_ps(corr + g * TILE);
+      for (int d0 = 0; d0 < D; d0 += 16) {
+        float* ag = acc + (g * D + d0) * TILE;
+        __m512 o[16];
+        for (int e = 0; e < 16; ++e) o[e] = _mm512_mul_ps(_mm512_loadu_ps(ag + e * TILE), cv);
+        for (int j = 0; j < nk; ++j) {
+          const __m512 pj = _mm512_loadu_ps(pg + j * TILE);
+          for (int e = 0; e < 16; ++e) o[e] = _mm512_fmadd_ps(pj, _mm512_set1_ps(vt[j * D + d0 + e]), o[e]);
+        }
+        for (int e = 0; e < 16; ++e) _mm512_storeu_ps(ag + e * TILE, o[e]);
+      }
+    }
   }
-  prefill_store_rows<C>(acc, l, rows, i0, h, hq, g_size, out);
+  prefill_store_transposed<C>(acc, l, rows, i0, h, hq, g_size, out);
 }
 
 #if defined(__AVX512BF16__)
 // bfloat16 prefill with AVX512-BF16 dot products (vdpbf16ps: pairs of bf16 products summed into fp32): the
-// same tiling as prefill_tile, half the instructions. Scores accumulate in fp32 and are scaled in fp32; the
-// probabilities are rounded to bfloat16 before P V, as Hugging Face's bf16 attention does.
+// same tiling and transposed layout as prefill_tile, half the instructions. A query column holds the 16 rows'
+// pairs (d, d + 1); keys are broadcast in pairs. Scores accumulate in fp32 and are scaled in fp32; the
+// probabilities are rounded to bfloat16 before P V, as Hugging Face's bf16 attention does, and go in pairs of
+// keys (2 jp, 2 jp + 1) against the values' pairs.
 template <int C>
 void prefill_tile_bf16(const uint16_t* __restrict q, const uint16_t* __restrict kc, const uint16_t* __restrict vc,
                        const int32_t* table, int ctx, int q_len, int i0, int h, int hq, int hkv, int g_size, int bs,
                        float scale, float* __restrict buf, uint16_t* __restrict out) {
-  constexpr int D = 16 * C, TILE = 16, R = C <= 4 ? 4 : 2, DP = D / 2;
+  constexpr int D = 16 * C, TILE = 16, DP = D / 2;
   const int rows = std::min(TILE, q_len - i0), first_pos = ctx - q_len + i0, last_pos = first_pos + rows - 1;
-  const int nrow = g_size * TILE;
-  uint32_t* qp = reinterpret_cast<uint32_t*>(buf);  // [nrow][DP] bf16 pairs of the queries
-  float* acc = buf + nrow * DP;                     // [nrow][D]
-  float* m = acc + nrow * D;                        // [nrow]
-  float* l = m + nrow;                              // [nrow]
-  uint32_t* kp = reinterpret_cast<uint32_t*>(l + nrow);  // [DP][TILE]: key j's pair (2 dp, 2 dp + 1)
-  uint32_t* vp = kp + DP * TILE;                    // [TILE / 2][D]: column c's pair (key 2 jp, key 2 jp + 1)
-  uint16_t* pb = reinterpret_cast<uint16_t*>(vp + TILE / 2 * D);  // [R][TILE] probabilities, bf16
+  uint32_t* qp = reinterpret_cast<uint32_t*>(buf);  // [g][DP][TILE]: row i's query pair (2 dp, 2 dp + 1)
+  float* acc = buf + g_size * DP * TILE;            // [g][D][TILE]: the output, transposed
+  float* m = acc + g_size * D * TILE;               // [g][TILE]
+  float* l = m + g_size * TILE;                     // [g][TILE]
+  uint32_t* kp = reinterpret_cast<uint32_t*>(l + g_size * TILE);  // [TILE][DP]: key j's pairs, contiguous
+  uint32_t* vp = kp + TILE * DP;                    // [TILE / 2][D]: element d of keys (2 jp, 2 jp + 1)
+  uint32_t* pp = vp + TILE / 2 * D;                 // [g][TILE / 2][TILE]: row i's probabilities of keys 2 jp, 2 jp + 1
+  float* corr = reinterpret_cast<float*>(pp + g_size * TILE / 2 * TILE);  // [g][TILE]
   const int64_t tok_stride = int64_t(hkv) * D;
   __m512i interleave;  // words: a0 b0 a1 b1 ... a15 b15 from [a0..a15 | b0..b15]
   {
@@ -802,32 +811,33 @@ void prefill_tile_bf16(const uint16_t* __restrict q, const uint16_t* __restrict 
     for (int i = 0; i < 16; ++i) { idx[2 * i] = uint16_t(i); idx[2 * i + 1] = uint16_t(16 + i); }
     interleave = _mm512_load_si512(idx);
   }
-  for (int g = 0; g < g_size; ++g)
+  for (int g = 0; g < g_size; ++g) {
     for (int i = 0; i < TILE; ++i) {
-      const int r = g * TILE + i;
-      std::memcpy(qp + r * DP, q + (int64_t(i0 + std::min(i, rows - 1)) * hq + h * g_size + g) * D, D * 2);
-      for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + r * D + 16 * c, _mm512_setzero_ps());
-      m[r] = -3.0e38f;
-      l[r] = 0.0f;
+      const uint32_t* q32 =
+          reinterpret_cast<const uint32_t*>(q + (int64_t(i0 + std::min(i, rows - 1)) * hq + h * g_size + g) * D);
+      for (int dp = 0; dp < DP; ++dp) qp[(g * DP + dp) * TILE + i] = q32[dp];
     }
+    for (int d = 0; d < D; ++d) _mm512_storeu_ps(acc + (g * D + d) * TILE, _mm512_setzero_ps());
+    _mm512_storeu_ps(m + g * TILE, _mm512_set1_ps(-3.0e38f));
+    _mm512_storeu_ps(l + g * TILE, _mm512_setzero_ps());
+  }
+  const __m512i row_pos = _mm512_add_epi32(_mm512_set1_epi32(first_pos),
+                                           _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
   const __m256i zero256 = _mm256_setzero_si256();
   for (int t0 = 0; t0 <= last_pos; t0 += TILE) {
     const int nk = std::min(TILE, last_pos + 1 - t0);
-    const uint16_t* krow[TILE];
     const uint16_t* vrow[TILE];
     for (int j = 0; j < TILE; ++j) {
       if (j < nk) {
         const int t = t0 + j;
         const int64_t slot = int64_t(table[t / bs]) * bs + t % bs;
-        krow[j] = kc + slot * tok_stride + int64_t(h) * D;
+        const uint16_t* kr = kc + slot * tok_stride + int64_t(h) * D;
         vrow[j] = vc + slot * tok_stride + int64_t(h) * D;
+        std::memcpy(kp + j * DP, kr, D * 2);
       } else {
-        krow[j] = vrow[j] = nullptr;
+        vrow[j] = nullptr;
+        std::memset(kp + j * DP, 0, D * 2);
       }
-    }
-    for (int j = 0; j < TILE; ++j) {
-      const uint32_t* k32 = reinterpret_cast<const uint32_t*>(krow[j]);
-      for (int dp = 0; dp < DP; ++dp) kp[dp * TILE + j] = krow[j] ? k32[dp] : 0u;
     }
     for (int jp = 0; jp < TILE / 2; ++jp)
       for (int c = 0; c < C; ++c) {
@@ -836,55 +846,55 @@ void prefill_tile_bf16(const uint16_t* __restrict q, const uint16_t* __restrict 
         const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
         _mm512_storeu_si512(vp + jp * D + 16 * c, _mm512_permutexvar_epi16(interleave, ab));
       }
-    for (int g = 0; g < g_size; ++g)
-      for (int i = 0; i < TILE; i += R) {
-        if (t0 > first_pos + i + R - 1) continue;
-        const int r0 = g * TILE + i;
-        __m512 s0[R], s1[R];
-        for (int k = 0; k < R; ++k) s0[k] = s1[k] = _mm512_setzero_ps();
-        for (int dp = 0; dp < DP; dp += 2) {
-          const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kp + dp * TILE);
-          const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kp + (dp + 1) * TILE);
-          for (int k = 0; k < R; ++k) {
-            s0[k] = _mm512_dpbf16_ps(s0[k], (__m512bh)_mm512_set1_epi32(int(qp[(r0 + k) * DP + dp])), k0);
-            s1[k] = _mm512_dpbf16_ps(s1[k], (__m512bh)_mm512_set1_epi32(int(qp[(r0 + k) * DP + dp + 1])), k1);
-          }
-        }
-        float corr[R];
-        int upto = 0;
-        for (int k = 0; k < R; ++k) {
-          const int r = r0 + k;
-          const int visible = std::max(0, std::min(nk, first_pos + i + k - t0 + 1));
-          upto = std::max(upto, visible);
-          const __mmask16 valid = visible >= 16 ? __mmask16(0xffff) : __mmask16((1u << visible) - 1);
-          const __m512 sc = _mm512_mask_mov_ps(_mm512_set1_ps(-3.0e38f), valid,
-                                               _mm512_mul_ps(_mm512_add_ps(s0[k], s1[k]), _mm512_set1_ps(scale)));
-          const float mx = std::max(m[r], _mm512_reduce_max_ps(sc));
-          const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(sc, _mm512_set1_ps(mx))));
-          corr[k] = std::exp(m[r] - mx);
-          l[r] = l[r] * corr[k] + _mm512_reduce_add_ps(p);
-          m[r] = mx;
-          _mm256_storeu_si256((__m256i*)(pb + k * TILE), bf16_bits(p));
-        }
-        __m512 a[R][C];
-        for (int k = 0; k < R; ++k) {
-          const __m512 cv = _mm512_set1_ps(corr[k]);
-          for (int c = 0; c < C; ++c) a[k][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (r0 + k) * D + 16 * c), cv);
-        }
-        const uint32_t* pb32 = reinterpret_cast<const uint32_t*>(pb);
-        for (int jp = 0; jp < (upto + 1) / 2; ++jp) {
-          __m512bh v[C];
-          for (int c = 0; c < C; ++c) v[c] = (__m512bh)_mm512_loadu_si512(vp + jp * D + 16 * c);
-          for (int k = 0; k < R; ++k) {
-            const __m512bh pj = (__m512bh)_mm512_set1_epi32(int(pb32[k * TILE / 2 + jp]));
-            for (int c = 0; c < C; ++c) a[k][c] = _mm512_dpbf16_ps(a[k][c], pj, v[c]);
-          }
-        }
-        for (int k = 0; k < R; ++k)
-          for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + (r0 + k) * D + 16 * c, a[k][c]);
+    __mmask16 visible[TILE];
+    const bool diagonal = t0 + TILE - 1 > first_pos;
+    for (int j = 0; j < TILE; ++j)
+      visible[j] = diagonal ? _mm512_cmpge_epi32_mask(row_pos, _mm512_set1_epi32(t0 + j)) : __mmask16(0xffff);
+    for (int g = 0; g < g_size; ++g) {
+      __m512 s[TILE];
+      for (int j = 0; j < TILE; ++j) s[j] = _mm512_setzero_ps();
+      const uint32_t* qg = qp + g * DP * TILE;
+      for (int dp = 0; dp < DP; ++dp) {
+        const __m512bh qv = (__m512bh)_mm512_loadu_si512(qg + dp * TILE);
+        for (int j = 0; j < TILE; ++j)
+          s[j] = _mm512_dpbf16_ps(s[j], qv, (__m512bh)_mm512_set1_epi32(int(kp[j * DP + dp])));
       }
+      const __m512 m_old = _mm512_loadu_ps(m + g * TILE), sv = _mm512_set1_ps(scale);
+      __m512 mx = m_old;
+      for (int j = 0; j < TILE; ++j) {
+        s[j] = _mm512_mask_mov_ps(_mm512_set1_ps(-3.0e38f), visible[j], _mm512_mul_ps(s[j], sv));
+        mx = _mm512_max_ps(mx, s[j]);
+      }
+      __m512 sum = _mm512_setzero_ps();
+      for (int jp = 0; jp < TILE / 2; ++jp) {
+        const __m512 p0 = _mm512_maskz_mov_ps(visible[2 * jp], exp16(_mm512_sub_ps(s[2 * jp], mx)));
+        const __m512 p1 = _mm512_maskz_mov_ps(visible[2 * jp + 1], exp16(_mm512_sub_ps(s[2 * jp + 1], mx)));
+        sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+        const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(bf16_bits(p0)), bf16_bits(p1), 1);
+        _mm512_storeu_si512(pp + (g * TILE / 2 + jp) * TILE, _mm512_permutexvar_epi16(interleave, ab));
+      }
+      const __m512 cv = exp16(_mm512_sub_ps(m_old, mx));
+      _mm512_storeu_ps(l + g * TILE, _mm512_fmadd_ps(_mm512_loadu_ps(l + g * TILE), cv, sum));
+      _mm512_storeu_ps(m + g * TILE, mx);
+      _mm512_storeu_ps(corr + g * TILE, cv);
+    }
+    for (int g = 0; g < g_size; ++g) {
+      const uint32_t* pg = pp + g * TILE / 2 * TILE;
+      const __m512 cv = _mm512_loadu_ps(corr + g * TILE);
+      for (int d0 = 0; d0 < D; d0 += 16) {
+        float* ag = acc + (g * D + d0) * TILE;
+        __m512 o[16];
+        for (int e = 0; e < 16; ++e) o[e] = _mm512_mul_ps(_mm512_loadu_ps(ag + e * TILE), cv);
+        for (int jp = 0; jp < (nk + 1) / 2; ++jp) {
+          const __m512bh pj = (__m512bh)_mm512_loadu_si512(pg + jp * TILE);
+          for (int e = 0; e < 16; ++e)
+            o[e] = _mm512_dpbf16_ps(o[e], pj, (__m512bh)_mm512_set1_epi32(int(vp[jp * D + d0 + e])));
+        }
+        for (int e = 0; e < 16; ++e) _mm512_storeu_ps(ag + e * TILE, o[e]);
+      }
+    }
   }
-  prefill_store_rows<C>(acc, l, rows, i0, h, hq, g_size, out);
+  prefill_store_transposed<C>(acc, l, rows, i0, h, hq, g_size, out);
 }
 #endif
 
@@ -893,7 +903,8 @@ void prefill_attention_c(const T* q, const T* kc, const T* vc, const int32_t* ta
                          int hkv, int bs, float scale, T* out) {
   constexpr int D = 16 * C, TILE = 16;
   const int g_size = hq / hkv, tiles = (q_len + TILE - 1) / TILE, items = hkv * tiles;
-  const size_t floats = size_t(2) * g_size * TILE * D + 2 * g_size * TILE + 2 * D * TILE + 4 * TILE;
+  const size_t floats = size_t(2) * g_size * TILE * D + 2 * g_size * TILE + 2 * D * TILE + g_size * (TILE + 1) * TILE +
+                        4 * TILE;
 #pragma omp parallel if (items >= 4)
   {
     std::vector<float> buf(floats);
