@@ -79,7 +79,9 @@ def read_requests(r: redis.Redis, consumer: str, want: dict[str, str], *, count:
 
 def shared_head(r: redis.Redis, shard: int = 0) -> dict[str, str] | None:
     """The fields of the oldest entry of the shard's shared stream that no worker has taken yet (None: none
-    waits)."""
+    waits). An empty stream costs one XLEN, the common case of this poll (entries go when they are acked)."""
+    if not r.xlen(keys.req_any(shard)):
+        return None
     groups = {g["name"]: g for g in r.xinfo_groups(keys.req_any(shard))}
     last = groups.get(keys.GROUP, {}).get("last-delivered-id", "0-0")
     head = r.xrange(keys.req_any(shard), min=f"({last}", max="+", count=1)
@@ -303,16 +305,29 @@ def _expires(c: OutputChunk) -> int:
 
 # The same flush while the fence holds, which is nearly always: no ownership to check, so no plan to decode
 # (_FLUSH's cjson and its walk cost ~60 us of Redis CPU for 32 chunks; this one ~9 us besides its XADDs): each
-# inbox's chunks come joined, the keys and values in order. -1, having written nothing, when the status in
-# Redis is not this run's: then _FLUSH runs, with its checks. No hand-backs here (they need _FLUSH's plan).
+# inbox's chunks come joined, the keys and values in order, and the acks of one stream go in one XACK and one
+# XDEL. -1, having written nothing, when the status in Redis is not this run's: then _FLUSH runs, with its
+# checks. No hand-backs here (they need _FLUSH's plan). With a status, the fence is read by the status's own
+# SET ... GET (one command, not two); when it finds the fence down it puts back what was there, so _FLUSH
+# judges the same status.
 #   KEYS   status, reservations, the inboxes (ARGV[4] of them), the output streams (ARGV[5]), the acks' streams
 #          (ARGV[6])
 #   ARGV   run id, status JSON ('' none), its ttl ms, the three counts, output ttl ms, group, field, the number of
 #          taken request ids; then those ids, each inbox's joined chunks, (chunk, expire 0/1) per output
-#          stream, the acks' entry ids
+#          stream, per acks' stream the number of its entries and their ids
 _FLUSH_FENCED = LuaScript("""
-local before = redis.call('GET', KEYS[1])
-if not (ARGV[1] ~= '' and type(before) == 'string' and string.find(before, ARGV[1], 1, true)) then return -1 end
+local before
+if ARGV[2] ~= '' then
+  before = redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3], 'GET')
+else
+  before = redis.call('GET', KEYS[1])
+end
+if not (ARGV[1] ~= '' and type(before) == 'string' and string.find(before, ARGV[1], 1, true)) then
+  if ARGV[2] ~= '' then
+    if type(before) == 'string' then redis.call('SET', KEYS[1], before, 'PX', ARGV[3]) else redis.call('DEL', KEYS[1]) end
+  end
+  return -1
+end
 local nb, nc, na, nt = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[10])
 local group, field = ARGV[8], ARGV[9]
 local k, a = 3, 11 + nt
@@ -326,14 +341,15 @@ for _ = 1, nc do
   k, a = k + 1, a + 2
 end
 for _ = 1, na do
-  redis.call('XACK', KEYS[k], group, ARGV[a])
-  redis.call('XDEL', KEYS[k], ARGV[a])
-  k, a = k + 1, a + 1
+  local last = a + tonumber(ARGV[a])
+  for first = a + 1, last, 256 do  -- unpack's stack limit
+    local upto = math.min(first + 255, last)
+    redis.call('XACK', KEYS[k], group, unpack(ARGV, first, upto))
+    redis.call('XDEL', KEYS[k], unpack(ARGV, first, upto))
+  end
+  k, a = k + 1, last + 1
 end
-if ARGV[2] ~= '' then
-  redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
-  if nt > 0 then redis.call('HDEL', KEYS[2], unpack(ARGV, 11, 10 + nt)) end
-end
+if ARGV[2] ~= '' and nt > 0 then redis.call('HDEL', KEYS[2], unpack(ARGV, 11, 10 + nt)) end
 return 0
 """)
 
@@ -349,15 +365,18 @@ def _publish_fenced(r: redis.Redis, worker_id: str, shard: int, run_id: str, out
             boxes.setdefault(keys.inbox(gateway, shard), []).append(text)
         else:
             out.append((keys.out_stream(c.request_id, shard), text, _expires(c)))
-    names = [keys.status(worker_id, shard), keys.reserved(worker_id, shard), *boxes, *(o[0] for o in out),
-             *(a.stream for a in acks)]
+    acked: dict[str, list[str]] = {}
+    for a in acks:
+        acked.setdefault(a.stream, []).append(a.entry_id)
+    names = [keys.status(worker_id, shard), keys.reserved(worker_id, shard), *boxes, *(o[0] for o in out), *acked]
     args: list[Any] = [run_id, status.model_dump_json() if status is not None else "", int(status_ttl_s * 1000),
-                       len(boxes), len(out), len(acks), int(output_ttl_s * 1000), keys.GROUP, keys.FIELD,
+                       len(boxes), len(out), len(acked), int(output_ttl_s * 1000), keys.GROUP, keys.FIELD,
                        len(taken) if status is not None else 0, *(taken if status is not None else ())]
     args += ["[" + ",".join(parts) + "]" for parts in boxes.values()]
     for _name, text, expire in out:
         args += [text, expire]
-    args += [a.entry_id for a in acks]
+    for ids in acked.values():
+        args += [len(ids), *ids]
     return run_script(r, _FLUSH_FENCED, names, args) != -1
 
 

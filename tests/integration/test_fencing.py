@@ -137,3 +137,54 @@ def test_an_entry_still_pending_on_the_refused_worker_is_claimed_back_by_it(r):
                            acks=[again.ack], owners={"again": again.ack}) == []
     assert r.xlen(old.stream) == 0
     assert streams.reclaim_own(r, again.ack, OLD) is None, "gone: nothing to claim"
+
+
+def status_of(worker: str, run_id: str) -> WorkerStatus:
+    return WorkerStatus(worker_id=worker, model="m", max_model_len=64, block_size=16, total_blocks=8,
+                        free_blocks=8, run_id=run_id)
+
+
+def test_the_fenced_flush_acks_a_streams_entries_together_and_carries_the_status(r):
+    """With the fence up (the status in Redis is this run's), a flush is _FLUSH_FENCED: every finished entry of
+    one stream acked and deleted (one XACK and one XDEL for all of them), the status refreshed in the same
+    script, the reservations its status covers released."""
+    run = "run-a"
+    streams.publish(r, OLD, output_ttl_s=60, status=status_of(OLD, run), status_ttl_s=5, run_id=run)
+    taken = [taken_by_old(r, f"f{i}") for i in range(5)]
+    r.hset(keys.reserved(OLD), mapping={"f0": 1, "f1": 1})
+    calls = {k: v["calls"] for k, v in r.info("commandstats").items()}
+    refused = streams.publish(r, OLD, output_ttl_s=60, run_id=run, status=status_of(OLD, run), status_ttl_s=5,
+                              chunks=[chunk(d.ack.entry_id, 0, OLD, 1, final=True) for d in taken],
+                              acks=[d.ack for d in taken], owners={d.ack.entry_id: d.ack for d in taken},
+                              taken=["f0", "f1"])
+    after = {k: v["calls"] for k, v in r.info("commandstats").items()}
+    assert refused == []
+    assert r.xlen(keys.req_stream(OLD)) == 0 and r.xpending(keys.req_stream(OLD), keys.GROUP)["pending"] == 0
+    assert not r.exists(keys.reserved(OLD))
+    assert run in r.get(keys.status(OLD)) and 0 < r.pttl(keys.status(OLD)) <= 5000
+    delta = {k: after[k] - calls.get(k, 0) for k in after if after[k] != calls.get(k, 0)}
+    assert delta.get("cmdstat_xack") == 1 and delta.get("cmdstat_xdel") == 1, delta
+    assert delta.get("cmdstat_set") == 1 and "cmdstat_get" not in delta, "the status's SET ... GET is the fence"
+
+
+@pytest.mark.parametrize("replaced", [False, True])
+def test_a_flush_with_its_status_after_a_takeover_writes_nothing_under_the_lost_entry(r, replaced):
+    """The fence went down: another worker claimed the entry (and deleted this run's status), or another run of
+    the same worker id wrote its own status. The fenced script's SET ... GET sees it, puts back what was there
+    and gives way to _FLUSH, which must judge the status as it was (not the one just written): the lost
+    entry's chunk and ack are refused, while the status of this run goes out."""
+    run = "run-a"
+    streams.publish(r, OLD, output_ttl_s=60, status=status_of(OLD, run), status_ttl_s=5, run_id=run)
+    old = taken_by_old(r, "gone")
+    streams.claim_pending(r, old.stream, OLD, NEW, min_idle_ms=0)
+    assert not r.exists(keys.status(OLD)), "the claim deleted the status: the fence is down"
+    if replaced:
+        r.set(keys.status(OLD), status_of(OLD, "run-b").model_dump_json(), px=5000)
+    refused = streams.publish(r, OLD, output_ttl_s=60, run_id=run, status=status_of(OLD, run), status_ttl_s=5,
+                              chunks=[chunk("gone", 0, OLD, 1, final=True)], acks=[old.ack],
+                              owners={"gone": old.ack}, held=[old.ack])
+    assert refused == [old.ack]
+    assert streams.read_all_chunks(r, "gone") == []
+    [pending] = r.xpending_range(old.stream, keys.GROUP, "-", "+", 10)
+    assert pending["consumer"] == NEW, "not acked by the worker that lost it"
+    assert run in r.get(keys.status(OLD)), "this run's status went out with _FLUSH (it re-arms the fence)"
