@@ -13,10 +13,12 @@ from __future__ import annotations
 from gpu_worker.core.sched_output import ScheduledSeq
 
 # Relative cost of a sequence's work in a step, in units of one token's matmuls (measured on a 2-core Zen 4
-# with SmolLM2-135M; only the ratios matter for balancing).
+# with SmolLM2-135M, `kvfleet bench throughput --profile-ops`: a decode token's matmuls 3.3 ms, a context token
+# read by decode attention 3.4 us, a prefill (query, key) pair 1.1 us against 2.2 ms per prefill token's
+# matmuls; only the ratios matter for balancing).
 SAMPLE_COST = 0.27  # lm_head for a sampling sequence
-DECODE_KEY_COST = 0.0013  # one context token read by a decode query (memory-bound)
-PREFILL_PAIR_COST = 0.00065  # one (query, key) pair of a prefill chunk (compute-bound)
+DECODE_KEY_COST = 0.001  # one context token read by a decode query (memory-bound)
+PREFILL_PAIR_COST = 0.0005  # one (query, key) pair of a prefill chunk (compute-bound)
 MAX_PART_SHARE = 0.8  # 2 parts: when the costliest holds more of the work, one multi-threaded forward wins
 
 
