@@ -692,6 +692,17 @@ void prefill_store_transposed(const float* __restrict acc, const float* __restri
     }
 }
 
+// The causal mask of the key tile at t0 for the query rows first_pos .. first_pos + 15 (a lane each): visible[j]
+// holds the rows at or after key t0 + j. False (all lanes set) when the whole tile precedes the first row.
+inline bool key_tile_masks(int first_pos, int t0, __mmask16* visible) {
+  const bool diagonal = t0 + 15 > first_pos;
+  const __m512i row_pos = _mm512_add_epi32(_mm512_set1_epi32(first_pos),
+                                           _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  for (int j = 0; j < 16; ++j)
+    visible[j] = diagonal ? _mm512_cmpge_epi32_mask(row_pos, _mm512_set1_epi32(t0 + j)) : __mmask16(0xffff);
+  return diagonal;
+}
+
 template <int C, typename T>
 void prefill_tile(const T* __restrict q, const T* __restrict kc, const T* __restrict vc, const int32_t* table,
                   int ctx, int q_len, int i0, int h, int hq, int hkv, int g_size, int bs, float scale,
@@ -716,8 +727,6 @@ void prefill_tile(const T* __restrict q, const T* __restrict kc, const T* __rest
     _mm512_storeu_ps(m + g * TILE, _mm512_set1_ps(-3.0e38f));
     _mm512_storeu_ps(l + g * TILE, _mm512_setzero_ps());
   }
-  const __m512i row_pos = _mm512_add_epi32(_mm512_set1_epi32(first_pos),
-                                           _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
   for (int t0 = 0; t0 <= last_pos; t0 += TILE) {
     const int nk = std::min(TILE, last_pos + 1 - t0);  // keys t0 .. t0 + nk - 1
     for (int j = 0; j < TILE; ++j) {
@@ -737,10 +746,8 @@ void prefill_tile(const T* __restrict q, const T* __restrict kc, const T* __rest
         }
       }
     }
-    __mmask16 visible[TILE];  // key j: the rows (lanes) at or after its position
-    const bool diagonal = t0 + TILE - 1 > first_pos;
-    for (int j = 0; j < TILE; ++j)
-      visible[j] = diagonal ? _mm512_cmpge_epi32_mask(row_pos, _mm512_set1_epi32(t0 + j)) : __mmask16(0xffff);
+    __mmask16 visible[16];
+    const bool diagonal = key_tile_masks(first_pos, t0, visible);
     for (int g = 0; g < g_size; ++g) {
       // scores: lane i of s[j] = row i . key j; one query-column load per 16 FMAs with broadcast keys
       __m512 s[TILE];
@@ -826,8 +833,6 @@ void prefill_tile_bf16(const uint16_t* __restrict q, const uint16_t* __restrict 
     _mm512_storeu_ps(m + g * TILE, _mm512_set1_ps(-3.0e38f));
     _mm512_storeu_ps(l + g * TILE, _mm512_setzero_ps());
   }
-  const __m512i row_pos = _mm512_add_epi32(_mm512_set1_epi32(first_pos),
-                                           _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
   const __m256i zero256 = _mm256_setzero_si256();
   for (int t0 = 0; t0 <= last_pos; t0 += TILE) {
     const int nk = std::min(TILE, last_pos + 1 - t0);
@@ -851,10 +856,8 @@ void prefill_tile_bf16(const uint16_t* __restrict q, const uint16_t* __restrict 
         const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
         _mm512_storeu_si512(vp + jp * D + 16 * c, _mm512_permutexvar_epi16(interleave, ab));
       }
-    __mmask16 visible[TILE];
-    const bool diagonal = t0 + TILE - 1 > first_pos;
-    for (int j = 0; j < TILE; ++j)
-      visible[j] = diagonal ? _mm512_cmpge_epi32_mask(row_pos, _mm512_set1_epi32(t0 + j)) : __mmask16(0xffff);
+    __mmask16 visible[16];
+    key_tile_masks(first_pos, t0, visible);
     for (int g = 0; g < g_size; ++g) {
       __m512 s[TILE];
       for (int j = 0; j < TILE; ++j) s[j] = _mm512_setzero_ps();
