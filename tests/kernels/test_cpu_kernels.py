@@ -6,6 +6,10 @@ rounding boundary) and float32 within a few float32 ulps. Decode attention runs 
 whichever the machine has) and its portable loops.
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -166,3 +170,31 @@ def test_panel_gemm_reads_strided_rows_and_is_deterministic_across_threads():
     assert torch.equal(one, two)
     assert torch.equal(one, cpu_kernels.gemm(x.contiguous(), packed, 1536))
     torch.testing.assert_close(one, x @ w.T, atol=1e-3, rtol=1e-4)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((ln for ln in f if ln.startswith("flags")), "").split())
+    except OSError:
+        return set()
+
+
+@pytest.mark.skipif("avx512_bf16" not in _cpu_flags() or "KVFLEET_TEST_NO_BF16_BUILD" in os.environ,
+                    reason="the default build on this CPU is already the one without AVX512_BF16 (or this is it)")
+def test_the_build_for_avx512_without_bf16_passes_the_attention_tests():
+    """AVX-512 CPUs without AVX512_BF16 (Skylake-SP, Ice Lake) serve bfloat16 through the float32 prefill kernel
+    and the portable bf16 conversions: build the kernels that way here (-mno-avx512bf16, its own cached library)
+    and run the attention tests of this file against it, in a process of its own."""
+    code = ("import sys, pytest\n"
+            "from gpu_worker.executor.ops.cpu import kernels as k\n"
+            "k.FLAGS = [*k.FLAGS, '-mno-avx512bf16']\n"
+            "assert k.load() is not None and k.isa() == 'avx512', k.isa()\n"
+            f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', {__file__!r}, '-k',"
+            " '(attention or prefill) and not without_bf16']))\n")
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "KVFLEET_TEST_NO_BF16_BUILD": "1"}  # never itself again, whatever -k selects
+    proc = subprocess.run([sys.executable, "-c", code], cwd=repo, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "failed" not in proc.stdout, proc.stdout[-2000:]
