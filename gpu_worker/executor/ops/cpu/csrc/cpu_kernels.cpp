@@ -693,14 +693,11 @@ void prefill_store_transposed(const float* __restrict acc, const float* __restri
 }
 
 // The causal mask of the key tile at t0 for the query rows first_pos .. first_pos + 15 (a lane each): visible[j]
-// holds the rows at or after key t0 + j. False (all lanes set) when the whole tile precedes the first row.
-inline bool key_tile_masks(int first_pos, int t0, __mmask16* visible) {
-  const bool diagonal = t0 + 15 > first_pos;
+// holds the rows at or after key t0 + j (all of them when the whole tile precedes the first row).
+inline void key_tile_masks(int first_pos, int t0, __mmask16* visible) {
   const __m512i row_pos = _mm512_add_epi32(_mm512_set1_epi32(first_pos),
                                            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-  for (int j = 0; j < 16; ++j)
-    visible[j] = diagonal ? _mm512_cmpge_epi32_mask(row_pos, _mm512_set1_epi32(t0 + j)) : __mmask16(0xffff);
-  return diagonal;
+  for (int j = 0; j < 16; ++j) visible[j] = _mm512_cmpge_epi32_mask(row_pos, _mm512_set1_epi32(t0 + j));
 }
 
 template <int C, typename T>
@@ -739,15 +736,12 @@ void prefill_tile(const T* __restrict q, const T* __restrict kc, const T* __rest
           _mm512_storeu_ps(kt + j * D + 16 * c, load16(kr + 16 * c));
           _mm512_storeu_ps(vt + j * D + 16 * c, load16(vr + 16 * c));
         }
-      } else {
-        for (int c = 0; c < C; ++c) {
-          _mm512_storeu_ps(kt + j * D + 16 * c, _mm512_setzero_ps());
-          _mm512_storeu_ps(vt + j * D + 16 * c, _mm512_setzero_ps());
-        }
+      } else {  // scored (then masked); its value row is never read (P V stops at nk)
+        for (int c = 0; c < C; ++c) _mm512_storeu_ps(kt + j * D + 16 * c, _mm512_setzero_ps());
       }
     }
     __mmask16 visible[16];
-    const bool diagonal = key_tile_masks(first_pos, t0, visible);
+    key_tile_masks(first_pos, t0, visible);
     for (int g = 0; g < g_size; ++g) {
       // scores: lane i of s[j] = row i . key j; one query-column load per 16 FMAs with broadcast keys
       __m512 s[TILE];
@@ -761,7 +755,7 @@ void prefill_tile(const T* __restrict q, const T* __restrict kc, const T* __rest
       const __m512 m_old = _mm512_loadu_ps(m + g * TILE);
       __m512 mx = m_old;
       for (int j = 0; j < TILE; ++j) {
-        if (diagonal) s[j] = _mm512_mask_mov_ps(_mm512_set1_ps(-3.0e38f), visible[j], s[j]);
+        s[j] = _mm512_mask_mov_ps(_mm512_set1_ps(-3.0e38f), visible[j], s[j]);
         mx = _mm512_max_ps(mx, s[j]);
       }
       __m512 sum = _mm512_setzero_ps();
