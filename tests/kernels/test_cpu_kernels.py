@@ -70,6 +70,12 @@ def test_rms_norm_silu_rotary_store(dtype, rows):
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
 
 
+@pytest.mark.skipif(cpu_kernels.isa() in ("none", "scalar"), reason="no SIMD build on this CPU")
+def test_every_simd_build_has_the_native_prefill_kernel():
+    """AVX2 builds (Zen 2/3) as well as AVX-512 ones: head dims 16-128 in powers of two, nothing else."""
+    assert [d for d in (16, 32, 48, 64, 96, 128) if cpu_kernels.prefill_covers(d)] == [16, 32, 64, 128]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hq,hkv,head_dim,block_size", [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 64, 16),
                                                          (10, 2, 64, 16), (6, 2, 32, 4), (9, 3, 64, 8)])
