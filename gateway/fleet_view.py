@@ -7,6 +7,9 @@ What this gateway reserves between two reads it adds to the view itself (`reserv
 within one `max_age_s` spreads as if each placement read Redis. Other gateways' placements show at the next
 read; the enqueue's Lua check (shared.streams.aenqueue_routed) refuses a worker that is full whatever the view
 said, and placement then routes again without it.
+
+It also remembers when it last pushed out the expiry of each worker's reservations hash (`expiry_due`), so an
+enqueue does that once per third of the hash's TTL per gateway, not once per request.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ class FleetViews:
         self._reading: asyncio.Future | None = None
         self._shards: list[int] | None = None
         self._shards_at = 0.0
+        self._expiry_pushed: dict[tuple[str, int], float] = {}  # (worker, shard) -> loop time of the last push
 
     async def get(self, r: Any) -> FleetView:
         loop = asyncio.get_running_loop()
@@ -49,8 +53,17 @@ class FleetViews:
         finally:
             self._reading = None
 
-    def reserved(self, worker_id: str, blocks: int) -> None:
-        """This gateway just reserved `blocks` on `worker_id`: count them until the next read."""
+    def expiry_due(self, worker_id: str, shard: int, ttl_s: float) -> bool:
+        """Whether an enqueue on the worker should push its reservations' expiry out (to `ttl_s`): this gateway
+        has not done so in the last third of it."""
+        last = self._expiry_pushed.get((worker_id, shard))
+        return last is None or asyncio.get_running_loop().time() - last >= ttl_s / 3
+
+    def reserved(self, worker_id: str, blocks: int, *, shard: int = 0, expiry_pushed: bool = False) -> None:
+        """This gateway just reserved `blocks` on `worker_id`: count them until the next read (and, with
+        `expiry_pushed`, that enqueue pushed the reservations' expiry out)."""
+        if expiry_pushed:
+            self._expiry_pushed[(worker_id, shard)] = asyncio.get_running_loop().time()
         if self._view is not None:
             reservations = dict(self._view.reservations)
             reservations[worker_id] = reservations.get(worker_id, 0) + blocks

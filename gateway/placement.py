@@ -246,14 +246,15 @@ async def _route_and_enqueue(state: GatewayState, planned: Planned, lease_ttl_s:
         request.kv_blocks = routing_blocks
         shard = next(w.shard for w in candidates if w.worker_id == worker)
         await into(shard)
+        push = state.views is None or state.views.expiry_due(worker, shard, settings.reservation_ttl_s)
         with enqueue_span(request, keys.req_stream(worker, shard)):
             entry_id = await streams.aenqueue_routed(
                 r, request, worker, shard, min_headroom=settings.reserve_blocks if checks_room else None,
                 queue_bound=settings.worker_queue_bound, reservation_ttl_s=settings.reservation_ttl_s,
-                lease_ttl_s=lease_ttl_s)
+                lease_ttl_s=lease_ttl_s, push_expiry=push)
         if entry_id is not None:
             if state.views is not None:
-                state.views.reserved(worker, routing_blocks)
+                state.views.reserved(worker, routing_blocks, shard=shard, expiry_pushed=push)
             if hashes:
                 await streams.aremember_prefix(r, hashes, worker)
             return Placement(worker, entry_id, policy, shard)

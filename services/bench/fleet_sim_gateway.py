@@ -4,7 +4,8 @@ state, calling the real router (gateway.router.route, prefix_overlap) and the re
 
 What Redis holds for the gateway is kept here as it would be: each worker's last published status (the router
 sees only that), the reservations (kvfleet:reserved:{worker}: request id -> blocks, dropped when a status that
-covers them is published; the whole hash expires `reservation_ttl_s` after its last write), the prefix index
+covers them is published; the whole hash expires `reservation_ttl_s` after the last push of its expiry: at its
+creation, and by an enqueue a third of that after the previous push), the prefix index
 (block hash -> the last PREFIX_OWNERS workers it was routed to, PREFIX_TTL_S), the round-robin turn. The atomic
 enqueue checks of shared.streams.requests (_ENQUEUE_ROUTED's Lua: the worker's queue bound for every policy, the headroom for
 free_blocks and prefix) are re-stated in `_enqueue_ok`.
@@ -30,6 +31,7 @@ class SimGateway:
         self.statuses: dict[str, WorkerStatus] = {}  # worker -> its last published status
         self.reserved: dict[str, dict[str, int]] = {w: {} for w in workers}
         self.reserved_until: dict[str, float] = {w: 0.0 for w in workers}
+        self.expiry_pushed: dict[str, float] = {w: float("-inf") for w in workers}
         self.prefix_index: dict[str, tuple[list[str], float]] = {}  # block hash -> (workers, expires at)
         self.turn = 0
         self.shared: deque[Trace] = deque()  # kvfleet:req:any
@@ -79,8 +81,9 @@ class SimGateway:
             if worker is None:
                 break
             if self._enqueue_ok(worker, blocks, reservations):
+                if not self.reserved[worker] or now - self.expiry_pushed[worker] >= settings.reservation_ttl_s / 3:
+                    self.reserved_until[worker], self.expiry_pushed[worker] = now + settings.reservation_ttl_s, now
                 self.reserved[worker][req.request_id] = blocks
-                self.reserved_until[worker] = now + settings.reservation_ttl_s
                 for h in hashes:  # shared.streams.aremember_prefix's script
                     kept = [w for w in self._owners(h, now) if w != worker][:PREFIX_OWNERS - 1]
                     self.prefix_index[h] = ([worker, *kept], now + PREFIX_TTL_S)
@@ -96,10 +99,11 @@ class SimGateway:
         return entry[0] if entry is not None and now < entry[1] else []
 
     def _enqueue_ok(self, worker_id: str, blocks: int, reservations: dict[str, int]) -> bool:
-        """_ENQUEUE_ROUTED's checks: fewer than worker_queue_bound waiting (untaken in its stream plus its
-        status' waiting); for free_blocks and prefix, the headroom after this request still >= reserve_blocks."""
+        """_ENQUEUE_ROUTED's checks: fewer than worker_queue_bound waiting (reserved there, not yet covered by a
+        status, plus its status' waiting); for free_blocks and prefix, the headroom after this request still >=
+        reserve_blocks."""
         s = self.statuses[worker_id]
-        if len(self.workers[worker_id].stream) + s.waiting >= self.settings.worker_queue_bound:
+        if len(self.reserved[worker_id]) + s.waiting >= self.settings.worker_queue_bound:
             return False
         if self.policy in ("free_blocks", "prefix"):
             return s.free_blocks - s.promised_blocks - reservations[worker_id] - blocks >= self.settings.reserve_blocks

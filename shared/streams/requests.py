@@ -21,32 +21,34 @@ CANCEL_MARK_TTL_S = 3600
 
 # Atomic "reserve and enqueue on a worker, if it still has the room the router saw": the status and the
 # reservations are re-read inside Redis, so concurrent gateways never over-commit a worker. Whatever the
-# policy, a worker with `queue_bound` requests waiting (entries of its stream no consumer took yet, plus those
-# it took and has not started: its status' `waiting`) takes no more, so no stream grows without bound.
+# policy, a worker with `queue_bound` requests waiting takes no more, so no stream grows without bound. The
+# waiting ones are its reservations (one per request enqueued there that its status does not count yet: the
+# worker's status flush deletes them as it counts them) plus its status' `waiting` (taken, not started): the
+# same HVALS serves both checks, with no XLEN or XPENDING of the stream. The status' three counts are matched
+# in its JSON, not decoded with it (a key's quotes cannot occur inside a JSON string: there they are escaped).
+# The reservations hash expires (ARGV[4] ms) unless pushed out: at its creation, and when the gateway asks
+# (ARGV[9] = 1: it has not pushed it for a third of that time), not with every request.
 # With a lease TTL, the request's lease (KEYS[4], shared.streams.leases) is set in the same step: no round trip
 # of its own, and never a lease without its request nor a leased request without its lease.
 _ENQUEUE_ROUTED = LuaScript("""
 local blocks, min_headroom, queue_bound = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[7])
 local raw = redis.call('GET', KEYS[1])
-if queue_bound >= 0 then
-  local waiting = redis.call('XLEN', KEYS[3])
-  local pending = redis.pcall('XPENDING', KEYS[3], ARGV[8])
-  if type(pending) == 'table' and pending['err'] == nil then waiting = waiting - pending[1] end
-  if raw then waiting = waiting + (tonumber(cjson.decode(raw)['waiting']) or 0) end
-  if waiting >= queue_bound then return false end
+local function count(name)  -- a top-level integer of the status JSON, without decoding all of it
+  return raw and tonumber(string.match(raw, '"' .. name .. '":(%-?%d+)')) or 0
 end
+local vals = redis.call('HVALS', KEYS[2])
+if queue_bound >= 0 and #vals + count('waiting') >= queue_bound then return false end
 if min_headroom >= 0 then
   if not raw then return false end
-  local s = cjson.decode(raw)
   local reserved = 0
-  for _, v in ipairs(redis.call('HVALS', KEYS[2])) do reserved = reserved + tonumber(v) end
-  if s['free_blocks'] - s['promised_blocks'] - reserved - blocks < min_headroom then return false end
+  for _, v in ipairs(vals) do reserved = reserved + tonumber(v) end
+  if count('free_blocks') - count('promised_blocks') - reserved - blocks < min_headroom then return false end
 end
 if blocks > 0 then
   redis.call('HSET', KEYS[2], ARGV[1], blocks)
-  redis.call('PEXPIRE', KEYS[2], ARGV[4])
+  if #vals == 0 or ARGV[9] == '1' then redis.call('PEXPIRE', KEYS[2], ARGV[4]) end
 end
-if tonumber(ARGV[9]) > 0 then redis.call('SET', KEYS[4], 1, 'PX', ARGV[9]) end
+if tonumber(ARGV[8]) > 0 then redis.call('SET', KEYS[4], 1, 'PX', ARGV[8]) end
 return redis.call('XADD', KEYS[3], '*', ARGV[6], ARGV[5])
 """)
 
@@ -92,19 +94,21 @@ async def aenqueue(r: aioredis.Redis, request: GenerationRequest, worker_id: str
 
 async def aenqueue_routed(r: aioredis.Redis, request: GenerationRequest, worker_id: str, shard: int, *,
                           min_headroom: int | None, queue_bound: int | None = None,
-                          reservation_ttl_s: float = 30.0, lease_ttl_s: float | None = None) -> str | None:
+                          reservation_ttl_s: float = 30.0, lease_ttl_s: float | None = None,
+                          push_expiry: bool = True) -> str | None:
     """Reserve `request.kv_blocks` on the worker and enqueue there, atomically; with `min_headroom` set, only
     if the worker's free blocks less queued and reserved ones still leave that many after this request; with
-    `queue_bound` set, only while fewer requests than that wait for the worker (untaken in its stream, or
-    taken and not started); with `lease_ttl_s`, the request's lease is set with it. None: it cannot take it
-    now (route elsewhere)."""
+    `queue_bound` set, only while fewer requests than that wait for the worker (reserved there, or taken and
+    not started); with `lease_ttl_s`, the request's lease is set with it. The reservations' expiry is pushed
+    out to `reservation_ttl_s` when the hash is new, or with `push_expiry`. None: it cannot take it now (route
+    elsewhere)."""
     return await arun_script(
         r, _ENQUEUE_ROUTED,
         [keys.status(worker_id, shard), keys.reserved(worker_id, shard), keys.req_stream(worker_id, shard),
          keys.lease(request.request_id, shard)],
         [request.request_id, request.kv_blocks, -1 if min_headroom is None else min_headroom,
          int(reservation_ttl_s * 1000), request.model_dump_json(), keys.FIELD,
-         -1 if queue_bound is None else queue_bound, keys.GROUP, _lease_ms(lease_ttl_s)])
+         -1 if queue_bound is None else queue_bound, _lease_ms(lease_ttl_s), int(push_expiry)])
 
 
 async def aenqueue_shared(r: aioredis.Redis, request: GenerationRequest, shard: int, *, bound: int | None,

@@ -1,6 +1,6 @@
 """Admission is bounded for every routing policy, against a real Redis with fake worker statuses: each worker
-takes requests until `worker_queue_bound` of them wait for it (untaken in its stream, plus its status'
-`waiting`), then the shared stream takes `queue_bound` more, then the gateway answers 429 with Retry-After.
+takes requests until `worker_queue_bound` of them wait for it (reserved there and not yet counted by its status,
+plus its status' `waiting`), then the shared stream takes `queue_bound` more, then the gateway answers 429 with Retry-After.
 No stream grows past its bound; a request a worker takes frees a place."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from gateway.router import POLICIES
 from gateway.state import GatewayState
 from gateway.tokenizer import Tokenizers
 from shared import keys, streams
-from shared.messages import WorkerStatus
+from shared.messages import GenerationRequest, WorkerStatus
 from shared.sampling_params import SamplingParams
 from shared.settings import Settings
 
@@ -68,14 +68,55 @@ def test_every_policy_stops_at_the_bound_and_answers_429(redis_url, policy):
                        await r.xlen(keys.req_any())]
             assert lengths == [2, 3, 2]
 
-            # w1 takes one entry (now running, pending in its group): there is room for one more on w1
-            await r.xreadgroup(keys.GROUP, "w1", {keys.req_stream("w1"): ">"}, count=1)
+            # w1 takes one entry: until its status counts the request, it still waits there (reserved)
+            [(_, [(_, fields)])] = await r.xreadgroup(keys.GROUP, "w1", {keys.req_stream("w1"): ">"}, count=1)
+            with pytest.raises(APIError):
+                await one(99)
+            # its next status counts it as running (the status flush deletes its reservation): room for one more
+            await r.hdel(keys.reserved("w1"), streams.parse_request(fields).request_id)
             assert await one(100) == "w1"
             with pytest.raises(APIError):
                 await one(101)
             assert await r.xlen(keys.req_stream("w1")) == 4
         finally:
             state.tokenizers.close()
+            await r.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_routed_enqueue_costs_six_commands_and_pushes_the_reservations_expiry_only_when_asked(redis_url):
+    """The enqueue script reads the status and the reservations once for both checks (no XLEN or XPENDING of
+    the stream), and pushes the reservations' expiry out only at the hash's creation or when asked."""
+
+    async def main() -> None:
+        r = streams.connect_async(redis_url)
+        try:
+            await r.flushdb()
+            await r.set(keys.status("w0"), status("w0", waiting=0).model_dump_json())
+            await r.xgroup_create(keys.req_stream("w0"), keys.GROUP, id="0", mkstream=True)
+
+            async def enqueue(i: int, push: bool) -> str | None:
+                request = GenerationRequest(request_id=f"r{i}", prompt_token_ids=[1] * 20, kv_blocks=2,
+                                            sampling_params=SamplingParams(max_tokens=4).to_dict())
+                return await streams.aenqueue_routed(r, request, "w0", 0, min_headroom=2, queue_bound=8,
+                                                     reservation_ttl_s=30, lease_ttl_s=10, push_expiry=push)
+
+            assert await enqueue(0, push=False)  # a new hash: its expiry is set anyway
+            assert 25_000 < await r.pttl(keys.reserved("w0")) <= 30_000
+            await r.pexpire(keys.reserved("w0"), 5_000)
+            before = {k: v["calls"] for k, v in (await r.info("commandstats")).items()}
+            assert await enqueue(1, push=False)
+            after = {k: v["calls"] for k, v in (await r.info("commandstats")).items()}
+            spent = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+            spent.pop("cmdstat_info", None)
+            assert spent == {f"cmdstat_{c}": 1 for c in ("evalsha", "get", "hvals", "hset", "set", "xadd")}, spent
+            assert await r.pttl(keys.reserved("w0")) <= 5_000  # not pushed
+            assert await enqueue(2, push=True)
+            assert await r.pttl(keys.reserved("w0")) > 25_000
+            assert await r.hgetall(keys.reserved("w0")) == {"r0": "2", "r1": "2", "r2": "2"}
+            assert await r.xlen(keys.req_stream("w0")) == 3
+        finally:
             await r.aclose()
 
     asyncio.run(main())

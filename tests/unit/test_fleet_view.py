@@ -100,3 +100,18 @@ def test_the_shards_are_read_once_a_second_not_with_every_view(monkeypatch):
 
     asyncio.run(go())
     assert len(SHARD_READS) == 1
+
+
+def test_the_reservations_expiry_is_due_once_per_third_of_its_ttl_per_worker():
+    async def go() -> list[bool]:
+        views, seen = FleetViews(max_age_s=0.2), []
+        seen.append(views.expiry_due("w0", 0, ttl_s=0.3))  # never pushed
+        views.reserved("w0", 4, shard=0, expiry_pushed=True)
+        seen.append(views.expiry_due("w0", 0, ttl_s=0.3))  # just pushed
+        seen.append(views.expiry_due("w1", 0, ttl_s=0.3))  # another worker's hash
+        views.reserved("w0", 4, shard=0)  # an enqueue that did not push
+        await asyncio.sleep(0.12)
+        seen.append(views.expiry_due("w0", 0, ttl_s=0.3))  # a third of the TTL later
+        return seen
+
+    assert asyncio.run(go()) == [True, False, True, True]
