@@ -49,12 +49,15 @@ from shared.settings import Settings
 log = logging.getLogger("kvfleet.worker")
 
 CLAIM_MIN_IDLE_MS = 1000
-READ_BLOCK_MS = 200
+READ_BLOCK_MS = 1000  # the longest blocking read of its own stream (it returns at once when a request arrives)
 MAX_BACKOFF_S = 5.0  # a reader thread that keeps failing waits up to this long between tries
-# With room to spare, look at the shared stream's head this often while it holds requests, and every
-# READ_BLOCK_MS while it holds none (the router placed everything: the common case), however fast requests
-# arrive on the worker's own stream.
+# With room to spare, look at the shared stream's head this often while it holds requests; while it holds none
+# (the router placed everything: the common case) every SHARED_LOOK_MS, doubling with each empty look up to
+# READ_BLOCK_MS. A worker that just got room again (the fleet was full: requests may have overflowed there)
+# looks at once. So an idle fleet polls about once a second per worker, however fast requests arrive on the
+# worker's own stream.
 SPARE_READ_BLOCK_MS = 50
+SHARED_LOOK_MS = 200
 LEASE_CHECK_S = 1.0  # read the leases of the requests held this often
 LEASE_CONFIRM_S = 2.0  # a lease must be seen gone this long before its request is aborted
 
@@ -96,6 +99,8 @@ class Intake:
         self._dead: list[str] = []
         self._next_scan = 0.0
         self._next_shared_look = 0.0  # monotonic time of the next look at the shared stream's head
+        self._empty_looks = 0  # looks in a row that found the shared stream empty
+        self._was_spare = False
         self._recheck: queue.SimpleQueue[streams.Ack] = queue.SimpleQueue()  # entries of refused writes
         self.handed = 0  # jobs put into the inbox; `spare` is stale until the main thread accounted them all
         self._threads = [threading.Thread(target=self._requests, name="kvfleet-intake", daemon=True),
@@ -183,6 +188,9 @@ class Intake:
             if self._dead and self._claim_dead():
                 return
         spare = self._spare()
+        if spare and not self._was_spare:  # room again: look at once
+            self._next_shared_look, self._empty_looks = 0.0, 0
+        self._was_spare = spare
         if spare and time.monotonic() >= self._next_shared_look and self._take_shared_head(room):
             return
         want: dict[str, str] = {}
@@ -192,10 +200,12 @@ class Intake:
         if not want:
             time.sleep(0.02)
             return
-        block_ms = READ_BLOCK_MS  # until the next look at the shared stream, when there is room for its head
+        # until the next scan for dead workers, and the next look at the shared stream when there is room for its head
+        now = time.monotonic()
+        until_ms = min(READ_BLOCK_MS, 1000 * (self._next_scan - now))
         if spare:
-            until_look_ms = 1000 * (self._next_shared_look - time.monotonic())
-            block_ms = int(min(READ_BLOCK_MS, max(SPARE_READ_BLOCK_MS, until_look_ms)))
+            until_ms = min(until_ms, 1000 * (self._next_shared_look - now))
+        block_ms = int(max(SPARE_READ_BLOCK_MS, until_ms))
         for d in streams.read_requests(self.r, self.worker_id, want, count=8, block_ms=block_ms):
             self._take(d)
 
@@ -203,7 +213,9 @@ class Intake:
         """Take the oldest untaken request of the shared stream if it fits the free blocks now (or this
         worker is idle); otherwise leave it, in order, for a worker with more room."""
         head = streams.shared_head(self.r, self.shard)
-        wait_ms = SPARE_READ_BLOCK_MS if head is not None else READ_BLOCK_MS
+        self._empty_looks = 0 if head is not None else self._empty_looks + 1
+        wait_ms = (SPARE_READ_BLOCK_MS if head is not None
+                   else min(SHARED_LOOK_MS * 2 ** (self._empty_looks - 1), READ_BLOCK_MS))
         self._next_shared_look = time.monotonic() + wait_ms / 1000
         if head is None:
             return False

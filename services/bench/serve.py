@@ -145,9 +145,9 @@ async def _measure(ep: Endpoint, requests: list[BenchRequest], rate: float, args
             bar.set_postfix(failed=failed)
 
     redis = RedisWatch(args.redis_stats) if args.redis_stats else contextlib.nullcontext()
-    try:
-        with redis:
-            async with FleetWatch(ep) as watch:
+    try:  # with --redis-stats, /v1/fleet is read only outside the window Redis is measured in
+        async with FleetWatch(ep, poll=not args.redis_stats) as watch:
+            with redis:
                 run = await run_load(ep, requests, rate=rate, concurrency=args.concurrency, seed=args.seed,
                                      timeout_s=args.timeout, on_done=done)
     finally:

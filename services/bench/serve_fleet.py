@@ -35,8 +35,10 @@ def queue_lag(snapshot: dict[str, Any]) -> int:
 class FleetWatch:
     """`async with FleetWatch(ep) as w:` around a run; then `w.report()` (None without /v1/fleet)."""
 
-    def __init__(self, ep: Endpoint):
-        self.ep = ep
+    def __init__(self, ep: Endpoint, *, poll: bool = True):
+        """`poll`: read /v1/fleet every POLL_S during the run too (queue lag, waiting); else only before and
+        after it (the reads cost Redis commands, which `--redis-stats` must not count)."""
+        self.ep, self.poll = ep, poll
         self.before: dict[str, Any] | None = None
         self.after: dict[str, Any] | None = None
         self.max_lag = 0
@@ -46,7 +48,7 @@ class FleetWatch:
 
     async def __aenter__(self) -> FleetWatch:
         self.before = await fleet_snapshot(self._client, self.ep)
-        if self.before is not None:
+        if self.before is not None and self.poll:
             self._task = asyncio.get_running_loop().create_task(self._poll())
         return self
 
@@ -55,6 +57,7 @@ class FleetWatch:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        if self.before is not None:
             await asyncio.sleep(SETTLE_S)
             self.after = await fleet_snapshot(self._client, self.ep)
             if self.after is not None:
@@ -85,6 +88,8 @@ class FleetWatch:
                 "preemptions": w.get("num_preemptions", 0) - b.get("num_preemptions", 0),
                 "restarts": w.get("restarts", 0) - b.get("restarts", 0),
             }
-        return {"workers": workers, "max_queue_lag": self.max_lag, "max_waiting": self.max_waiting,
+        peaks = self.poll  # without polling, only the snapshots after the run: no peaks
+        return {"workers": workers, "max_queue_lag": self.max_lag if peaks else None,
+                "max_waiting": self.max_waiting if peaks else None,
                 "dead_workers": self.after.get("dead_workers", []),
                 "dead_letters": self.after.get("dead_letters", 0) - self.before.get("dead_letters", 0)}

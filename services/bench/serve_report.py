@@ -110,8 +110,9 @@ def format_table(report: dict[str, Any]) -> str:
                 f = r["fleet"]
                 per = ", ".join(f"{w} {v['requests']} req / {v['generation_tokens']} tok / {v['preemptions']} preempted"
                                 for w, v in f["workers"].items())
-                lines.append(f"  {LABELS.get(k, k)} fleet: {per}; peak queue lag {f['max_queue_lag']}, peak waiting "
-                             f"{f['max_waiting']}")
+                peaks = (f"peak queue lag {f['max_queue_lag']}, peak waiting {f['max_waiting']}"
+                         if f.get("max_queue_lag") is not None else "peaks not sampled (--redis-stats)")
+                lines.append(f"  {LABELS.get(k, k)} fleet: {per}; {peaks}")
             if r and r.get("redis"):
                 lines.append(f"  {LABELS.get(k, k)} Redis: {describe_redis(r['redis'])}")
     if report.get("plot"):

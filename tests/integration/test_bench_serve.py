@@ -68,10 +68,27 @@ def test_bench_serve_report_adds_up(fleet, tmp_path):
     assert "Redis:" in proc.stdout and "commands" in proc.stdout
     fleet_part = run["fleet"]
     assert fleet_part["workers"]["w0"]["requests"] == REQUESTS
-    assert fleet_part["max_queue_lag"] >= 0 and fleet_part["dead_letters"] == 0
+    assert fleet_part["dead_letters"] == 0
+    # with --redis-stats /v1/fleet is read only outside the measured window (its reads are not the fleet's)
+    assert fleet_part["max_queue_lag"] is None and "peaks not sampled" in proc.stdout
 
     page = (tmp_path / "report.html").read_text()
     assert report["plot"] == str(tmp_path / "report.html") and page.count("<svg") >= 1 and "TTFT distribution" in page
+
+
+def test_without_redis_stats_the_fleet_is_sampled_during_the_run(fleet, tmp_path):
+    workload = tmp_path / "tiny.jsonl"
+    workload.write_text("".join(json.dumps({"id": i, "prompt_len": 8, "output_len": OUTPUT_LEN, "prefix_group": None,
+                                            "prefix_len": 0}) + "\n" for i in range(4)))
+    out = tmp_path / "report.json"
+    cmd = [sys.executable, "-m", "services.cli", "bench", "serve", "--url", fleet.url(), "--api-key", API_KEY,
+           "--model", fleet.model, "--workload", str(workload), "--concurrency", "2", "--json", str(out),
+           "--no-progress"]
+    proc = subprocess.run(cmd, cwd=REPO, env=fleet.env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr + fleet.tail()
+    (run,) = json.loads(out.read_text())["systems"]["kvfleet"]["runs"]
+    assert run["fleet"]["max_queue_lag"] >= 0 and run["fleet"]["max_waiting"] >= 0 and "peak queue lag" in proc.stdout
+    assert "redis" not in run
 
 
 def test_stream_format_is_openais(fleet):
