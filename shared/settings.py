@@ -33,8 +33,9 @@ class Settings:
     routing: str = "free_blocks"
     # Requests that no worker fits go to the shared stream; past this many waiting there, answer 429.
     queue_bound: int = 64
-    # Every routing policy: a worker with this many requests waiting (in its stream, not yet taken, plus taken
-    # and not yet running) gets no more; the request goes elsewhere, or to the shared stream (then 429).
+    # Every routing policy: a worker with this many requests waiting (enqueued there and not yet counted by its
+    # status, plus taken and not yet running) gets no more; the request goes elsewhere, or to the shared stream
+    # (then 429).
     worker_queue_bound: int = 64
     # A request body larger than this gets 413 before it is parsed or its API key checked.
     max_body_bytes: int = 4 * 1024 * 1024
