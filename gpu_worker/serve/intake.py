@@ -103,6 +103,9 @@ class Intake:
         self._was_spare = False
         self._recheck: queue.SimpleQueue[streams.Ack] = queue.SimpleQueue()  # entries of refused writes
         self.handed = 0  # jobs put into the inbox; `spare` is stale until the main thread accounted them all
+        # requests whose entry it took and closed itself (dead-lettered, forwarded, finished, handed back to their
+        # gateway): the worker's next status drops their reservations, as it does for those it runs
+        self.settled: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._threads = [threading.Thread(target=self._requests, name="kvfleet-intake", daemon=True),
                          threading.Thread(target=self._cancels, name="kvfleet-cancels", daemon=True)]
 
@@ -269,6 +272,7 @@ class Intake:
             self._drop_malformed(d, f"malformed request entry: {type(e).__name__}: {e}")
             return
         job = Job(request=request, stream=d.stream, entry_id=d.entry_id, deliveries=d.deliveries)
+        handed = self.handed
         try:
             self._take_job(job, d)
         except streams.RedisError:
@@ -277,6 +281,9 @@ class Intake:
             log.exception("request %s cannot be taken", job.request_id)
             kind: ErrorKind = "invalid_request" if isinstance(e, TypeError | ValueError) else "internal"
             self._dead_letter(job, f"{type(e).__name__}: {e}", kind=kind)
+        finally:
+            if self.handed == handed:  # closed here, not handed to the main thread
+                self.settled.put(job.request_id)
 
     def _drop_malformed(self, d: streams.Delivery, reason: str) -> None:
         log.error("entry %s on %s -> %s: %s", d.entry_id, d.stream, keys.DEAD, reason)

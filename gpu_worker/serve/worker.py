@@ -55,7 +55,7 @@ class Worker:
         self.tracker = RequestTracker(self.worker_id)
         self.inbox: queue.Queue = queue.Queue()
         self.cancelled: OrderedDict[str, None] = OrderedDict()  # cancels that came before their request
-        self.taken: list[str] = []  # requests added since the last status: their reservations can go
+        self.taken: list[str] = []  # requests taken since the last status: their reservations can go
         self.draining, self.drain_deadline, self.stopped = False, 0.0, False
         self._room = Room()
         self.num_finished = 0
@@ -144,6 +144,9 @@ class Worker:
             self.telemetry.after_step()
         self.status = self._status()
         self._room = self._compute_room()
+        if self.intake is not None:
+            while not self.intake.settled.empty():
+                self.taken.append(self.intake.settled.get_nowait())
         self.outbox.set_status(self.status, self.taken)
         self.taken = []
 
@@ -168,6 +171,7 @@ class Worker:
         from gpu_worker.engine.llm_engine import InvalidRequest, RequestRejected
 
         rid = job.request_id
+        self.taken.append(rid)  # however it ends here, its reservation goes with the next status
         if rid in self.tracker:  # the same request enqueued twice: its output stream is already being written
             log.warning("request %s is already running here; acking the duplicate entry", rid)
             self.outbox.send([], job.ack)
@@ -201,7 +205,6 @@ class Worker:
             self._fail(job, f"{type(e).__name__}: {e}",
                        kind="invalid_request" if isinstance(e, TypeError | ValueError) else "internal")
             return
-        self.taken.append(rid)
 
     def _drop_lost(self) -> None:
         """Abort the requests another worker took over (this one was paused or cut off past the status TTL):

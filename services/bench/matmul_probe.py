@@ -25,6 +25,7 @@ class ProbeResult:
     best_tokens: int
     layer_flops: dict[str, float] = field(default_factory=dict)  # "path@tokens" -> FLOP/s
     lm_head_flops: dict[str, float] = field(default_factory=dict)  # "path@tokens" -> FLOP/s
+    unavailable: dict[str, str] = field(default_factory=dict)  # path -> why torch refused it on this CPU
 
 
 def _linear_paths(dtype) -> dict[str, Callable]:
@@ -73,7 +74,14 @@ def probe_matmul(shape: ModelShape, dtype_name: str, *, tokens: tuple[int, ...] 
     lm_weight = torch.randn(shape.vocab_size, shape.hidden_size, generator=gen).mul_(0.02).to(dtype)
     layer_cases: dict[str, tuple[Callable, float]] = {}
     head_cases: dict[str, tuple[Callable, float]] = {}
+    unavailable: dict[str, str] = {}
     for path, make in _linear_paths(dtype).items():
+        try:  # some paths need instructions this CPU lacks (oneDNN's packed bf16 GEMM: AVX-512 or AVX-NE-CONVERT)
+            with torch.inference_mode():
+                make(weights[0], tokens[0])(torch.zeros(tokens[0], layer[0][0], dtype=dtype))
+        except RuntimeError as e:
+            unavailable[path] = str(e).splitlines()[0]
+            continue
         for m in tokens:
             xs = [torch.randn(m, k, generator=gen).to(dtype) for k, _ in layer]  # [m, K] each
             fns = [make(w, m) for w in weights]
@@ -101,4 +109,5 @@ def probe_matmul(shape: ModelShape, dtype_name: str, *, tokens: tuple[int, ...] 
     best_key = max(layer_flops, key=layer_flops.__getitem__)
     path, tokens_text = best_key.split("@")
     return ProbeResult(dtype=dtype_name, best_flops=layer_flops[best_key], best_path=path,
-                       best_tokens=int(tokens_text), layer_flops=layer_flops, lm_head_flops=head_flops)
+                       best_tokens=int(tokens_text), layer_flops=layer_flops, lm_head_flops=head_flops,
+                       unavailable=unavailable)

@@ -84,5 +84,7 @@ def format_table(summary: dict) -> str:
         text += (f" = {100 * f['fraction_of_best']:.0f}% of the best matmul here, "
                  f"{f['best_matmul_flops'] / 1e9:.1f} GFLOP/s ({f['best_matmul_path']}, "
                  f"{f['best_matmul_tokens']} tokens x one layer's matmuls, {summary['dtype']})")
+        if unavailable := f["probe"].get("unavailable"):
+            text += "; not on this CPU: " + "; ".join(f"{k} ({v})" for k, v in unavailable.items())
     lines.append(text)
     return "\n".join(lines)

@@ -190,12 +190,16 @@ def test_dead_letters_a_request_past_max_deliveries(r, start_intake):
 def test_a_cancel_that_beat_the_request_closes_it_without_the_engine(r, start_intake):
     streams.cancel(r, "too-late")
     streams.enqueue(r, request("too-late"), ME)
-    _, inbox = start_intake(roomy())
+    streams.enqueue(r, request("runs"), ME)
+    intake, inbox = start_intake(roomy())
     [chunk] = wait_for(lambda: final_chunks(r, "too-late"), what="the abort chunk")
     assert (chunk.seq, chunk.finish_reason, chunk.worker_id) == (0, "abort", ME)
-    assert r.xlen(keys.req_stream(ME)) == 0 and r.xpending(keys.req_stream(ME), keys.GROUP)["pending"] == 0
+    assert next_job(inbox).request_id == "runs"
+    assert r.xlen(keys.req_stream(ME)) == 1 and r.xpending(keys.req_stream(ME), keys.GROUP)["pending"] == 1
     time.sleep(QUIET_S)
     assert inbox.empty(), "neither the request nor the cancel written before start reaches the main thread"
+    # closed here, its reservation goes with the worker's next status (the one handed over: once it runs)
+    assert intake.settled.get_nowait() == "too-late" and intake.settled.empty()
 
 
 def test_cancels_written_after_start_reach_the_main_thread(r, start_intake):
@@ -211,9 +215,9 @@ def test_a_request_too_big_for_this_cache_goes_to_a_worker_that_holds_it(r, star
     streams.publish(r, big, output_ttl_s=60, status_ttl_s=60, status=WorkerStatus(
         worker_id=big, model="m", max_model_len=4096, block_size=16, total_blocks=512, free_blocks=500))
     entry = streams.enqueue(r, request("huge", prompt_len=100), ME)
-    _, inbox = start_intake(roomy(total_blocks=4))
+    intake, inbox = start_intake(roomy(total_blocks=4))
     forwarded = wait_for(lambda: r.xrange(keys.req_stream(big)), what="the forwarded request")
     moved = streams.parse_request(forwarded[0][1])
     assert (moved.request_id, moved.attempt) == ("huge", 1)
     assert r.xrange(keys.req_stream(ME), entry, entry) == []
-    assert inbox.empty()
+    assert inbox.empty() and intake.settled.get(timeout=1) == "huge"

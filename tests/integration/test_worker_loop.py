@@ -66,6 +66,18 @@ def test_a_request_in_numbered_chunks_out_then_the_ack(r, fleet):
                    timeout_s=5, what="the status to count the finished request")
 
 
+def test_requests_it_never_runs_lose_their_reservation_too(r, fleet):
+    """A cancelled one (closed by the intake) and an invalid one (failed by the engine): neither may keep its
+    reservation, which would count against the worker's room and its queue bound until the hash expired."""
+    streams.cancel(r, "never-1")
+    streams.enqueue(r, request("never-1", max_tokens=4, kv_blocks=2), WID)
+    streams.enqueue(r, request("never-2", max_tokens=10**6, kv_blocks=2), WID)  # past the context window
+    assert [c.finish_reason for c in streams.iter_output(r, "never-1", timeout_s=60)][-1] == "abort"
+    assert list(streams.iter_output(r, "never-2", timeout_s=60))[-1].error is not None
+    fleet.wait_for(lambda: not r.hexists(keys.reserved(WID), "never-1") and not r.hexists(keys.reserved(WID), "never-2"),
+                   timeout_s=5, what="the reservations to go with the worker's next status")
+
+
 def test_a_cancel_mid_stream_ends_the_request(r, fleet):
     entry = streams.enqueue(r, request("loop-cancel", max_tokens=800), WID)
     output = streams.iter_output(r, "loop-cancel", timeout_s=60)
