@@ -281,9 +281,8 @@ class Intake:
             log.exception("request %s cannot be taken", job.request_id)
             kind: ErrorKind = "invalid_request" if isinstance(e, TypeError | ValueError) else "internal"
             self._dead_letter(job, f"{type(e).__name__}: {e}", kind=kind)
-        finally:
-            if self.handed == handed:  # closed here, not handed to the main thread
-                self.settled.put(job.request_id)
+        if self.handed == handed:  # closed here, not handed to the main thread (a Redis error left it pending)
+            self.settled.put(job.request_id)
 
     def _drop_malformed(self, d: streams.Delivery, reason: str) -> None:
         log.error("entry %s on %s -> %s: %s", d.entry_id, d.stream, keys.DEAD, reason)
