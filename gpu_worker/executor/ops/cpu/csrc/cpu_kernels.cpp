@@ -677,13 +677,23 @@ void rotary(const int64_t* __restrict pos, const T* __restrict q, int64_t q_stri
 // probabilities times a broadcast value element: no key tile is ever transposed. Tiles past a query tile's last
 // position are skipped; the diagonal tile is masked per lane. (Rows as lanes measured 70-79 GFLOP/s per thread
 // in float32 against 37-41 with keys as lanes, which needed a transposed key tile and per-row reductions.)
-#if defined(__AVX512F__)
-// The end of a prefill work item: acc holds each query head's output transposed (lane i of acc[g][d] = row i's
-// element d); row i's output acc / l goes into its head's slot of out.
-template <int C, typename T>
+// The scalar ends of a prefill work item (TILE query rows of head dim D, a register's lanes; g_size query heads
+// of KV head h), shared by the AVX-512 and AVX2 kernels. The start: each query head's rows transposed and scaled
+// into qt (lane i of qt[g][d] = row i's element d; rows past the last repeat it). The end: acc holds each query
+// head's output transposed the same way; row i's output acc / l goes into its head's slot of out.
+template <int D, int TILE, typename T>
+void prefill_load_transposed(const T* __restrict q, int rows, int i0, int h, int hq, int g_size, float scale,
+                             float* __restrict qt) {
+  for (int g = 0; g < g_size; ++g)
+    for (int i = 0; i < TILE; ++i) {
+      const T* qp = q + (int64_t(i0 + std::min(i, rows - 1)) * hq + h * g_size + g) * D;
+      for (int d = 0; d < D; ++d) qt[(g * D + d) * TILE + i] = to_f(qp[d]) * scale;
+    }
+}
+
+template <int D, int TILE, typename T>
 void prefill_store_transposed(const float* __restrict acc, const float* __restrict l, int rows, int i0, int h,
                               int hq, int g_size, T* __restrict out) {
-  constexpr int D = 16 * C, TILE = 16;
   for (int g = 0; g < g_size; ++g)
     for (int i = 0; i < rows; ++i) {
       const float inv = 1.0f / l[g * TILE + i];
@@ -691,6 +701,8 @@ void prefill_store_transposed(const float* __restrict acc, const float* __restri
       for (int d = 0; d < D; ++d) from_f(acc[(g * D + d) * TILE + i] * inv, o + d);
     }
 }
+
+#if defined(__AVX512F__)
 
 // The causal mask of the key tile at t0 for the query rows first_pos .. first_pos + 15 (a lane each): visible[j]
 // holds the rows at or after key t0 + j (all of them when the whole tile precedes the first row).
@@ -715,11 +727,8 @@ void prefill_tile(const T* __restrict q, const T* __restrict kc, const T* __rest
   float* pt = vt + TILE * D;            // [g][TILE keys][TILE rows]: probabilities
   float* corr = pt + g_size * TILE * TILE;  // [g][TILE]
   const int64_t tok_stride = int64_t(hkv) * D;
+  prefill_load_transposed<D, TILE>(q, rows, i0, h, hq, g_size, scale, qt);
   for (int g = 0; g < g_size; ++g) {
-    for (int i = 0; i < TILE; ++i) {
-      const T* qp = q + (int64_t(i0 + std::min(i, rows - 1)) * hq + h * g_size + g) * D;
-      for (int d = 0; d < D; ++d) qt[(g * D + d) * TILE + i] = to_f(qp[d]) * scale;
-    }
     for (int d = 0; d < D; ++d) _mm512_storeu_ps(acc + (g * D + d) * TILE, _mm512_setzero_ps());
     _mm512_storeu_ps(m + g * TILE, _mm512_set1_ps(-3.0e38f));
     _mm512_storeu_ps(l + g * TILE, _mm512_setzero_ps());
@@ -787,7 +796,7 @@ void prefill_tile(const T* __restrict q, const T* __restrict kc, const T* __rest
       }
     }
   }
-  prefill_store_transposed<C>(acc, l, rows, i0, h, hq, g_size, out);
+  prefill_store_transposed<D, TILE>(acc, l, rows, i0, h, hq, g_size, out);
 }
 
 #if defined(__AVX512BF16__)
@@ -896,7 +905,7 @@ void prefill_tile_bf16(const uint16_t* __restrict q, const uint16_t* __restrict 
       }
     }
   }
-  prefill_store_transposed<C>(acc, l, rows, i0, h, hq, g_size, out);
+  prefill_store_transposed<D, TILE>(acc, l, rows, i0, h, hq, g_size, out);
 }
 #endif
 
@@ -958,11 +967,8 @@ void prefill_tile8(const T* __restrict q, const T* __restrict kc, const T* __res
   float* pt = vt + TILE * D;            // [g][TILE keys][TILE rows]: probabilities
   float* corr = pt + g_size * TILE * TILE;  // [g][TILE]
   const int64_t tok_stride = int64_t(hkv) * D;
+  prefill_load_transposed<D, TILE>(q, rows, i0, h, hq, g_size, scale, qt);
   for (int g = 0; g < g_size; ++g) {
-    for (int i = 0; i < TILE; ++i) {
-      const T* qp = q + (int64_t(i0 + std::min(i, rows - 1)) * hq + h * g_size + g) * D;
-      for (int d = 0; d < D; ++d) qt[(g * D + d) * TILE + i] = to_f(qp[d]) * scale;
-    }
     for (int d = 0; d < D; ++d) _mm256_storeu_ps(acc + (g * D + d) * TILE, _mm256_setzero_ps());
     _mm256_storeu_ps(m + g * TILE, _mm256_set1_ps(-3.0e38f));
     _mm256_storeu_ps(l + g * TILE, _mm256_setzero_ps());
@@ -1028,12 +1034,7 @@ void prefill_tile8(const T* __restrict q, const T* __restrict kc, const T* __res
       }
     }
   }
-  for (int g = 0; g < g_size; ++g)
-    for (int i = 0; i < rows; ++i) {
-      const float inv = 1.0f / l[g * TILE + i];
-      T* o = out + (int64_t(i0 + i) * hq + h * g_size + g) * D;
-      for (int d = 0; d < D; ++d) from_f(acc[(g * D + d) * TILE + i] * inv, o + d);
-    }
+  prefill_store_transposed<D, TILE>(acc, l, rows, i0, h, hq, g_size, out);
 }
 
 template <int C, typename T>
