@@ -36,6 +36,7 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +59,7 @@ MAX_BACKOFF_S = 5.0  # a reader thread that keeps failing waits up to this long 
 # worker's own stream.
 SPARE_READ_BLOCK_MS = 50
 SHARED_LOOK_MS = 200
+LATEST_KEPT = 4096  # entries whose latest delivery count it remembers (to ignore refusals of older ones)
 LEASE_CHECK_S = 1.0  # read the leases of the requests held this often
 LEASE_CONFIRM_S = 2.0  # a lease must be seen gone this long before its request is aborted
 
@@ -102,6 +104,10 @@ class Intake:
         self._empty_looks = 0  # looks in a row that found the shared stream empty
         self._was_spare = False
         self._recheck: queue.SimpleQueue[streams.Ack] = queue.SimpleQueue()  # entries of refused writes
+        # entry (stream, id) -> the delivery count it last took it with (read, claimed at start or claimed back): a
+        # refusal of an older delivery, reported by a later flush too, must not claim it once more (each claim
+        # counts toward max_deliveries)
+        self._latest: OrderedDict[tuple[str, str], int] = OrderedDict()
         self.handed = 0  # jobs put into the inbox; `spare` is stale until the main thread accounted them all
         # requests whose entry it took and closed itself (dead-lettered, forwarded, finished, handed back to their
         # gateway): the worker's next status drops their reservations, as it does for those it runs
@@ -182,7 +188,10 @@ class Intake:
             time.sleep(0.1)
             return
         while not self._recheck.empty():
-            if (d := streams.reclaim_own(self.r, self._recheck.get_nowait(), self.worker_id)) is not None:
+            ack = self._recheck.get_nowait()
+            if self._latest.get((ack.stream, ack.entry_id), 0) > ack.deliveries:
+                continue  # taken again since that delivery was refused
+            if (d := streams.reclaim_own(self.r, ack, self.worker_id)) is not None:
                 log.warning("request entry %s on %s is still pending here: claimed again", d.entry_id, d.stream)
                 self._take(d)
         if time.monotonic() >= self._next_scan:  # takeover needs no room: what it claims queues like new work
@@ -266,6 +275,10 @@ class Intake:
     def _take(self, d: streams.Delivery) -> None:
         """Hand one delivery to the main thread, or close it here. An error that is not Redis's is this
         entry's fault: it is dead-lettered, so it cannot stop the reader or the stream."""
+        self._latest[(d.stream, d.entry_id)] = d.deliveries
+        self._latest.move_to_end((d.stream, d.entry_id))
+        if len(self._latest) > LATEST_KEPT:
+            self._latest.popitem(last=False)
         try:
             request = streams.parse_request(d.fields)
         except (KeyError, TypeError, ValueError) as e:

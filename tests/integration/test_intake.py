@@ -99,6 +99,22 @@ def test_claims_back_what_it_left_pending_before_a_restart(r, start_intake):
     assert (job.request_id, job.deliveries) == ("before-restart", 2)
 
 
+def test_a_refusal_reported_twice_claims_the_entry_back_once(r, start_intake):
+    """Two flushes can both refuse the same lost delivery before the main thread drops it: the entry is claimed
+    back once (a second claim would count as one more delivery, toward max_deliveries)."""
+    streams.ensure_group(r, keys.req_stream(ME))
+    entry = streams.enqueue(r, request("twice"), ME)
+    [delivery] = deliver_to(r, ME, keys.req_stream(ME))
+    r.xclaim(keys.req_stream(ME), keys.GROUP, ME, 0, [entry])  # the count moves on (an AOF lost that claim)
+    intake, inbox = start_intake(roomy(spare=False), max_deliveries=3)
+    job = next_job(inbox)  # the restart's own claim of what it left pending: delivery 3
+    assert (job.request_id, job.deliveries) == ("twice", 3)
+    intake.recheck(delivery.ack)  # delivery 1 refused, reported by two flushes
+    intake.recheck(delivery.ack)
+    time.sleep(QUIET_S + 1.0)
+    assert inbox.empty() and r.xpending_range(keys.req_stream(ME), keys.GROUP, "-", "+", 1)[0]["times_delivered"] == 3
+
+
 def test_takes_over_a_dead_workers_pending_requests(r, start_intake):
     """A worker whose status expired left two requests pending on its stream (one half answered) and one
     on the shared stream; a live worker's pending request is not touched."""
