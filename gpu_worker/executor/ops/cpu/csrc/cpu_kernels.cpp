@@ -23,6 +23,24 @@ inline __m256 first_n_mask8(int n) {  // lanes < n all ones
   const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), idx));
 }
+
+// The lines of a block ahead, prefetched (into L2) a few at a time over the work on the current block. The
+// burst this replaced (every line of the block two ahead, at the block's start) overflowed the core's miss
+// buffers: on a Zen 4, one thread read shuffled float32 blocks at 8.5-8.9 GB/s with it and 15-18 GB/s with
+// the prefetches spread, which is what a plain read of the same blocks reaches there.
+struct SpreadPrefetch {
+  const char *k = nullptr, *v = nullptr;
+  int64_t i = 0, n = 0;
+  void start(const char* nk, const char* nv, int64_t lines) { k = nk; v = nv; i = 0; n = lines; }
+  inline void step() {
+    if (i < n) {
+      _mm_prefetch(k + 64 * i, _MM_HINT_T1);
+      _mm_prefetch(v + 64 * i, _MM_HINT_T1);
+      ++i;
+    }
+  }
+  void finish() { while (i < n) step(); }
+};
 #endif
 
 inline float to_f(float x) { return x; }
@@ -123,7 +141,11 @@ inline __m256 hsum8x8(const __m256* v) {
 // runs in three phases over all heads, so that every phase holds independent work for the out-of-order core
 // (per head, the chain scores -> max -> exp -> rescale is one long dependency): 1. scores of 8 keys at a time
 // (8 accumulators, one query load per 8 FMAs) into sc; 2. the online softmax update of every head; 3. the
-// weighted values into acc (L1).
+// weighted values into acc (L1). Block b + PF is prefetched meanwhile: in float32, which memory bounds, a line
+// of its keys and one of its values at a time over phases 1 and 3 (SpreadPrefetch: alone on a 2-core Zen 3, 64
+// sequences of 336 tokens, 30 layers' caches, 45-48 ms per step, was 50-54); in bfloat16, half the bytes and
+// more work per byte, a burst of its keys per head in phase 1 and of its values in phase 3 (spread there: 38-41
+// ms, was 30-35, the per-step test in the inner loops costing more than the prefetch wins).
 template <int C, typename T>
 void decode_seq_avx2(const T* __restrict q, const T* __restrict kc, const T* __restrict vc, const int32_t* table,
                      int len, int64_t row, int hq, int hkv, float scale, float* __restrict qf,
@@ -132,6 +154,7 @@ void decode_seq_avx2(const T* __restrict q, const T* __restrict kc, const T* __r
   const int g_size = hq / hkv;
   const int64_t tok_stride = int64_t(hkv) * D, blk_stride = int64_t(BS) * hkv * D;
   const int64_t blk_bytes = blk_stride * int64_t(sizeof(T));
+  constexpr bool spread = std::is_same_v<T, float>;
   const int num_blocks = (len + BS - 1) / BS;
   float* m = ml;
   float* l = ml + hq;
@@ -147,7 +170,10 @@ void decode_seq_avx2(const T* __restrict q, const T* __restrict kc, const T* __r
   const __m256 neg = _mm256_set1_ps(-3.0e38f);
   for (int b = 0; b < num_blocks; ++b) {
     const int n = b == num_blocks - 1 ? len - b * BS : BS;
-    // block b + PF's keys are prefetched a few lines per head during phase 1, its values during phase 3
+    SpreadPrefetch pf;
+    if (spread && b + PF < num_blocks)
+      pf.start((const char*)(kc + int64_t(table[b + PF]) * blk_stride),
+               (const char*)(vc + int64_t(table[b + PF]) * blk_stride), blk_bytes / 64);
     const int pb = std::min(b + PF, num_blocks - 1);
     const char* nk = (const char*)(kc + int64_t(table[pb]) * blk_stride);
     const char* nv = (const char*)(vc + int64_t(table[pb]) * blk_stride);
@@ -158,12 +184,14 @@ void decode_seq_avx2(const T* __restrict q, const T* __restrict kc, const T* __r
       for (int g = 0; g < g_size; ++g) {
         const int hh = h * g_size + g;
         const float* qg = qf + hh * D;
-        for (int64_t off = hh * per_head; off < std::min(blk_bytes, (hh + 1) * per_head); off += 64)
-          _mm_prefetch(nk + off, _MM_HINT_T0);
+        if constexpr (!spread)
+          for (int64_t off = hh * per_head; off < std::min(blk_bytes, (hh + 1) * per_head); off += 64)
+            _mm_prefetch(nk + off, _MM_HINT_T0);
         for (int half = 0; half < 2; ++half) {
           __m256 dots[8];
           for (int j = 0; j < 8; ++j) dots[j] = _mm256_setzero_ps();
           for (int c = 0; c < C; ++c) {
+            if constexpr (spread) pf.step();
             const __m256 qc = _mm256_loadu_ps(qg + 8 * c);
             for (int j = 0; j < 8; ++j)
               dots[j] = _mm256_fmadd_ps(qc, load8(kb + (8 * half + j) * tok_stride + h * D + 8 * c), dots[j]);
@@ -191,12 +219,14 @@ void decode_seq_avx2(const T* __restrict q, const T* __restrict kc, const T* __r
         const int hh = h * g_size + g;
         const float* p = sc + hh * BS;
         float* a = acc + hh * D;
-        for (int64_t off = hh * per_head; off < std::min(blk_bytes, (hh + 1) * per_head); off += 64)
-          _mm_prefetch(nv + off, _MM_HINT_T0);
+        if constexpr (!spread)
+          for (int64_t off = hh * per_head; off < std::min(blk_bytes, (hh + 1) * per_head); off += 64)
+            _mm_prefetch(nv + off, _MM_HINT_T0);
         __m256 av[C];
         const __m256 cv = _mm256_set1_ps(corr[hh]);
         for (int c = 0; c < C; ++c) av[c] = _mm256_mul_ps(_mm256_loadu_ps(a + 8 * c), cv);
         for (int j = 0; j < n; ++j) {
+          if constexpr (spread) pf.step();
           const __m256 pj = _mm256_set1_ps(p[j]);
           const T* v = vb + j * tok_stride + h * D;
           for (int c = 0; c < C; ++c) av[c] = _mm256_fmadd_ps(pj, load8(v + 8 * c), av[c]);
@@ -204,6 +234,7 @@ void decode_seq_avx2(const T* __restrict q, const T* __restrict kc, const T* __r
         for (int c = 0; c < C; ++c) _mm256_storeu_ps(a + 8 * c, av[c]);
       }
     }
+    pf.finish();
   }
   for (int hh = 0; hh < hq; ++hh) {
     const float inv = 1.0f / l[hh];
@@ -249,23 +280,6 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(y, fx);
 }
 
-// The lines of a block ahead, prefetched (into L2) a few at a time over the work on the current block. The
-// burst this replaced (every line of the block two ahead, at the block's start) overflowed the core's miss
-// buffers: on a Zen 4, one thread read shuffled float32 blocks at 8.5-8.9 GB/s with it and 15-18 GB/s with
-// the prefetches spread, which is what a plain read of the same blocks reaches there.
-struct SpreadPrefetch {
-  const char *k = nullptr, *v = nullptr;
-  int64_t i = 0, n = 0;
-  void start(const char* nk, const char* nv, int64_t lines) { k = nk; v = nv; i = 0; n = lines; }
-  inline void step() {
-    if (i < n) {
-      _mm_prefetch(k + 64 * i, _MM_HINT_T1);
-      _mm_prefetch(v + 64 * i, _MM_HINT_T1);
-      ++i;
-    }
-  }
-  void finish() { while (i < n) step(); }
-};
 
 // One sequence, block size 16, head dim 16 * C, G query heads per kv head: AVX-512 throughout. Blocks outer,
 // heads inner: each block's keys and values (all heads) are read once, contiguously, while block b + 2 is
