@@ -29,6 +29,9 @@ DURATION_S = float(os.environ.get("KVFLEET_CHAOS_DURATION_S", "45"))
 SEED = int(os.environ.get("KVFLEET_CHAOS_SEED", "14"))
 
 
+# pytest's own limit (pyproject: 600 s) would cut a long soak short: the load, plus the fleet's start, the
+# fault-free reference and the drain at the end
+@pytest.mark.timeout(DURATION_S + 600)
 def test_chaos_soak_loses_and_doubles_nothing(tiny_llama_dir, tmp_path):
     cfg = SoakConfig(model=str(tiny_llama_dir), duration_s=DURATION_S, seed=SEED, work_dir=tmp_path,
                      interval_s=(1.0, 2.5))

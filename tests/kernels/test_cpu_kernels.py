@@ -78,7 +78,8 @@ def test_every_simd_build_has_the_native_prefill_kernel():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hq,hkv,head_dim,block_size", [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 64, 16),
-                                                         (10, 2, 64, 16), (6, 2, 32, 4), (9, 3, 64, 8)])
+                                                         (10, 2, 64, 16), (6, 2, 32, 4), (9, 3, 64, 8),
+                                                         (14, 1, 64, 16), (16, 2, 128, 16), (11, 1, 64, 16)])
 def test_decode_attention_reads_the_paged_cache(dtype, hq, hkv, head_dim, block_size):
     g = torch.Generator().manual_seed(hq * head_dim + block_size)
     num_blocks = 200
