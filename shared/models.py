@@ -36,15 +36,22 @@ def resolve_model(name: str | os.PathLike) -> Path:
     text = str(name)
     if text.lower() in _DEFAULT_ALIASES:
         return _default_gguf()
-    path = Path(text).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return path
-    if path.is_dir():
-        if (path / "config.json").is_file():
+    path = Path(text)
+    try:
+        path = path.expanduser()
+    except RuntimeError:  # "~name" of no user on this machine: not one of its paths (found by the fuzz tier)
+        pass
+    try:
+        if path.is_file() and path.suffix == ".gguf":
             return path
-        ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return ggufs[0]
+        if path.is_dir():
+            if (path / "config.json").is_file():
+                return path
+            ggufs = sorted(path.glob("*.gguf"))
+            if len(ggufs) == 1:
+                return ggufs[0]
+    except OSError:  # a name no path can have here (too long, ...): no model either
+        pass
     raise ModelNotFound(
         f"model {text!r} not found: pass a Hugging Face directory (config.json + *.safetensors), a .gguf "
         f"file, or the default model's alias {DEFAULT_MODEL!r} (models are never downloaded)")

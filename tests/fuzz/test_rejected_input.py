@@ -115,6 +115,17 @@ def test_bad_field_gets_400_naming_it(fleet, vocab, name):
     assert_alive(fleet)
 
 
+@pytest.mark.parametrize("model", ["~no-such-user-here/model", "m" * 5000], ids=["home of no user", "too long"])
+@pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT])
+def test_a_model_name_that_is_no_path_here_gets_404(fleet, endpoint, model):
+    """Found by the fuzz tier (a 500): a `model` of "~name" made pathlib raise while the gateway looked for a
+    worker serving it."""
+    r = post(fleet, endpoint, json.dumps(good_body(fleet, endpoint) | {"model": model}).encode())
+    err = assert_openai_error(r.status_code, r.content)
+    assert r.status_code == 404 and err["param"] == "model", (r.status_code, err)
+    assert_alive(fleet)
+
+
 @pytest.mark.parametrize("endpoint,raw,field", [
     (COMPLETIONS, '"prompt": "hi \\ud800 there"', "prompt"),
     (CHAT, '"messages": [{"role": "user", "content": "\\udfff"}]', "messages"),

@@ -34,6 +34,14 @@ def test_unknown_model_says_what_is_accepted(tmp_path):
         resolve_model(tmp_path)  # a directory with neither config.json nor one .gguf
 
 
+@pytest.mark.parametrize("name", ["~no-such-user-here/model", "m" * 5000, "a\x00b", "~"])
+def test_names_that_are_no_path_here_are_not_found(name):
+    """A client's `model` field reaches this: whatever it holds, the answer is ModelNotFound (a 404), never
+    another error (a 500: "~user" of no user made pathlib raise RuntimeError)."""
+    with pytest.raises(ModelNotFound):
+        resolve_model(name)
+
+
 @pytest.mark.parametrize("rope", [
     {"rope_type": "default", "rope_theta": 10000.0},
     {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
