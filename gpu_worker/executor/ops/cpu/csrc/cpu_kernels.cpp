@@ -143,7 +143,7 @@ inline __m256 hsum8x8(const __m256* v) {
 // (8 accumulators, one query load per 8 FMAs) into sc; 2. the online softmax update of every head; 3. the
 // weighted values into acc (L1). Block b + PF is prefetched meanwhile: in float32, which memory bounds, a line
 // of its keys and one of its values at a time over phases 1 and 3 (SpreadPrefetch: alone on a 2-core Zen 3, 64
-// sequences of 336 tokens, 30 layers' caches, 45-48 ms per step, was 50-54); in bfloat16, half the bytes and
+// sequences of 336 tokens, 30 layers' caches, 45-52 ms per step, was 50-58); in bfloat16, half the bytes and
 // more work per byte, a burst of its keys per head in phase 1 and of its values in phase 3 (spread there: 38-41
 // ms, was 30-35, the per-step test in the inner loops costing more than the prefetch wins).
 template <int C, typename T>
@@ -279,7 +279,6 @@ inline __m512 exp16(__m512 x) {
   y = _mm512_fmadd_ps(_mm512_mul_ps(y, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   return _mm512_scalef_ps(y, fx);
 }
-
 
 // One sequence, block size 16, head dim 16 * C, G query heads per kv head: AVX-512 throughout. Blocks outer,
 // heads inner: each block's keys and values (all heads) are read once, contiguously, while block b + 2 is
