@@ -23,9 +23,9 @@ from gateway.middleware import BodyLimit, Instrumentation
 from gateway.openai_api import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from gateway.placement import routing_header, submit, target_for
 from gateway.prompts import is_short, prepare
-from gateway.relay import relay, watch_disconnect
+from gateway.relay import relay
 from gateway.router import POLICIES
-from gateway.sse import EventStream
+from gateway.sse import Disconnect, EventStream
 from gateway.state import GatewayState
 from gateway.tokenizer import Tokenizers
 from shared import streams, telemetry
@@ -49,7 +49,9 @@ def create_app(settings: Settings) -> FastAPI:
     async def lifespan(_app: FastAPI):
         state.redis = streams.connect_async(settings.redis_url, health_check_interval=30,
                                            max_connections=settings.redis_max_connections)
-        state.inbox = Inbox(state.redis, gateway_id(), ttl_s=settings.output_ttl_after_read_s)
+        state.per_request = streams.multiplexed(settings.redis_url)
+        reader = None if state.per_request is None else (lambda: streams.multiplexed(settings.redis_url))
+        state.inbox = Inbox(state.redis, gateway_id(), ttl_s=settings.output_ttl_after_read_s, reader=reader)
         await state.inbox.start()
         from gateway.tokenizer import resolved_path
 
@@ -58,6 +60,8 @@ def create_app(settings: Settings) -> FastAPI:
         yield
         await state.leases.close()
         await state.inbox.close()
+        if state.per_request is not None:
+            await state.per_request.aclose()
         await state.redis.aclose()
         state.tokenizers.close()
         telemetry.flush()  # the last requests' spans: uvicorn ends the process by re-raising SIGTERM
@@ -99,15 +103,15 @@ def create_app(settings: Settings) -> FastAPI:
     async def finish(request: Request, body: Any, headers: dict[str, str]) -> Response:
         """A non-streaming body, cancelled on the worker if the client disconnects first."""
         task = asyncio.ensure_future(body)
-        watcher = asyncio.ensure_future(watch_disconnect(request, task))
+        client = Disconnect(request.receive, task)
         try:
             result = await task
         except asyncio.CancelledError:
-            if not await request.is_disconnected():
+            if not client.gone:
                 raise
             return Response(status_code=499)
         finally:
-            watcher.cancel()
+            client.stop()
         return JSONResponse(result.model_dump(mode="json"), headers=headers)
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
@@ -118,7 +122,7 @@ def create_app(settings: Settings) -> FastAPI:
         headers = routing_header(batch)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            chunks = responses.merge_chunks([relay(state, s, request.is_disconnected) for s in batch.subs], batch.n)
+            chunks = responses.merge_chunks([relay(state, s) for s in batch.subs], batch.n)
             events = responses.completion_events(batch, chunks, echo=body.echo, logprobs=body.logprobs,
                                                  include_usage=include_usage)
             return EventStream(events, headers=headers | SSE_HEADERS)
@@ -142,7 +146,7 @@ def create_app(settings: Settings) -> FastAPI:
         sub, top, headers = batch.subs[0], prepared.logprobs, routing_header(batch)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = responses.chat_events(sub, relay(state, sub, request.is_disconnected), top_logprobs=top,
+            events = responses.chat_events(sub, relay(state, sub), top_logprobs=top,
                                            include_usage=include_usage)
             return EventStream(events, headers=headers | SSE_HEADERS)
         return await finish(request, responses.chat_body(sub, relay(state, sub), top_logprobs=top), headers)

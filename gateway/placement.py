@@ -249,7 +249,7 @@ async def _route_and_enqueue(state: GatewayState, planned: Planned, lease_ttl_s:
         push = state.views is None or state.views.expiry_due(worker, shard, settings.reservation_ttl_s)
         with enqueue_span(request, keys.req_stream(worker, shard)):
             entry_id = await streams.aenqueue_routed(
-                r, request, worker, shard, min_headroom=settings.reserve_blocks if checks_room else None,
+                state.per_request or r, request, worker, shard, min_headroom=settings.reserve_blocks if checks_room else None,
                 queue_bound=settings.worker_queue_bound, reservation_ttl_s=settings.reservation_ttl_s,
                 lease_ttl_s=lease_ttl_s, push_expiry=push)
         if entry_id is not None:
@@ -263,7 +263,7 @@ async def _route_and_enqueue(state: GatewayState, planned: Planned, lease_ttl_s:
     shard = shards[zlib.crc32(request.request_id.encode()) % len(shards)]
     await into(shard)
     with enqueue_span(request, keys.req_any(shard)) as span:
-        entry_id = await streams.aenqueue_shared(r, request, shard, bound=settings.queue_bound,
+        entry_id = await streams.aenqueue_shared(state.per_request or r, request, shard, bound=settings.queue_bound,
                                                  lease_ttl_s=lease_ttl_s)
         if entry_id is None:
             t.set_error(span, "shared queue full")

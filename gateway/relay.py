@@ -5,7 +5,6 @@ generation on the request's server span."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -37,9 +36,9 @@ def chunk_error(chunk: OutputChunk) -> APIError:
 MAX_REPLACEMENTS = 2  # times one relay places a request again after Redis lost it
 
 
-async def relay(state: GatewayState, sub: Submitted, disconnected: Any = None) -> AsyncIterator[OutputChunk]:
+async def relay(state: GatewayState, sub: Submitted) -> AsyncIterator[OutputChunk]:
     """The request's chunks, each once, in order. Cancels the request on the worker if the consumer stops
-    early (client gone), `disconnected()` turns true (checked at most every 0.25 s, between chunks), or no
+    early (its client went away: gateway.sse.Disconnect cancels the answer's task, which closes this), or no
     chunk arrives within request_timeout_s (-> 504). Redis unreachable pauses the relay for up to
     redis_grace_s, then it goes on where it stopped; past the grace it ends with a 503 (an error event, then
     [DONE], when streaming). When Redis lost the request (restarted without its data or the last second of
@@ -48,8 +47,7 @@ async def relay(state: GatewayState, sub: Submitted, disconnected: Any = None) -
     token once (MAX_REPLACEMENTS times; then a 503). So it does when the worker running it died (the worker
     that took its entry over hands it back: gateway.inbox.WorkerLost), up to max_deliveries times in all."""
     settings = state.settings
-    finished, next_check, relayed = False, 0.0, []
-    loop = asyncio.get_running_loop()
+    finished, relayed = False, []
     observer = RelayObserver(state.metrics, sub)
     leases = state.leases
     redis_lost = worker_lost = 0
@@ -64,10 +62,6 @@ async def relay(state: GatewayState, sub: Submitted, disconnected: Any = None) -
                     finished = chunk.final
                     relayed.append(chunk)
                     yield chunk
-                    if disconnected is not None and not finished and loop.time() >= next_check:
-                        next_check = loop.time() + 0.25
-                        if await disconnected():
-                            return
                 return
             except streams.OutputLost as e:
                 redis_lost += 1
@@ -158,15 +152,6 @@ async def _cancel(state: GatewayState, request_id: str) -> None:
         await streams.acancel(state.redis, request_id)
     except streams.RedisError as e:  # Redis away: the worker finishes it for nobody
         log.warning("could not cancel %s: %s", request_id, e)
-
-
-async def watch_disconnect(http_request: Any, task: asyncio.Task, interval_s: float = 0.25) -> None:
-    """For non-streaming calls: cancel `task` (and so the fleet request) when the client disconnects."""
-    while not task.done():
-        if await http_request.is_disconnected():
-            task.cancel()
-            return
-        await asyncio.sleep(interval_s)
 
 
 class RelayObserver:

@@ -16,8 +16,32 @@ from typing import Any
 
 from starlette.responses import Response
 
+LAST_EVENT = "data: [DONE]\n\n"  # what an OpenAI stream's last event ends with
+
+
+class Disconnect:
+    """Cancels `task` when the client goes away: a watcher task reads the ASGI `receive` past anything but the
+    disconnect (uvicorn answers it once the client closes, or once the response is complete), so nothing polls.
+    `gone`: it did. `stop()` when the answer is done."""
+
+    def __init__(self, receive: Any, task: asyncio.Future):
+        self.gone = False
+        self._watcher = asyncio.get_running_loop().create_task(self._watch(receive, task))
+
+    async def _watch(self, receive: Any, task: asyncio.Future) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.gone = True
+        task.cancel()
+
+    def stop(self) -> None:
+        self._watcher.cancel()
+
 
 class EventStream(Response):
+    """`events`: the answer's events as text; the one that ends with LAST_EVENT is the last, and goes out with the
+    end of the body in one write (for a short answer, one write fewer of three)."""
+
     media_type = "text/event-stream"
 
     def __init__(self, events: AsyncIterator[str], headers: dict[str, str] | None = None):
@@ -29,30 +53,24 @@ class EventStream(Response):
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         task = asyncio.current_task()
         assert task is not None
-        gone = False
-
-        async def watch() -> None:  # the client's end: anything but a disconnect is read past
-            nonlocal gone
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            gone = True
-            task.cancel()
-
-        watcher = asyncio.get_running_loop().create_task(watch())
+        client = Disconnect(receive, task)
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            more = True
             async for event in self.events:
-                await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                more = not event.endswith(LAST_EVENT)
+                await send({"type": "http.response.body", "body": event.encode(), "more_body": more})
+            if more:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
-            if not gone:
+            if not client.gone:
                 raise
             task.uncancel()  # our own cancel, for a client that left: nothing is left to send
         except OSError:  # the connection broke under a write: the same as leaving
             pass
         finally:
-            watcher.cancel()
-            if gone:
+            client.stop()
+            if client.gone:
                 aclose = getattr(self.events, "aclose", None)
                 if aclose is not None:
                     await aclose()

@@ -1,5 +1,6 @@
 """What one gateway process holds for all its requests (and a services.fleet_calls.FleetCaller for its own):
-the settings, the asyncio Redis client, the tokenizers, the metrics, the lock that places one request at
+the settings, the asyncio Redis clients (redis-py's, and a multiplexed connection for the per-request enqueue
+where the server allows one), the tokenizers, the metrics, the lock that places one request at
 a time, the leases on the requests it relays and the inbox their output comes back through (None for a
 FleetCaller: services' requests run to the end, and their output has streams of its own) and its fleet view
 (gateway.fleet_view)."""
@@ -23,6 +24,7 @@ class GatewayState:
     settings: Settings
     redis: Any  # redis.asyncio.Redis, made by shared.streams.connect_async
     tokenizers: Tokenizers
+    per_request: Any = None  # a shared.streams.Multiplexed for the enqueue (None: through `redis`)
     background: set[asyncio.Task] = field(default_factory=set)
     admission: asyncio.Lock = field(default_factory=asyncio.Lock)  # one placement at a time per gateway
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)

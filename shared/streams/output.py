@@ -284,8 +284,10 @@ async def aread_inbox(r: aioredis.Redis, inbox: str, after: str, *, block_ms: in
     chunks: list[OutputChunk] = []
     moves: list[tuple[str, str, str]] = []
     for _stream, entries in reply or []:
-        for entry_id, fields in entries:
-            after = entry_id
+        for entry_id, raw_fields in entries:
+            after = entry_id  # redis-py's client gives the fields as a dict, a Multiplexed one as RESP's list
+            fields = raw_fields if isinstance(raw_fields, dict) else dict(zip(raw_fields[::2], raw_fields[1::2],
+                                                                             strict=True))
             try:
                 if (raw := fields.get(keys.FIELD)) is not None:
                     chunks += _CHUNK_LIST.validate_json(raw)

@@ -1,6 +1,6 @@
 """gateway.sse.EventStream with a hand-driven ASGI receive/send: the events go out in order and the answer
 ends; a client that leaves mid-stream closes the event generator at once (its relay then cancels the request)
-and the call returns quietly."""
+and the call returns quietly. The [DONE] event goes out with the end of the body."""
 
 from __future__ import annotations
 
@@ -30,8 +30,24 @@ def test_the_events_go_out_in_order_and_the_answer_ends():
     assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
     headers = dict(sent[0]["headers"])
     assert headers[b"content-type"].startswith(b"text/event-stream") and headers[b"x-request-id"] == b"r1"
-    assert [m["body"] for m in sent[1:]] == [b"data: 1\n\n", b"data: [DONE]\n\n", b""]
-    assert [m["more_body"] for m in sent[1:]] == [True, True, False]
+    assert [m["body"] for m in sent[1:]] == [b"data: 1\n\n", b"data: [DONE]\n\n"]
+    assert [m["more_body"] for m in sent[1:]] == [True, False]  # [DONE] and the end of the body: one write
+
+
+def test_events_that_never_say_done_end_the_answer_after_the_last():
+    sent = []
+
+    async def receive():
+        await asyncio.Event().wait()
+
+    async def send(message):
+        sent.append(message)
+
+    async def events():
+        yield "data: 1\n\n"
+
+    asyncio.run(EventStream(events())({"type": "http"}, receive, send))
+    assert [(m["body"], m["more_body"]) for m in sent[1:]] == [(b"data: 1\n\n", True), (b"", False)]
 
 
 def test_a_client_that_leaves_closes_the_events_and_the_call_returns():

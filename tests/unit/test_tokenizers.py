@@ -29,3 +29,32 @@ def test_an_alias_and_its_path_share_one_load(monkeypatch):
     by_path, by_alias, other = asyncio.run(go())
     assert by_path is by_alias and loads == ["smollm2", "unknown-model"]
     assert other == "tok(unknown-model)"
+
+
+PROMPTS = ["Hello there", "", "  leading spaces", "ünïcödé 漢字 🙂", "a\nb\tc", "<|im_start|>user\nhi<|im_end|>",
+           "The quick brown fox " * 40]
+
+
+def test_prompt_ids_are_what_the_tokenizers_own_call_gives():
+    from tests.tiny_models import default_tokenizer
+
+    tok = default_tokenizer()
+    for prompt in PROMPTS:
+        assert tokenizer.prompt_ids(tok, prompt) == list(tok(prompt)["input_ids"]), prompt
+    assert tokenizer._direct_encoders[tok] is not None  # the Rust tokenizer's own encode was used
+
+
+def test_a_tokenizer_whose_python_side_adds_tokens_keeps_its_own_call():
+    from tests.tiny_models import default_tokenizer
+
+    real = default_tokenizer()
+
+    class AddsABos:  # a tokenizer whose call adds what its Rust tokenizer does not
+        backend_tokenizer = real.backend_tokenizer
+
+        def __call__(self, text):
+            return {"input_ids": [1] + real.backend_tokenizer.encode(text).ids}
+
+    tok = AddsABos()
+    assert tokenizer.prompt_ids(tok, "Hello there") == [1] + real.backend_tokenizer.encode("Hello there").ids
+    assert tokenizer._direct_encoders[tok] is None
