@@ -12,10 +12,12 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway import responses
 from gateway.errors import APIError, install_handlers
+from gateway.fast_lane import FastLane, Lane
 from gateway.fleet_view import FleetViews
 from gateway.inbox import Inbox, gateway_id
 from gateway.leases import Leases
@@ -37,7 +39,9 @@ log = logging.getLogger("kvfleet.gateway")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def create_app(settings: Settings) -> FastAPI:
+def create_app(settings: Settings) -> Any:
+    """The gateway's ASGI app: request metrics and tracing (outermost), the body limit, the generation endpoints'
+    fast lane (gateway.fast_lane), then the FastAPI app."""
     if settings.routing not in POLICIES:
         raise ValueError(f"routing policy must be one of {POLICIES}, got {settings.routing!r}")
     state = GatewayState(settings=settings, redis=None, tokenizers=Tokenizers(settings.tokenizer_threads),
@@ -70,8 +74,6 @@ def create_app(settings: Settings) -> FastAPI:
     app = FastAPI(title="kvfleet gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.kvfleet = state
     install_handlers(app)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
-    app.add_middleware(Instrumentation, metrics=state.metrics)  # outermost: it counts the 413s too
 
     async def authorized(request: Request) -> None:  # async: a sync dependency costs a thread hop per request
         if not settings.api_keys:
@@ -193,5 +195,9 @@ def create_app(settings: Settings) -> FastAPI:
         state.metrics.refresh(snap)
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    return app
+    posts = {r.path: r for r in app.routes if isinstance(r, APIRoute) and "POST" in r.methods}
+    fast = FastLane(app, {"/v1/completions": Lane(CompletionRequest, completions, posts["/v1/completions"]),
+                          "/v1/chat/completions": Lane(ChatCompletionRequest, chat_completions,
+                                                       posts["/v1/chat/completions"])}, authorized)
+    return Instrumentation(BodyLimit(fast, max_bytes=settings.max_body_bytes), metrics=state.metrics)
 

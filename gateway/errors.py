@@ -80,28 +80,29 @@ def _validation_error(_request: Request, exc: RequestValidationError) -> JSONRes
     return APIError(400, message, param=param, code="invalid_value").response()
 
 
-def install_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
+def error_response(exc: Exception) -> JSONResponse:
+    """The answer to an exception a request raised (the app's handlers, and gateway.fast_lane, answer with it)."""
+    if isinstance(exc, APIError):
         return exc.response()
-
-    app.add_exception_handler(RequestValidationError, _validation_error)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    if isinstance(exc, StarletteHTTPException):
         cause = exc.__cause__  # FastAPI's 400 "There was an error parsing the body" keeps the reason here
         if isinstance(cause, UnicodeDecodeError):
             return APIError(400, f"the request body is not valid UTF-8 (byte {cause.start} of the body): send "
                                  "JSON encoded as UTF-8", code="invalid_utf8").response()
         return APIError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None)).response()
-
-    @app.exception_handler(streams.RedisError)
-    async def _redis_error(_request: Request, exc: Exception) -> JSONResponse:
+    if isinstance(exc, streams.RedisError):
         log.warning("redis unavailable: %s", exc)
         return APIError(503, "the request queue (Redis) is unavailable; retry shortly", code="redis_unavailable",
                         headers={"Retry-After": "1"}).response()
+    log.error("internal error", exc_info=exc)
+    return APIError(500, f"internal error: {type(exc).__name__}", type="server_error").response()
 
-    @app.exception_handler(Exception)
-    async def _internal(_request: Request, exc: Exception) -> JSONResponse:
-        log.exception("internal error")
-        return APIError(500, f"internal error: {type(exc).__name__}", type="server_error").response()
+
+async def _handled(_request: Request, exc: Exception) -> JSONResponse:
+    return error_response(exc)
+
+
+def install_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    for kind in (APIError, StarletteHTTPException, streams.RedisError, Exception):
+        app.add_exception_handler(kind, _handled)
