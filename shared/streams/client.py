@@ -3,6 +3,7 @@ URL work the same everywhere), the Lua-script runner, and the error types caller
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 from typing import Any
@@ -116,7 +117,7 @@ class LuaScript:
 
     source: str
 
-    @property
+    @functools.cached_property
     def sha(self) -> str:
         return hashlib.sha1(self.source.encode()).hexdigest()
 
