@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import sys
 
 # name -> (module, one-line help)
@@ -39,8 +40,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def import_name_clash() -> str | None:
+    """Why this environment cannot run kvfleet's models, or None. Hugging Face's hub `kernels` package has the
+    import name of this repo's kernels/ (the Triton kernels): transformers, finding it installed, imports ours in
+    its place and fails (`cannot import name 'CUDAProperties' from 'kernels'`) when a worker loads a model."""
+    try:
+        dist = importlib.metadata.distribution("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return (f"kvfleet: the package `kernels` {dist.version} (Hugging Face's hub kernels) is installed in this "
+            "environment; its import name is kvfleet's own kernels/, so transformers would load ours in its "
+            "place and fail. Remove it (`pip uninstall kernels`); kvfleet does not use it, and transformers below "
+            "5.25 (pyproject.toml) does not need it.")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if (clash := import_name_clash()) is not None:
+        print(clash, file=sys.stderr)
+        return 2
     try:
         return int(args._run(args) or 0)
     except KeyboardInterrupt:
