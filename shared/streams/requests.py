@@ -24,8 +24,10 @@ CANCEL_MARK_TTL_S = 3600
 # policy, a worker with `queue_bound` requests waiting takes no more, so no stream grows without bound. The
 # waiting ones are its reservations (one per request enqueued there that its status does not count yet: the
 # worker's status flush deletes them as it counts them) plus its status' `waiting` (taken, not started): the
-# same HVALS serves both checks, with no XLEN or XPENDING of the stream. The status' three counts are matched
-# in its JSON, not decoded with it (a key's quotes cannot occur inside a JSON string: there they are escaped).
+# same HVALS serves both checks, with no XLEN or XPENDING of the stream. The status' three counts are found in
+# its JSON, not decoded with it (a key's quotes cannot occur inside a JSON string: there they are escaped), by a
+# plain search for the key and a match anchored after it (a pattern match tried at every position cost ~8 us of
+# Redis CPU per enqueue for the three; this ~1).
 # The reservations hash expires (ARGV[4] ms) unless pushed out: at its creation, and when the gateway asks
 # (ARGV[9] = 1: it has not pushed it for a third of that time), not with every request.
 # With a lease TTL, the request's lease (KEYS[4], shared.streams.leases) is set in the same step: no round trip
@@ -33,16 +35,17 @@ CANCEL_MARK_TTL_S = 3600
 _ENQUEUE_ROUTED = LuaScript("""
 local blocks, min_headroom, queue_bound = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[7])
 local raw = redis.call('GET', KEYS[1])
-local function count(name)  -- a top-level integer of the status JSON, without decoding all of it
-  return raw and tonumber(string.match(raw, '"' .. name .. '":(%-?%d+)')) or 0
+local function count(key)  -- a top-level integer of the status JSON, without decoding all of it: a plain find
+  local at = raw and string.find(raw, key, 1, true)  -- of '"name":', then a match anchored just after it
+  return at and tonumber(string.match(raw, '^%-?%d+', at + #key)) or 0
 end
 local vals = redis.call('HVALS', KEYS[2])
-if queue_bound >= 0 and #vals + count('waiting') >= queue_bound then return false end
+if queue_bound >= 0 and #vals + count('"waiting":') >= queue_bound then return false end
 if min_headroom >= 0 then
   if not raw then return false end
   local reserved = 0
   for _, v in ipairs(vals) do reserved = reserved + tonumber(v) end
-  if count('free_blocks') - count('promised_blocks') - reserved - blocks < min_headroom then return false end
+  if count('"free_blocks":') - count('"promised_blocks":') - reserved - blocks < min_headroom then return false end
 end
 if blocks > 0 then
   redis.call('HSET', KEYS[2], ARGV[1], blocks)

@@ -120,3 +120,34 @@ def test_a_routed_enqueue_costs_six_commands_and_pushes_the_reservations_expiry_
             await r.aclose()
 
     asyncio.run(main())
+
+
+def test_a_routed_enqueue_takes_a_request_while_free_less_promised_less_reserved_blocks_leave_the_headroom(
+        redis_url):
+    """The script reads free_blocks, promised_blocks and waiting out of the status JSON (wherever they stand in
+    it, negative too) and refuses exactly at the edge: free - promised - reserved - this request < headroom."""
+
+    async def main() -> None:
+        r = streams.connect_async(redis_url)
+        try:
+            await r.flushdb()
+            worker = WorkerStatus(worker_id="w0", model="tiny", model_path='/m/"free_blocks":999', max_model_len=4096,
+                                  block_size=16, total_blocks=100, free_blocks=50, promised_blocks=20, waiting=1)
+            await r.set(keys.status("w0"), worker.model_dump_json())
+
+            async def enqueue(i: int, blocks: int, bound: int = 8) -> str | None:
+                request = GenerationRequest(request_id=f"h{i}", prompt_token_ids=[1] * 20, kv_blocks=blocks,
+                                            sampling_params=SamplingParams(max_tokens=4).to_dict())
+                return await streams.aenqueue_routed(r, request, "w0", 0, min_headroom=4, queue_bound=bound)
+
+            assert await enqueue(0, blocks=10)  # 50 - 20 - 0 - 10 = 20 >= 4
+            assert await enqueue(1, blocks=16)  # 50 - 20 - 10 - 16 = 4: the edge, taken
+            assert await enqueue(2, blocks=1) is None  # 50 - 20 - 26 - 1 = 3 < 4
+            assert await enqueue(3, blocks=0, bound=3) is None  # 2 reserved + 1 waiting = the bound of 3
+            await r.set(keys.status("w0"), worker.model_copy(update={"promised_blocks": -5}).model_dump_json())
+            assert await enqueue(4, blocks=1)  # 50 + 5 - 26 - 1 = 28
+            assert await r.hgetall(keys.reserved("w0")) == {"h0": "10", "h1": "16", "h4": "1"}
+        finally:
+            await r.aclose()
+
+    asyncio.run(main())
