@@ -153,3 +153,42 @@ def test_a_hand_back_requeues_on_the_shared_stream_and_acks_the_entry(r, outbox)
     [(_, fields)] = r.xrange(keys.req_any())
     assert streams.parse_request(fields).attempt == 1
     assert r.xlen(ack.stream) == 0 and r.xpending(ack.stream, keys.GROUP)["pending"] == 0
+
+
+def test_while_chunks_flow_a_changed_status_rides_with_them_and_alone_it_still_goes_out_within_a_period(r):
+    """A step every 20 ms changes the status every step: the status goes with the steps' flushes (at most
+    status_max_hz times a second, never more than two periods late), not in flushes of its own (each a script
+    call). With no chunks flowing, a change goes out alone one period after the last status."""
+    settings = Settings(worker_id=ME, status_ttl_s=5.0, heartbeat_s=1.0, status_max_hz=20.0)
+    box = Outbox(r, settings, ME).start()
+
+    def scripts() -> int:
+        stats = r.info("commandstats")
+        return sum(stats.get(f"cmdstat_{c}", {}).get("calls", 0) for c in ("evalsha", "eval"))
+
+    try:
+        box.set_status(status(free_blocks=64, run_id=box.run_id))
+        wait_for(lambda: r.get(keys.status(ME)), what="the first status")
+        time.sleep(0.1)
+        before, published, started = scripts(), set(), time.monotonic()
+        for step in range(50):  # 1 s of 20 ms steps, each changing the status
+            box.send([chunk("flowing", step)])
+            box.set_status(status(free_blocks=63 - step % 32, run_id=box.run_id))
+            time.sleep(0.02)
+            published.add(WorkerStatus.model_validate_json(r.get(keys.status(ME))).heartbeat)
+        elapsed = time.monotonic() - started
+        time.sleep(0.15)
+        flushes = scripts() - before
+        assert r.xlen(keys.out_stream("flowing")) == 50
+        assert flushes <= 56, f"{flushes} flush scripts for 50 steps: the status went alone (70 before)"
+        beats = sorted(published)
+        assert 8 <= len(beats) <= 20 * elapsed + 2, beats  # ~20 a second, not one per step
+        assert max(b - a for a, b in zip(beats, beats[1:], strict=False)) < 0.3  # two periods, and jitter
+
+        t0 = time.time()
+        box.set_status(status(free_blocks=7, run_id=box.run_id))  # no chunks now: it goes alone, within a period
+        got = wait_for(lambda: (s := WorkerStatus.model_validate_json(r.get(keys.status(ME)))).free_blocks == 7
+                       and s, what="the changed status")
+        assert got.heartbeat - t0 < 0.2
+    finally:
+        box.close()
