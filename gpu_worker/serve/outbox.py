@@ -19,6 +19,7 @@ piece, dropping (and logging) only what cannot be written at all; `alive` tells 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import queue
@@ -71,6 +72,8 @@ class Outbox:
         # (request id, delivery) of the requests another worker owns now (fenced out)
         self.lost: queue.SimpleQueue[tuple[str, streams.Ack]] = queue.SimpleQueue()
         self.fenced_out: set[streams.Ack] = set()  # the deliveries whose writes were refused: never written again
+        self._gathering: _Batch | None = None  # the main thread's writes inside `gathered()`, not queued yet
+        self._gathered_any = False
 
     # ---- main thread -------------------------------------------------------------------------
     def start(self) -> Outbox:
@@ -82,6 +85,26 @@ class Outbox:
         """The writer thread runs (or was never started, or was closed)."""
         return self._thread.ident is None or self._thread.is_alive() or self._stop.is_set()
 
+    @contextlib.contextmanager
+    def gathered(self):
+        """Everything sent inside goes to the writer thread as one item, so one engine step's output goes out in one
+        flush. Queued one request at a time, the writer woke at the first and flushed while the step's other requests
+        were still being queued: a step of 128 requests went out in about 6 flushes (simulated 20 ms steps)."""
+        self._gathering, self._gathered_any = _Batch(), False
+        try:
+            yield
+        finally:
+            batch, self._gathering = self._gathering, None
+            if self._gathered_any:
+                self._q.put(batch)
+
+    def _put(self, batch: _Batch) -> None:
+        if self._gathering is None:
+            self._q.put(batch)
+        else:
+            self._merge(self._gathering, batch)
+            self._gathered_any = True
+
     def send(self, chunks: list[OutputChunk], ack: streams.Ack | None = None,
              dead_letter: DeadLetter | None = None, *, owner: streams.Ack | None = None,
              reply_to: str | None = None) -> None:
@@ -90,18 +113,18 @@ class Outbox:
         refused; its request id then comes out of `lost`."""
         owner = owner or ack
         owners = {c.request_id: owner for c in chunks} if owner is not None else {}
-        self._q.put(_Batch(chunks=list(chunks), owners=owners, acks=[ack] if ack else [],
+        self._put(_Batch(chunks=list(chunks), owners=owners, acks=[ack] if ack else [],
                            reply_to={c.request_id: reply_to for c in chunks} if reply_to else {},
                            dead_letters=[dead_letter] if dead_letter else []))
 
     def hand_back(self, request: GenerationRequest, ack: streams.Ack) -> None:
-        self._q.put(_Batch(handbacks=[HandBack(request, ack)]))
+        self._put(_Batch(handbacks=[HandBack(request, ack)]))
 
     def set_status(self, status: WorkerStatus, taken: list[str] | None = None) -> None:
         """The latest snapshot; `taken`: requests now in the engine, whose reservations it covers."""
         self._status = status
         if taken or not status.same_state(self._published):
-            self._q.put(_Batch(taken=list(taken or [])))
+            self._put(_Batch(taken=list(taken or [])))
 
     def republish(self) -> None:
         """Send the status with the next flush, whatever its schedule (Redis lost it: re-register now)."""

@@ -134,20 +134,23 @@ class Worker:
         self._drop_lost()
         if self.draining:
             self._drain_step()
+        outputs = None
         if self.engine.has_unfinished_requests() and not self.stopped:
             began = time.perf_counter()
             outputs = self.engine.step()
             if self.step_log is not None:
                 self.step_log.step(time.perf_counter() - began)
-            for output in outputs:
-                self._emit(output)
-            self.telemetry.after_step()
-        self.status = self._status()
-        self._room = self._compute_room()
-        if self.intake is not None:
-            while not self.intake.settled.empty():
-                self.taken.append(self.intake.settled.get_nowait())
-        self.outbox.set_status(self.status, self.taken)
+        with self.outbox.gathered():  # the step's output and the status after it: one item for the writer
+            if outputs is not None:
+                for output in outputs:
+                    self._emit(output)
+                self.telemetry.after_step()
+            self.status = self._status()
+            self._room = self._compute_room()
+            if self.intake is not None:
+                while not self.intake.settled.empty():
+                    self.taken.append(self.intake.settled.get_nowait())
+            self.outbox.set_status(self.status, self.taken)
         self.taken = []
 
     # ---- requests in ---------------------------------------------------------------------------

@@ -192,3 +192,42 @@ def test_while_chunks_flow_a_changed_status_rides_with_them_and_alone_it_still_g
         assert got.heartbeat - t0 < 0.2
     finally:
         box.close()
+
+
+def test_one_steps_output_goes_out_in_one_flush(r):
+    """The main thread queues a step's output one request at a time; inside `gathered()` the writer gets it as
+    one item, so it goes out in one script call, however slowly it was queued. Queued without it, the writer
+    wakes at the first request and flushes several times during the same step. What was sent inside goes out
+    even when the step's output handling raises."""
+    box = Outbox(r, Settings(worker_id=ME, status_ttl_s=5.0, heartbeat_s=5.0), ME).start()
+
+    def scripts() -> int:
+        stats = r.info("commandstats")
+        return sum(stats.get(f"cmdstat_{c}", {}).get("calls", 0) for c in ("evalsha", "eval"))
+
+    def one_step(step: int) -> None:
+        for i in range(64):  # 64 requests, the emit loop slowed to ~0.5 ms per request
+            box.send([chunk(f"req-{i}", step)])
+            time.sleep(0.0005)
+
+    try:
+        box.set_status(status(run_id=box.run_id))
+        wait_for(lambda: r.get(keys.status(ME)), what="the first status")
+        time.sleep(0.1)
+        before = scripts()
+        with box.gathered():
+            one_step(0)
+        wait_for(lambda: all(r.xlen(keys.out_stream(f"req-{i}")) == 1 for i in range(64)), what="step 0's chunks")
+        assert scripts() - before == 1
+
+        before = scripts()
+        one_step(1)
+        wait_for(lambda: all(r.xlen(keys.out_stream(f"req-{i}")) == 2 for i in range(64)), what="step 1's chunks")
+        assert scripts() - before >= 2  # what gathered() prevents
+
+        with pytest.raises(RuntimeError), box.gathered():
+            box.send([chunk("req-0", 2)])
+            raise RuntimeError("the emit loop failed")
+        wait_for(lambda: r.xlen(keys.out_stream("req-0")) == 3, what="the chunk sent before the error")
+    finally:
+        box.close()
