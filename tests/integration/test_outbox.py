@@ -85,6 +85,12 @@ def status(**kw) -> WorkerStatus:
                            "total_blocks": 64, "free_blocks": 64, **kw})
 
 
+def scripts(r) -> int:
+    """Script calls Redis ran so far (each flush is one)."""
+    stats = r.info("commandstats")
+    return sum(stats.get(f"cmdstat_{c}", {}).get("calls", 0) for c in ("evalsha", "eval"))
+
+
 def a_pending_entry(r, rid: str) -> streams.Ack:
     """A request on this worker's stream, delivered to it (pending until acked)."""
     streams.ensure_group(r, keys.req_stream(ME))
@@ -162,15 +168,11 @@ def test_while_chunks_flow_a_changed_status_rides_with_them_and_alone_it_still_g
     settings = Settings(worker_id=ME, status_ttl_s=5.0, heartbeat_s=1.0, status_max_hz=20.0)
     box = Outbox(r, settings, ME).start()
 
-    def scripts() -> int:
-        stats = r.info("commandstats")
-        return sum(stats.get(f"cmdstat_{c}", {}).get("calls", 0) for c in ("evalsha", "eval"))
-
     try:
         box.set_status(status(free_blocks=64, run_id=box.run_id))
         wait_for(lambda: r.get(keys.status(ME)), what="the first status")
         time.sleep(0.1)
-        before, published, started = scripts(), set(), time.monotonic()
+        before, published, started = scripts(r), set(), time.monotonic()
         for step in range(50):  # 1 s of 20 ms steps, each changing the status
             box.send([chunk("flowing", step)])
             box.set_status(status(free_blocks=63 - step % 32, run_id=box.run_id))
@@ -178,7 +180,7 @@ def test_while_chunks_flow_a_changed_status_rides_with_them_and_alone_it_still_g
             published.add(WorkerStatus.model_validate_json(r.get(keys.status(ME))).heartbeat)
         elapsed = time.monotonic() - started
         time.sleep(0.15)
-        flushes = scripts() - before
+        flushes = scripts(r) - before
         assert r.xlen(keys.out_stream("flowing")) == 50
         assert flushes <= 56, f"{flushes} flush scripts for 50 steps: the status went alone (70 before)"
         beats = sorted(published)
@@ -201,10 +203,6 @@ def test_one_steps_output_goes_out_in_one_flush(r):
     even when the step's output handling raises."""
     box = Outbox(r, Settings(worker_id=ME, status_ttl_s=5.0, heartbeat_s=5.0), ME).start()
 
-    def scripts() -> int:
-        stats = r.info("commandstats")
-        return sum(stats.get(f"cmdstat_{c}", {}).get("calls", 0) for c in ("evalsha", "eval"))
-
     def one_step(step: int) -> None:
         for i in range(64):  # 64 requests, the emit loop slowed to ~0.5 ms per request
             box.send([chunk(f"req-{i}", step)])
@@ -214,16 +212,16 @@ def test_one_steps_output_goes_out_in_one_flush(r):
         box.set_status(status(run_id=box.run_id))
         wait_for(lambda: r.get(keys.status(ME)), what="the first status")
         time.sleep(0.1)
-        before = scripts()
+        before = scripts(r)
         with box.gathered():
             one_step(0)
         wait_for(lambda: all(r.xlen(keys.out_stream(f"req-{i}")) == 1 for i in range(64)), what="step 0's chunks")
-        assert scripts() - before == 1
+        assert scripts(r) - before == 1
 
-        before = scripts()
+        before = scripts(r)
         one_step(1)
         wait_for(lambda: all(r.xlen(keys.out_stream(f"req-{i}")) == 2 for i in range(64)), what="step 1's chunks")
-        assert scripts() - before >= 2  # what gathered() prevents
+        assert scripts(r) - before >= 2  # what gathered() prevents
 
         with pytest.raises(RuntimeError), box.gathered():
             box.send([chunk("req-0", 2)])
