@@ -15,6 +15,7 @@ A failed flush is retried: nothing queued here is dropped while Redis is away. D
 engine failed) go to kvfleet:dead just before the flush that carries their final chunk and ack. The thread
 survives any error: one that is not Redis's is logged with its traceback and the batch is written piece by
 piece, dropping (and logging) only what cannot be written at all; `alive` tells the worker it still runs.
+The main thread hands over one engine step's writes as one item (`gathered()`): one step, one flush.
 """
 
 from __future__ import annotations
