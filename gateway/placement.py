@@ -45,12 +45,21 @@ class Target:
     max_model_len: int
     block_size: int
     max_total_blocks: int
+    # Redis was away when the fleet was read: the request is checked against the gateway's own model (its tokenizer
+    # is here), then this is raised (a 503) where it would be placed. Bad input stays a 4xx during an outage.
+    outage: Exception | None = None
 
 
 async def target_for(state: GatewayState, model: str) -> Target:
     """The live workers serving `model` and its tokenizer; 503 when none lives, 404 for an unknown model."""
-    view = await read_view(state.views, state.redis)
     settings = state.settings
+    try:
+        view = await read_view(state.views, state.redis)
+    except streams.RedisError as e:
+        if not same_model(model, settings.model, ""):
+            raise
+        tok = await state.tokenizers.get(settings.model)
+        return Target(model, [], FleetView(), tok, max_model_len=0, block_size=16, max_total_blocks=1 << 30, outage=e)
     if not view.live and not settings.queue_when_no_workers:
         raise APIError(503, "no worker is alive to serve requests; start one with `kvfleet worker`",
                        code="no_workers", headers={"Retry-After": str(settings.retry_after_s)})
@@ -146,6 +155,8 @@ def build_request(settings: Settings, target: Target, prompt: Prompt, *, priorit
     ids, params = prompt.token_ids, prompt.params
     if not ids:
         raise bad_request("the prompt is empty: at least one token is needed", "prompt")
+    if target.outage is not None:
+        raise target.outage
     bs = target.block_size
     need_now = request_blocks(len(ids), 1, params.n, bs)
     if target.workers and need_now > target.max_total_blocks:

@@ -103,9 +103,13 @@ def test_restart_without_data_worker_regroups_and_serves(fleet):
     try:
         with fleet.http() as h:
             r = h.post("/v1/completions", json={"model": fleet.model, "prompt": "hi", "max_tokens": 4}, timeout=30)
+            # bad input is still a 400 naming the field: checked against the gateway's own model's vocabulary
+            bad = h.post("/v1/completions", json={"model": fleet.model, "prompt": "hi", "max_tokens": 4,
+                                                  "logit_bias": {"999999999": 1}}, timeout=30)
         assert r.status_code == 503, r.text
         assert r.headers.get("retry-after")
         assert r.json()["error"]["code"] == "redis_unavailable"
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "logit_bias.999999999", bad.text
         assert _ready(fleet.url() + "/health") == 503
         worker_ready = f"http://127.0.0.1:{fleet.worker_metrics_port}/readyz"
         fleet.wait_for(lambda: _ready(worker_ready) == 503, timeout_s=15, what="the worker to say not ready")
