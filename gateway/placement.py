@@ -58,8 +58,7 @@ async def target_for(state: GatewayState, model: str) -> Target:
     except streams.RedisError as e:
         if not same_model(model, settings.model, ""):
             raise
-        tok = await state.tokenizers.get(settings.model)
-        return Target(model, [], FleetView(), tok, max_model_len=0, block_size=16, max_total_blocks=1 << 30, outage=e)
+        return await _own_model(state, model, FleetView(), outage=e)
     if not view.live and not settings.queue_when_no_workers:
         raise APIError(503, "no worker is alive to serve requests; start one with `kvfleet worker`",
                        code="no_workers", headers={"Retry-After": str(settings.retry_after_s)})
@@ -72,12 +71,18 @@ async def target_for(state: GatewayState, model: str) -> Target:
         if not same_model(model, settings.model, ""):
             raise APIError(404, f"the model {model!r} does not exist; this gateway serves {settings.model!r}",
                            param="model", code="model_not_found")
-        tok = await state.tokenizers.get(settings.model)
-        return Target(model, [], view, tok, max_model_len=0, block_size=16, max_total_blocks=1 << 30)
+        return await _own_model(state, model, view)
     tok = await state.tokenizers.get(workers[0].model_path or settings.model)
     return Target(model=model, workers=workers, view=view, tokenizer=tok,
                   max_model_len=min(w.max_model_len for w in workers), block_size=workers[0].block_size,
                   max_total_blocks=max(w.total_blocks for w in workers))
+
+
+async def _own_model(state: GatewayState, model: str, view: FleetView, outage: Exception | None = None) -> Target:
+    """No worker to size the request by (none alive: scale to zero; or Redis away): the gateway's own model, its
+    tokenizer, and no window or cache limit (the worker that takes it checks those)."""
+    tok = await state.tokenizers.get(state.settings.model)
+    return Target(model, [], view, tok, max_model_len=0, block_size=16, max_total_blocks=1 << 30, outage=outage)
 
 
 @dataclass

@@ -73,8 +73,7 @@ class Outbox:
         # (request id, delivery) of the requests another worker owns now (fenced out)
         self.lost: queue.SimpleQueue[tuple[str, streams.Ack]] = queue.SimpleQueue()
         self.fenced_out: set[streams.Ack] = set()  # the deliveries whose writes were refused: never written again
-        self._gathering: _Batch | None = None  # the main thread's writes inside `gathered()`, not queued yet
-        self._gathered_any = False
+        self._gathering: list[_Batch] | None = None  # the main thread's writes inside `gathered()`, not queued yet
 
     # ---- main thread -------------------------------------------------------------------------
     def start(self) -> Outbox:
@@ -90,21 +89,23 @@ class Outbox:
     def gathered(self):
         """Everything sent inside goes to the writer thread as one item, so one engine step's output goes out in one
         flush. Queued one request at a time, the writer woke at the first and flushed while the step's other requests
-        were still being queued: a step of 128 requests went out in about 6 flushes (simulated 20 ms steps)."""
-        self._gathering, self._gathered_any = _Batch(), False
+        were still being queued: 1.7 flushes per step with 128 requests in flight (simulated 200 ms steps)."""
+        self._gathering = []
         try:
             yield
         finally:
-            batch, self._gathering = self._gathering, None
-            if self._gathered_any:
+            items, self._gathering = self._gathering, None
+            if items:
+                batch = _Batch()
+                for item in items:
+                    self._merge(batch, item)
                 self._q.put(batch)
 
     def _put(self, batch: _Batch) -> None:
         if self._gathering is None:
             self._q.put(batch)
         else:
-            self._merge(self._gathering, batch)
-            self._gathered_any = True
+            self._gathering.append(batch)
 
     def send(self, chunks: list[OutputChunk], ack: streams.Ack | None = None,
              dead_letter: DeadLetter | None = None, *, owner: streams.Ack | None = None,
