@@ -9,6 +9,7 @@ services.fleet_calls builds and places through the same functions (build_request
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import uuid
 import zlib
@@ -34,6 +35,8 @@ from shared.settings import Settings
 
 OPERATIONS = {"chatcmpl": "chat", "cmpl": "text_completion"}  # request id prefix -> gen_ai.operation.name
 MAX_ROUTE_TRIES = 3
+COMEBACK_HEARTBEATS = 2  # how long a fleet with known workers but none live is waited for (live_view)
+COMEBACK_POLL_S = 0.05
 
 
 @dataclass
@@ -54,7 +57,7 @@ async def target_for(state: GatewayState, model: str) -> Target:
     """The live workers serving `model` and its tokenizer; 503 when none lives, 404 for an unknown model."""
     settings = state.settings
     try:
-        view = await read_view(state.views, state.redis)
+        view = await live_view(state)
     except streams.RedisError as e:
         if not same_model(model, settings.model, ""):
             raise
@@ -76,6 +79,23 @@ async def target_for(state: GatewayState, model: str) -> Target:
     return Target(model=model, workers=workers, view=view, tokenizer=tok,
                   max_model_len=min(w.max_model_len for w in workers), block_size=workers[0].block_size,
                   max_total_blocks=max(w.total_blocks for w in workers))
+
+
+async def live_view(state: GatewayState) -> FleetView:
+    """The fleet view. When workers were seen but none is live, their statuses may have expired while Redis was
+    away (stopped or restarted for longer than status_ttl_s), and each re-registers within a heartbeat of its
+    return: the fleet is re-read for up to COMEBACK_HEARTBEATS heartbeats before it is taken as empty (a 503
+    no_workers comes that much later when all workers crashed; workers that stopped cleanly left the fleet,
+    streams.leave, and do not hold it up). Not with queue_when_no_workers: requests then queue at once."""
+    view = await read_view(state.views, state.redis)
+    if view.live or not view.dead or state.settings.queue_when_no_workers:
+        return view
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + COMEBACK_HEARTBEATS * state.settings.heartbeat_s
+    while not view.live and loop.time() < deadline:
+        await asyncio.sleep(COMEBACK_POLL_S)
+        view = await read_view(state.views, state.redis)
+    return view
 
 
 async def _own_model(state: GatewayState, model: str, view: FleetView, outage: Exception | None = None) -> Target:

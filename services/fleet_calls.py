@@ -30,6 +30,7 @@ from gateway.placement import (
     Submitted,
     Target,
     build_request,
+    live_view,
     place,
     target_for,
 )
@@ -189,7 +190,7 @@ class FleetCaller:
 
     async def default_model(self) -> str:
         """The model the live fleet serves when it serves exactly one, else the configured one."""
-        served = {w.model for w in (await streams.aread_fleet(self.redis)).live}
+        served = {w.model for w in (await live_view(self.gateway)).live}
         return served.pop() if len(served) == 1 else self.settings.model
 
     # ---- placing -------------------------------------------------------------------------------

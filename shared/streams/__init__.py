@@ -102,6 +102,7 @@ from shared.streams.worker import (  # noqa: F401
     ensure_group,
     forward,
     is_cancelled,
+    leave,
     other_workers,
     prune_dead_worker,
     publish,
@@ -109,6 +110,5 @@ from shared.streams.worker import (  # noqa: F401
     read_requests,
     reclaim_own,
     register_shard,
-    remove_status,
     shared_head,
 )

@@ -467,6 +467,9 @@ def publish(r: redis.Redis, worker_id: str, *, output_ttl_s: float, chunks: Sequ
     return [plan.owners[i - 1] for i in refused or []]
 
 
-def remove_status(r: redis.Redis, worker_id: str, shard: int = 0) -> None:
-    """Delete the worker's status: to the others it is dead at once, and they take over what it left."""
+def leave(r: redis.Redis, worker_id: str, shard: int = 0) -> bool:
+    """The worker stops: delete its status, so to the others it is dead at once and they take over what it
+    left; when it left nothing, it leaves the fleet too (as prune_dead_worker forgets a dead one), so gateways
+    do not wait for it to come back (gateway.placement). True: it left the fleet."""
     r.delete(keys.status(worker_id, shard))
+    return prune_dead_worker(r, worker_id, shard)

@@ -323,6 +323,8 @@ def test_no_live_worker_then_no_redis_answer_503(fleet, client, model):  # last:
         fleet.signal_worker(wid, signal.SIGTERM)  # graceful: each removes its status as it exits
     for wid in ("w0", "w1"):
         assert fleet.workers[wid].wait(30) == 0
+    # they left nothing to take over, so they left the fleet (streams.leave): not dead workers to wait for
+    assert fleet.fleet_status()["dead_workers"] == []
     health = httpx.get(fleet.url() + "/health")
     assert health.status_code == 503 and health.json()["reason"] == "no live worker"
     with pytest.raises(openai.InternalServerError) as e:

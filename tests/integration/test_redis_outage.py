@@ -8,7 +8,10 @@ worker and real gateways:
 - stopped for longer than the grace: the stream ends with an OpenAI error event, then [DONE];
 - restarted without its data while a request is queued: its reader fails at once with "Redis lost";
 - restarted without its data mid-stream, or flushed while a request waits: the gateway places the request
-  again with what it relayed restored, and the client gets the whole greedy answer, each token once.
+  again with what it relayed restored, and the client gets the whole greedy answer, each token once;
+- away for longer than the workers' status TTL, with its data: the statuses expired while it was away, and
+  requests sent the moment it is back (through a gateway and the Python client) wait for the worker to
+  re-register instead of a 503 no_workers.
 """
 
 from __future__ import annotations
@@ -270,3 +273,48 @@ def test_the_python_client_rides_out_a_short_outage(fleet):
         _start_redis(fleet, port)
         text = first.text + "".join(c.text for c in chunks)
     assert text == reference
+
+
+def test_requests_right_after_an_outage_past_the_status_ttl_wait_for_the_worker(fleet):
+    """The chaos soak (seed 53) got a 503 no_workers here: Redis came back, the worker's status had expired
+    while it was away, and a request came before the worker's next heartbeat re-registered it. The worker is
+    paused (SIGSTOP) through the outage and resumed just after the requests are sent, so they always come
+    first; the gateway and the Python client wait for it (up to two heartbeats) and are served."""
+    from services.client import FleetClient
+
+    reference = _complete(fleet)
+    port = fleet.redis.port
+    answers: dict[str, object] = {}
+
+    def through_gateway() -> None:
+        with fleet.http() as h:
+            answers["gateway"] = h.post("/v1/completions", timeout=60, json={
+                "model": fleet.model, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
+                "ignore_eos": True})
+
+    def through_client(client: FleetClient) -> None:
+        try:
+            handle = client.submit(PROMPT, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+            answers["client"] = handle.result(60)["choices"][0]["text"]
+        except Exception as e:  # noqa: BLE001 (asserted below)
+            answers["client"] = e
+
+    with FleetClient(fleet.redis.url) as client:
+        fleet.signal_worker("w0", signal.SIGSTOP)
+        try:
+            _stop_redis(fleet, keep_data=True)
+            time.sleep(3.5)  # longer than the status TTL (3 s): the status has expired when Redis loads its AOF
+            _start_redis(fleet, port)
+            assert streams.connect(fleet.redis.url).get(keys.status("w0")) is None
+            senders = [threading.Thread(target=through_gateway), threading.Thread(target=through_client,
+                                                                                   args=(client,))]
+            for t in senders:
+                t.start()
+            time.sleep(0.3)
+        finally:
+            fleet.signal_worker("w0", signal.SIGCONT)
+        for t in senders:
+            t.join(60)
+    assert answers["gateway"].status_code == 200, answers["gateway"].text
+    assert answers["gateway"].json()["choices"][0]["text"] == reference
+    assert answers["client"] == reference
