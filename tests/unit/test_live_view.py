@@ -1,0 +1,65 @@
+"""gateway.placement.live_view: a fleet with workers seen before but none live (statuses expired while Redis was
+away) is re-read until one re-registers, for up to COMEBACK_HEARTBEATS heartbeats; an empty fleet, a live one
+and a scale-to-zero gateway are answered at once. The fleet reads are a stand-in here (one module's unit test);
+tests/integration/test_redis_outage.py does the same against a real Redis restart."""
+
+from __future__ import annotations
+
+import asyncio
+
+from gateway import placement
+from gateway.placement import live_view
+from gateway.state import GatewayState
+from shared.fleet_state import FleetView
+from shared.messages import WorkerStatus
+from shared.settings import Settings
+
+LIVE = WorkerStatus(worker_id="w0", model="m", max_model_len=64, block_size=16, total_blocks=8, free_blocks=8)
+
+
+class Views:
+    """Answers the fleet reads from a list of views (the last one from then on), counting them."""
+
+    def __init__(self, *views: FleetView):
+        self.views, self.reads = list(views), 0
+
+    async def get(self, _r: object) -> FleetView:
+        self.reads += 1
+        return self.views.pop(0) if len(self.views) > 1 else self.views[0]
+
+
+def _state(views: Views, **settings: object) -> GatewayState:
+    return GatewayState(settings=Settings(heartbeat_s=0.5, **settings), redis=None, tokenizers=None, views=views)
+
+
+def _run(state: GatewayState) -> tuple[FleetView, float]:
+    async def timed() -> tuple[FleetView, float]:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        view = await live_view(state)
+        return view, loop.time() - t0
+
+    return asyncio.run(timed())
+
+
+def test_known_workers_none_live_waits_for_one_to_come_back():
+    dead = FleetView(dead=["w0"])
+    views = Views(dead, dead, dead, FleetView(live=[LIVE]))
+    view, _ = _run(_state(views))
+    assert [w.worker_id for w in view.live] == ["w0"] and views.reads == 4
+
+
+def test_known_workers_that_never_come_back_are_waited_for_two_heartbeats_then_given_up():
+    views = Views(FleetView(dead=["w0"]))
+    view, waited = _run(_state(views))
+    assert not view.live and view.dead == ["w0"]
+    assert waited >= placement.COMEBACK_HEARTBEATS * 0.5
+    assert views.reads > 2  # re-read meanwhile, not one sleep
+
+
+def test_live_empty_and_scale_to_zero_fleets_are_answered_at_once():
+    for views, settings in [(Views(FleetView(live=[LIVE], dead=["w1"])), {}),
+                            (Views(FleetView()), {}),  # never had a worker (or all left cleanly)
+                            (Views(FleetView(dead=["w0"])), {"queue_when_no_workers": True})]:
+        _run(_state(views, **settings))
+        assert views.reads == 1
