@@ -133,17 +133,16 @@ class Outbox:
         self._last_pub = float("-inf")
         self._q.put(_Batch())
 
-    def close(self, timeout_s: float = 10.0, *, remove_status: bool = True) -> None:
-        """Flush everything queued, then (by default) delete the status so others take over at once, and leave
-        the fleet when nothing is left to take over (streams.leave)."""
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Flush everything queued, then delete the status so others take over at once, and leave the fleet
+        when nothing is left to take over (streams.leave)."""
         self._stop.set()
         self._q.put(None)
         self._thread.join(timeout_s)
-        if remove_status:
-            try:
-                streams.leave(self.r, self.worker_id, self.settings.worker_shard)
-            except streams.RedisError as e:
-                log.warning("could not remove status: %s", e)
+        try:
+            streams.leave(self.r, self.worker_id, self.settings.worker_shard)
+        except streams.RedisError as e:
+            log.warning("could not remove the status and leave the fleet: %s", e)
 
     # ---- writer thread -----------------------------------------------------------------------
     def _run(self) -> None:

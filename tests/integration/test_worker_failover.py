@@ -99,8 +99,8 @@ def test_a_request_delivered_too_often_goes_to_dead_letters(fleet):
 
 def test_sigterm_drains_finishes_what_it_can_and_hands_back_the_rest(fleet):
     """Graceful drain: SIGTERM mid-stream; the worker stops taking requests, gives --drain-timeout (1 s) to
-    the running ones (400 tokens each: some are always unfinished then; 160 in 2 s all finished once), leaves the rest pending for the other worker, and exits 0; every client's text equals
-    the undisturbed output."""
+    the running ones (400 tokens each: some are always unfinished then; 160 in 2 s all finished once), leaves
+    the rest pending for the other worker, and exits 0; every client's text equals the undisturbed output."""
     survivor = next(w for w, p in fleet.workers.items() if p.poll() is None)
     fleet.start_worker("w2", "--num-kv-blocks", "256", "--max-num-seqs", "32", "--drain-timeout", "1")
     fleet.wait_for(lambda: len(fleet.fleet_status()["workers"]) == 2, timeout_s=120, what="w2 to start")
