@@ -55,21 +55,26 @@ class Mailbox:
 
     def put(self, chunk: OutputChunk) -> None:
         self.items.append(chunk)
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(None)
+        if self.waiter is not None:
+            _wake(self.waiter)
 
     async def wait(self, timeout_s: float) -> None:
         """Until a chunk is here, or timeout_s passed."""
         if self.items:
             return
-        self.waiter = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        waiter = self.waiter = loop.create_future()
+        timer = loop.call_later(timeout_s, _wake, waiter)  # (not asyncio.timeout: its cancel machinery costs more)
         try:
-            async with asyncio.timeout(timeout_s):
-                await self.waiter
-        except TimeoutError:
-            pass
+            await waiter
         finally:
+            timer.cancel()
             self.waiter = None
+
+
+def _wake(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 class _ShardInbox:

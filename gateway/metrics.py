@@ -82,17 +82,33 @@ class GatewayMetrics:
                                 registry=r)
         self._fleet = _FleetCollector()
         r.register(self._fleet)
-        self._routed: set[tuple[str, str]] = set()  # (policy, worker) label sets of `routing`, pruned in refresh
+        # the labelled series in use: (policy, worker) of `routing` (pruned in refresh), of the HTTP ones, of `ttft`
+        self._routed: dict[tuple[str, str], Any] = {}
+        self._http: dict[tuple[str, int], tuple[Any, Any]] = {}
+        self._ttft: dict[str, Any] = {}
 
     def observe_http(self, endpoint: str, status: int, seconds: float) -> None:
-        self.requests.labels(endpoint, str(status)).inc()
-        self.latency.labels(endpoint).observe(seconds)
+        series = self._http.get((endpoint, status))
+        if series is None:  # labels() checks and locks on every call: the children are kept here
+            series = self._http[endpoint, status] = (self.requests.labels(endpoint, str(status)),
+                                                     self.latency.labels(endpoint))
+        series[0].inc()
+        series[1].observe(seconds)
         if status == 429:
             self.rejected.inc()
 
+    def observe_ttft(self, model: str, seconds: float) -> None:
+        series = self._ttft.get(model)
+        if series is None:
+            series = self._ttft[model] = self.ttft.labels(model)
+        series.observe(seconds)
+
     def routed(self, policy: str, worker_id: str | None) -> None:
-        self.routing.labels(policy, worker_id or "any").inc()
-        self._routed.add((policy, worker_id or "any"))
+        key = (policy, worker_id or "any")
+        series = self._routed.get(key)
+        if series is None:
+            series = self._routed[key] = self.routing.labels(*key)
+        series.inc()
 
     def refresh(self, snapshot: FleetSnapshot | None) -> None:
         """The fleet as read for this scrape; None (Redis could not be read) leaves the fleet gauges out.
@@ -104,4 +120,4 @@ class GatewayMetrics:
         known = {w["worker_id"] for w in snapshot["workers"]} | set(snapshot["dead_workers"]) | {"any"}
         for policy, worker in [pw for pw in self._routed if pw[1] not in known]:
             self.routing.remove(policy, worker)
-            self._routed.discard((policy, worker))
+            del self._routed[policy, worker]

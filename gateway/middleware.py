@@ -65,9 +65,9 @@ class _TooLarge(Exception):
 
 class BodyLimit:
     """`app.add_middleware(BodyLimit, max_bytes=...)`: 413 in OpenAI's error shape for a request body over
-    `max_bytes`. A Content-Length over it is answered at once, without calling the app; a body without one
-    (chunked) is counted as the app reads it, and the app's answer (whatever it made of the cut-off read) is
-    replaced by the 413."""
+    `max_bytes`. A Content-Length over it is answered at once, without calling the app (one within it is let
+    through as it is); a body without one (chunked) is counted as the app reads it, and the app's answer
+    (whatever it made of the cut-off read) is replaced by the 413."""
 
     def __init__(self, app: Any, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes
@@ -80,9 +80,13 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        length = dict(scope.get("headers", ())).get(b"content-length", b"")
-        if length.isdigit() and int(length) > self.max_bytes:
-            await self._error(length.decode()).response()(scope, receive, send)
+        headers = dict(scope.get("headers", ()))
+        length = headers.get(b"content-length", b"")
+        if length.isdigit() and b"transfer-encoding" not in headers:
+            if int(length) > self.max_bytes:
+                await self._error(length.decode()).response()(scope, receive, send)
+            else:  # the HTTP parser hands on exactly Content-Length bytes: nothing to count
+                await self.app(scope, receive, send)
             return
         seen = 0
         tripped = started = False

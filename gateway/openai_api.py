@@ -9,7 +9,7 @@ import re
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from shared.sampling_params import (
@@ -93,7 +93,9 @@ class _SamplingFields(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _no_lone_surrogates(cls, data: Any) -> Any:
+    def _no_lone_surrogates(cls, data: Any, info: ValidationInfo) -> Any:
+        if info.mode == "json":  # pydantic's JSON parser refuses a lone surrogate itself (the fast lane then
+            return data  # hands the body to the app, whose json.loads takes it, and this names the field)
         path = lone_surrogate_path(data)
         if path is not None:
             raise invalid(path, "contains a lone UTF-16 surrogate (such as \\ud800), which is not valid "

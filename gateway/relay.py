@@ -168,7 +168,7 @@ class RelayObserver:
         if self.first and chunk.token_ids:
             self.first = False
             ttft = max(0.0, time.time() - self.sub.request.arrival_time)
-            self.metrics.ttft.labels(self.sub.target.model).observe(ttft)
+            self.metrics.observe_ttft(self.sub.target.model, ttft)
             if self.span.is_recording():
                 self.span.set_attribute(t.KVFLEET_TTFT_S, ttft)
                 self.span.add_event("first_token", {t.KVFLEET_TTFT_S: ttft, t.KVFLEET_WORKER_ID: chunk.worker_id})

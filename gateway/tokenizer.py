@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import os
+import shutil
+import tempfile
 import threading
 import weakref
 from collections.abc import Callable
@@ -24,16 +27,54 @@ _TRANSFORMERS_IMPORT = threading.Lock()
 
 
 def load_tokenizer(model: str) -> Any:
-    """`model` is an alias, a Hugging Face directory or a .gguf file (as `kvfleet worker --model` takes)."""
-    with _TRANSFORMERS_IMPORT:
-        from transformers import AutoTokenizer
-
+    """`model` is an alias, a Hugging Face directory or a .gguf file (as `kvfleet worker --model` takes). A GGUF's
+    tokenizer is read out of it once and kept as a tokenizer directory (`_gguf_tokenizer_dir`)."""
     from shared.models import resolve_model
 
     path = Path(resolve_model(model))
-    if path.suffix == ".gguf":
-        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    return AutoTokenizer.from_pretrained(path)
+    return _load_dir(_gguf_tokenizer_dir(path) if path.suffix == ".gguf" else path)
+
+
+# the classes AutoTokenizer would load as PreTrainedTokenizerFast from tokenizer.json (transformers 5 names it
+# TokenizersBackend): loaded as that directly, without AutoTokenizer's imports (torch and the model configs: ~2.7
+# of the ~3.6 s of CPU a tokenizer cost a gateway to load on a 2-core Zen 3)
+_PLAIN_FAST = {"PreTrainedTokenizerFast", "TokenizersBackend"}
+
+
+def _load_dir(path: Path) -> Any:
+    try:
+        named = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        named = None
+    with _TRANSFORMERS_IMPORT:
+        if named in _PLAIN_FAST and (path / "tokenizer.json").is_file():
+            from transformers import PreTrainedTokenizerFast as loader
+        else:
+            from transformers import AutoTokenizer as loader
+    return loader.from_pretrained(path)
+
+
+def _gguf_tokenizer_dir(gguf: Path) -> Path:
+    """The GGUF's tokenizer as a Hugging Face tokenizer directory in the kvfleet cache, read out of the GGUF on
+    first use: transformers' GGUF reader parses its vocabulary field by field (~8.7 s of CPU for the default
+    model on a 2-core Zen 3), which every gateway start (and restart after a crash) would otherwise pay before
+    its first request. Concurrent first uses each read it; the first to finish keeps its copy."""
+    from shared.models import cache_dir, gguf_cache_name
+
+    out = cache_dir("tokenizers") / gguf_cache_name(gguf)
+    if (out / "tokenizer_config.json").is_file():
+        return out
+    with _TRANSFORMERS_IMPORT:
+        from transformers import AutoTokenizer
+    log.info("reading the tokenizer out of %s into %s (once)", gguf, out)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent))
+    tokenizer.save_pretrained(tmp)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process saved it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
 
 
 def same_model(name: str, model: str, model_path: str = "") -> bool:

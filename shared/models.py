@@ -4,8 +4,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
+import tempfile
 from pathlib import Path
 
 DEFAULT_MODEL = "smollm2"
@@ -55,3 +57,24 @@ def resolve_model(name: str | os.PathLike) -> Path:
     raise ModelNotFound(
         f"model {text!r} not found: pass a Hugging Face directory (config.json + *.safetensors), a .gguf "
         f"file, or the default model's alias {DEFAULT_MODEL!r} (models are never downloaded)")
+
+
+def cache_dir(kind: str, root: str | os.PathLike | None = None) -> Path:
+    """Where kvfleet keeps what it derives from a model once (`kind`: "gguf" for a GGUF's de-quantized copy,
+    "tokenizers" for the tokenizer read out of one): `root`/kind, by default ~/.cache/kvfleet/kind, or a
+    per-machine temporary one when the home directory is read-only (some containers). Made if missing."""
+    base = Path(root) if root is not None else Path.home() / ".cache" / "kvfleet"
+    try:
+        (base / kind).mkdir(parents=True, exist_ok=True)
+    except OSError:
+        base = Path(tempfile.gettempdir()) / "kvfleet-cache"
+        (base / kind).mkdir(parents=True, exist_ok=True)
+    return base / kind
+
+
+def gguf_cache_name(gguf: Path) -> str:
+    """The name of what is derived from this GGUF file: its stem and a hash of its path, size and mtime (a
+    changed file is derived again)."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return f"{gguf.stem}-{key}"

@@ -21,7 +21,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from opentelemetry import trace
@@ -183,16 +183,16 @@ def start_span(name: str, *, context: Context | None = None, parent: Span | None
                                start_time=start_ns)
 
 
-@contextlib.contextmanager
+_OFF = contextlib.nullcontext(INVALID_SPAN)
+
+
 def span(name: str, *, context: Context | None = None, kind: SpanKind = SpanKind.INTERNAL,
-         attributes: Mapping[str, Any] | None = None) -> Iterator[Span]:
+         attributes: Mapping[str, Any] | None = None) -> contextlib.AbstractContextManager[Span]:
     """`with span("kvfleet.route") as s:` — a current span around a block; exceptions mark it as an error.
-    When off this yields INVALID_SPAN and costs one check."""
+    When off this gives INVALID_SPAN and costs one check (no generator per span on the request path)."""
     if _provider is None:
-        yield INVALID_SPAN
-        return
-    with _tracer.start_as_current_span(name, context=context, kind=kind, attributes=_clean(attributes)) as s:
-        yield s
+        return _OFF
+    return _tracer.start_as_current_span(name, context=context, kind=kind, attributes=_clean(attributes))
 
 
 def record_span(name: str, parent: Span, start_ns: int, end_ns: int,

@@ -7,7 +7,6 @@ file through transformers' GGUF loader (de-quantized to dense tensors). Nothing 
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -18,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shared.models import ModelNotFound, resolve_model
+from shared.models import ModelNotFound, cache_dir, gguf_cache_name, resolve_model
 from shared.settings import hf_offline
 
 hf_offline()  # before transformers is imported: nothing is ever fetched from a hub
@@ -62,25 +61,25 @@ class ModelFiles:
         return _safetensors_weights(self.weights_dir)
 
 
-def load_model_files(name: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> ModelFiles:
+def load_model_files(name: str | os.PathLike, cache_root: str | os.PathLike | None = None) -> ModelFiles:
     """Resolve `name` and read its config and tokenizer. A GGUF is de-quantized once (transformers' loader,
-    ~30 s) into a float32 safetensors directory under cache_dir (default ~/.cache/kvfleet), so later loads
+    ~30 s) into a float32 safetensors directory under cache_root (default ~/.cache/kvfleet), so later loads
     take about a second."""
     from transformers import AutoConfig, AutoTokenizer
 
     path = resolve_model(name)
-    weights_dir = model_dir(name, cache_dir)
+    weights_dir = model_dir(name, cache_root)
     config = AutoConfig.from_pretrained(weights_dir)
     _check_architecture(config, path)
     tokenizer = AutoTokenizer.from_pretrained(weights_dir)
     return ModelFiles(path=path, config=config, tokenizer=tokenizer, weights_dir=weights_dir)
 
 
-def model_dir(name: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path:
+def model_dir(name: str | os.PathLike, cache_root: str | os.PathLike | None = None) -> Path:
     """The directory with `name`'s config.json, tokenizer and safetensors: the model's own, or a GGUF's
     de-quantized copy (made on first use)."""
     path = resolve_model(name)
-    return _gguf_as_safetensors(path, cache_dir) if path.suffix == ".gguf" else path
+    return _gguf_as_safetensors(path, cache_root) if path.suffix == ".gguf" else path
 
 
 def checked_max_model_len(config: Any, max_model_len: int | None) -> int:
@@ -123,21 +122,14 @@ def _safetensors_weights(model_dir: Path) -> Iterator[tuple[str, Any]]:
                 yield key, f.get_tensor(key)
 
 
-def _gguf_as_safetensors(gguf: Path, cache_dir: str | os.PathLike | None) -> Path:
+def _gguf_as_safetensors(gguf: Path, cache_root: str | os.PathLike | None) -> Path:
     """The GGUF's de-quantized float32 copy (config.json, model.safetensors, tokenizer), made on first use
     (one process converts while the others wait on a file lock)."""
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    root = Path(cache_dir) if cache_dir is not None else Path.home() / ".cache" / "kvfleet"
-    try:
-        (root / "gguf").mkdir(parents=True, exist_ok=True)
-    except OSError:  # read-only home (some containers): a per-machine temp cache
-        root = Path(tempfile.gettempdir()) / "kvfleet-cache"
-        (root / "gguf").mkdir(parents=True, exist_ok=True)
-    out = root / "gguf" / f"{gguf.stem}-{key}"
+    root = cache_dir("gguf", cache_root)
+    out = root / gguf_cache_name(gguf)
     if (out / "model.safetensors").is_file():
         return out
-    with open(root / "gguf" / f"{out.name}.lock", "w") as lock:
+    with open(root / f"{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (out / "model.safetensors").is_file():
             _convert_gguf(gguf, out)

@@ -81,6 +81,17 @@ def test_completion_lists_strings_and_maps(body, param, words):
     assert got == param and words in message, message
 
 
+@pytest.mark.parametrize("raw", [rb'"\ud800"', rb'"a \udfff b"', rb'"\ud83d\u0041"', rb'["ok", "\udbff"]'])
+def test_the_json_parser_refuses_lone_surrogates_itself(raw):
+    """Validated from JSON (the fast lane), the surrogate walk is skipped: pydantic's parser refuses a lone one
+    itself, and the fast lane then hands the body to the app, whose json.loads keeps it, so the walk names the
+    field (tests/integration/test_bad_input.py). A pair stays valid."""
+    with pytest.raises(ValidationError, match="surrogate|hex escape"):
+        CompletionRequest.model_validate_json(b'{"model": "m", "prompt": "hi", "stop": %s}' % raw)
+    ok = CompletionRequest.model_validate_json(rb'{"model": "m", "prompt": "\ud83d\ude00"}')
+    assert ok.prompt == "\U0001f600"
+
+
 def test_valid_extremes_pass():
     body = CompletionRequest.model_validate({"model": "m", "prompt": "hi", "top_k": -1, "seed": -(2**63),
                                              "priority": 2**31 - 1, "stop": ["s" * 256] * 16, "best_of": 3, "n": 3,

@@ -4,6 +4,7 @@ gateway preloads or by the path the workers report (a second load on the first r
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -58,3 +59,49 @@ def test_a_tokenizer_whose_python_side_adds_tokens_keeps_its_own_call():
     tok = AddsABos()
     assert tokenizer.prompt_ids(tok, "Hello there") == [1] + real.backend_tokenizer.encode("Hello there").ids
     assert tokenizer._direct_encoders[tok] is None
+
+
+def test_a_gguf_tokenizer_is_read_once_then_loaded_from_the_cache_and_tokenizes_as_the_workers(monkeypatch,
+                                                                                              tmp_path):
+    """The gateway reads a GGUF's tokenizer out of it once (~9 s of CPU for the default model) into the kvfleet
+    cache; later starts load that copy (about a second), and it gives the worker's ids, chat prompts and text."""
+    import transformers
+
+    from tests.tiny_models import default_tokenizer
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # a cache of its own
+    first = tokenizer.load_tokenizer("smollm2")
+    saved = list((tmp_path / ".cache" / "kvfleet" / "tokenizers").iterdir())
+    assert [p.name.split("-")[0] for p in saved] == ["SmolLM2"] and (saved[0] / "tokenizer.json").is_file()
+
+    def no_reading(*_a, **_kw):
+        raise AssertionError("the GGUF was read again")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_reading)
+    again = tokenizer.load_tokenizer("smollm2")
+    worker = default_tokenizer()
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "ünïcödé 🙂 hi"}]
+    for tok in (first, again):
+        for prompt in PROMPTS:
+            ids = tokenizer.prompt_ids(tok, prompt)
+            assert ids == list(worker(prompt)["input_ids"]), prompt
+            assert tok.decode(ids) == worker.decode(ids)
+        assert tokenizer.chat_ids(tok, chat) == tokenizer.chat_ids(worker, chat)
+        assert (len(tok), tok.eos_token_id, tok.all_special_ids) == (len(worker), worker.eos_token_id,
+                                                                     worker.all_special_ids)
+
+
+@pytest.mark.parametrize(("named", "files", "loader"), [
+    ("TokenizersBackend", ["tokenizer.json"], "fast"), ("PreTrainedTokenizerFast", ["tokenizer.json"], "fast"),
+    ("LlamaTokenizer", ["tokenizer.json"], "auto"), ("TokenizersBackend", [], "auto"), (None, ["tokenizer.json"], "auto"),
+])
+def test_only_a_plain_fast_tokenizer_skips_autotokenizer(monkeypatch, tmp_path, named, files, loader):
+    import transformers
+
+    if named is not None:
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": named}))
+    for f in files:
+        (tmp_path / f).write_text("{}")
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda path: ("auto", path))
+    monkeypatch.setattr(transformers.PreTrainedTokenizerFast, "from_pretrained", lambda path: ("fast", path))
+    assert tokenizer._load_dir(tmp_path) == (loader, tmp_path)
