@@ -53,11 +53,12 @@ class Target:
     outage: Exception | None = None
 
 
-async def target_for(state: GatewayState, model: str) -> Target:
-    """The live workers serving `model` and its tokenizer; 503 when none lives, 404 for an unknown model."""
+async def target_for(state: GatewayState, model: str, view: FleetView | None = None) -> Target:
+    """The live workers serving `model` and its tokenizer; 503 when none lives, 404 for an unknown model.
+    `view`: the fleet as live_view read it for this request already (else it is read here)."""
     settings = state.settings
     try:
-        view = await live_view(state)
+        view = view if view is not None else await live_view(state)
     except streams.RedisError as e:
         if not same_model(model, settings.model, ""):
             raise

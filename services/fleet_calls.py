@@ -129,8 +129,10 @@ class FleetCaller:
         model_cls, prefix = KINDS[kind]
         body = dict(body)
         check_params(model_cls, body)
+        view = None  # the fleet, when it was read for the default model: placement reads it once, not twice
         if not body.get("model"):
-            body["model"] = await self.default_model()
+            view = await live_view(self.gateway)
+            body["model"] = self.default_model(view)
         try:
             parsed = model_cls.model_validate(body)
         except ValidationError as e:
@@ -146,7 +148,7 @@ class FleetCaller:
                 calls: list[Call | None] = [_attached(part, rec, digest) if rec is not None and rec.state != "placing"
                                             else None for part, rec in zip(parts, records, strict=True)]
                 if any(c is None for c in calls):
-                    planned, info = await self._prepare(kind, parsed, parts)
+                    planned, info = await self._prepare(kind, parsed, parts, view)
                     for i, p in enumerate(planned):
                         if calls[i] is None:
                             calls[i] = await self._place_once(p, info(p), digest)
@@ -188,16 +190,18 @@ class FleetCaller:
     async def cancel(self, request_id: str) -> None:
         await streams.acancel(self.redis, request_id)
 
-    async def default_model(self) -> str:
+    def default_model(self, view: FleetView) -> str:
         """The model the live fleet serves when it serves exactly one, else the configured one."""
-        served = {w.model for w in (await live_view(self.gateway)).live}
+        served = {w.model for w in view.live}
         return served.pop() if len(served) == 1 else self.settings.model
 
     # ---- placing -------------------------------------------------------------------------------
-    async def _prepare(self, kind: str, body: Any, parts: list[str]) -> tuple[list[Planned], Any]:
+    async def _prepare(self, kind: str, body: Any, parts: list[str], view: FleetView | None
+                       ) -> tuple[list[Planned], Any]:
         """What the gateway's endpoints do before placing (gateway.prompts.prepare, then build_request), under
-        the given request ids; and a function giving each planned request its CallInfo."""
-        target = await target_for(self.gateway, body.model)
+        the given request ids; and a function giving each planned request its CallInfo. `view`: the fleet as
+        read already for this request, if it was."""
+        target = await target_for(self.gateway, body.model, view)
         prepared = await self.gateway.tokenizers.run(prepare, target, body, inline=is_short(body))
         planned = [build_request(self.settings, target, p, priority=prepared.priority, request_id=part)
                    for p, part in zip(prepared.prompts, parts, strict=True)]

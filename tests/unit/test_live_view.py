@@ -63,3 +63,27 @@ def test_live_empty_and_scale_to_zero_fleets_are_answered_at_once():
                             (Views(FleetView(dead=["w0"])), {"queue_when_no_workers": True})]:
         _run(_state(views, **settings))
         assert views.reads == 1
+
+
+def test_a_view_read_already_for_the_request_is_not_read_again():
+    """The services path reads the fleet for the default model; placing it then uses that read, so a fleet
+    whose workers all crashed is waited for once (two heartbeats), not twice."""
+
+    class Tokenizers:
+        async def get(self, model: str) -> str:
+            return f"tok({model})"
+
+    views = Views(FleetView(dead=["w0"]))
+    state = _state(views)
+    state.tokenizers = Tokenizers()
+
+    async def go() -> tuple[placement.Target, float]:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        target = await placement.target_for(state, "m", FleetView(live=[LIVE]))
+        return target, loop.time() - t0
+
+    target, took = asyncio.run(go())
+    assert views.reads == 0 and [w.worker_id for w in target.workers] == ["w0"]
+    assert target.tokenizer == f"tok({state.settings.model})"
+    assert took < 0.5  # not the comeback wait
