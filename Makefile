@@ -11,6 +11,8 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	# docker-compose v1 (Debian) only checks docker-compose.yml offline in tests/deploy; no engine is needed.
 	command -v docker-compose >/dev/null 2>&1 || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker-compose)
+	# wrk (a load generator in C) drives `kvfleet bench gateway`, which tests/e2e runs
+	command -v wrk >/dev/null 2>&1 || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends wrk)
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q torch==2.13.0

@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from services.bench import calibrate, fleet_sim_cmd, serve
+from services.bench import calibrate, fleet_sim_cmd, gateway_load, serve
 from services.bench.peers import DEFAULT_VLLM_VENV
 from services.bench.workload import DEFAULT_WORKLOAD
 
@@ -56,6 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_arguments(sub)
     calibrate.add_arguments(sub)
     fleet_sim_cmd.add_parser(sub)
+    gateway_load.add_arguments(sub)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -67,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
         return calibrate.run(args)
     if args.bench == "fleet-sim":
         return fleet_sim_cmd.run(args)
+    if args.bench == "gateway":
+        return gateway_load.run(args)
     raise ValueError(f"unknown benchmark {args.bench!r}")  # pragma: no cover - argparse restricts it
 
 

@@ -43,12 +43,14 @@ class Server:
         return "\n".join(text[-lines:])
 
 
-def _spawn(name: str, cmd: list[str], env: dict[str, str], log_dir: Path, url: str, cwd: Path = REPO_ROOT
-           ) -> Server:
+def _spawn(name: str, cmd: list[str], env: dict[str, str], log_dir: Path, url: str, cwd: Path = REPO_ROOT,
+           cpus: set[int] | None = None) -> Server:
+    """`cpus`: the CPUs it (and whatever it starts) may run on; default: this process's."""
     log_path = log_dir / f"{name}.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+                                stdin=subprocess.DEVNULL, start_new_session=True,
+                                preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus))
     return Server(name=name, url=url, proc=proc, log_path=log_path)
 
 
@@ -87,13 +89,16 @@ def stop(server: Server, grace_s: float = STOP_GRACE_S) -> None:
         shutil.rmtree(server.scratch, ignore_errors=True)
 
 
-def start_kvfleet(model: str, workers: int, routing: str | None, log_dir: Path, extra: list[str]) -> Server:
-    """`kvfleet up` on a free port with a private Redis whose data lives (and dies) in a temporary directory."""
+def start_kvfleet(model: str, workers: int, routing: str | None, log_dir: Path, extra: list[str],
+                  cpus: set[int] | None = None) -> Server:
+    """`kvfleet up` on a free port with a private Redis whose data lives (and dies) in a temporary directory
+    (the whole fleet on `cpus`, when given)."""
     port = free_port()
     data_dir = tempfile.mkdtemp(prefix="redis-", dir=log_dir)
     cmd = [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--workers", str(workers),
            "--model", model, "--data-dir", data_dir, *(["--routing", routing] if routing else []), *extra]
-    server = _spawn("kvfleet", cmd, child_env(PYTHONUNBUFFERED="1"), log_dir, f"http://127.0.0.1:{port}")
+    server = _spawn("kvfleet", cmd, child_env(PYTHONUNBUFFERED="1"), log_dir, f"http://127.0.0.1:{port}",
+                    cpus=cpus)
     server.scratch = Path(data_dir)
     return server
 
