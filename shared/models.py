@@ -72,9 +72,18 @@ def cache_dir(kind: str, root: str | os.PathLike | None = None) -> Path:
     return base / kind
 
 
+SAMPLES, SAMPLE_BYTES = 16, 1 << 16
+
+
 def gguf_cache_name(gguf: Path) -> str:
-    """The name of what is derived from this GGUF file: its stem and a hash of its path, size and mtime (a
-    changed file is derived again)."""
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    return f"{gguf.stem}-{key}"
+    """The name of what is derived from this GGUF file: its stem and a hash of its size and of 16 pieces of 64 KiB
+    spread over it (1 MiB read, whatever the file's size). Its content, not its path or mtime: the same model
+    installed again (another venv, a fresh clone) finds what was derived already, and a changed file is derived
+    again."""
+    size = gguf.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with open(gguf, "rb") as f:
+        for i in range(SAMPLES):
+            f.seek(max(0, size - SAMPLE_BYTES) * i // (SAMPLES - 1))
+            digest.update(f.read(SAMPLE_BYTES))
+    return f"{gguf.stem}-{digest.hexdigest()[:16]}"
