@@ -28,11 +28,11 @@ _TRANSFORMERS_IMPORT = threading.Lock()
 
 def load_tokenizer(model: str) -> Any:
     """`model` is an alias, a Hugging Face directory or a .gguf file (as `kvfleet worker --model` takes). A GGUF's
-    tokenizer is read out of it once and kept as a tokenizer directory (`_gguf_tokenizer_dir`)."""
+    tokenizer is read out of it once and kept as a tokenizer directory (`_gguf_tokenizer`)."""
     from shared.models import resolve_model
 
     path = Path(resolve_model(model))
-    return _load_dir(_gguf_tokenizer_dir(path) if path.suffix == ".gguf" else path)
+    return _gguf_tokenizer(path) if path.suffix == ".gguf" else _load_dir(path)
 
 
 # the classes AutoTokenizer would load as PreTrainedTokenizerFast from tokenizer.json (transformers 5 names it
@@ -54,27 +54,33 @@ def _load_dir(path: Path) -> Any:
     return loader.from_pretrained(path)
 
 
-def _gguf_tokenizer_dir(gguf: Path) -> Path:
-    """The GGUF's tokenizer as a Hugging Face tokenizer directory in the kvfleet cache, read out of the GGUF on
-    first use: transformers' GGUF reader parses its vocabulary field by field (~8.7 s of CPU for the default
+def _gguf_tokenizer(gguf: Path) -> Any:
+    """The GGUF's tokenizer, from a Hugging Face tokenizer directory in the kvfleet cache, which is read out of the
+    GGUF on first use: transformers' GGUF reader parses its vocabulary field by field (~8.7 s of CPU for the default
     model on a 2-core Zen 3), which every gateway start (and restart after a crash) would otherwise pay before
-    its first request. Concurrent first uses each read it; the first to finish keeps its copy."""
+    its first request. Concurrent first uses each read it; the first to finish keeps its copy. A cache that cannot
+    be written costs only the speed: the tokenizer read from the GGUF is used."""
     from shared.models import cache_dir, gguf_cache_name
 
     out = cache_dir("tokenizers") / gguf_cache_name(gguf)
-    if (out / "tokenizer_config.json").is_file():
-        return out
-    with _TRANSFORMERS_IMPORT:
-        from transformers import AutoTokenizer
-    log.info("reading the tokenizer out of %s into %s (once)", gguf, out)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent))
-    tokenizer.save_pretrained(tmp)
-    try:
-        tmp.rename(out)
-    except OSError:  # another process saved it first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    if not (out / "tokenizer_config.json").is_file():
+        with _TRANSFORMERS_IMPORT:
+            from transformers import AutoTokenizer
+        log.info("reading the tokenizer out of %s into %s (once)", gguf, out)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tmp = None
+        try:
+            tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent))
+            tokenizer.save_pretrained(tmp)
+            tmp.rename(out)
+        except OSError as e:  # another process saved it first, or the cache cannot be written
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            if not (out / "tokenizer_config.json").is_file():
+                log.warning("could not keep the tokenizer of %s in %s (%s); the next start reads it again", gguf,
+                            out, e)
+                return tokenizer
+    return _load_dir(out)
 
 
 def same_model(name: str, model: str, model_path: str = "") -> bool:

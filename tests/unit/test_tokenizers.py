@@ -105,3 +105,20 @@ def test_only_a_plain_fast_tokenizer_skips_autotokenizer(monkeypatch, tmp_path, 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda path: ("auto", path))
     monkeypatch.setattr(transformers.PreTrainedTokenizerFast, "from_pretrained", lambda path: ("fast", path))
     assert tokenizer._load_dir(tmp_path) == (loader, tmp_path)
+
+
+def test_a_cache_that_cannot_be_written_costs_only_the_speed(monkeypatch, tmp_path):
+    import transformers
+
+    from tests.tiny_models import default_tokenizer
+
+    worker = default_tokenizer()
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *_a, **_kw: worker)  # "read" it
+
+    def full(*_a, **_kw):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tokenizer.tempfile, "mkdtemp", full)
+    assert tokenizer.load_tokenizer("smollm2") is worker
+    assert list((tmp_path / ".cache" / "kvfleet" / "tokenizers").iterdir()) == []
