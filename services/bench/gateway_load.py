@@ -1,8 +1,8 @@
 """`kvfleet bench gateway`: how many requests/s one gateway process carries when it is the limit, and N replicas.
 
-A fleet is started for the run (`kvfleet up`: a private Redis, --gateways gateways and --workers simulated workers
-with the zero-cost profile, so no model runs and what is measured is the gateway and Redis) and stopped after it.
-The gateways get the last CPU to themselves; Redis, the workers and the load generator share the others. With
+A fleet is started for the run (`kvfleet up`: a private Redis, --gateways gateways and --workers simulated workers,
+by default with the zero-cost profile, so no model runs and what is measured is the gateway and Redis) and stopped
+after it. The gateways get the last CPU to themselves; Redis, the workers and the load generator share the others. With
 --cpu-share each gateway is also held to that fraction of a core by a cgroup CPU quota of its own, so that it,
 not the rest of the fleet, is the limit on a small machine (2 cores: the rest caps the fleet at a few hundred
 requests/s).
@@ -50,7 +50,10 @@ def add_arguments(sub: Any) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     a("--gateways", type=int, default=1, help="gateway replicas, each with its own wrk (default 1)")
-    a("--workers", type=int, default=2, help="simulated workers (zero-cost profile) behind them (default 2)")
+    a("--workers", type=int, default=2, help="simulated workers behind them (default 2)")
+    a("--profile", default="zero", help="the simulated workers' cost profile, a name in gpu_worker/executor/profiles "
+      "or a .json path (default zero: every step is free; one with a step time paces the tokens as an engine "
+      "does, one chunk per token, for the gateway's cost per streamed token with --max-tokens)")
     a("--cpu-share", type=float, help="hold each gateway to this fraction of a core (a cgroup CPU quota; needs "
       "root or a writable cgroup); default: no quota, the gateways share the last CPU")
     a("--connections", type=int, default=64, help="wrk connections per gateway (default 64)")
@@ -69,6 +72,7 @@ class Round:
     non_2xx: int
     wall_s: float
     gateway_cpu_s: float
+    tokens_per_request: int = 1  # output tokens each request streams (max_tokens, EOS ignored)
 
     @property
     def requests_per_s(self) -> float:
@@ -82,7 +86,8 @@ class Round:
         return asdict(self) | {"requests_per_s": round(self.requests_per_s, 1),
                                "gateway_cpu_share": round(self.gateway_cpu_s / self.wall_s, 3),
                                "cpu_ms_per_request": round(self.cpu_ms_per_request, 3),
-                               "requests_per_s_per_core": round(1000 / self.cpu_ms_per_request, 0)}
+                               "requests_per_s_per_core": round(1000 / self.cpu_ms_per_request, 0),
+                               "cpu_us_per_token": round(1000 * self.cpu_ms_per_request / self.tokens_per_request, 1)}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -97,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         script = Path(tmp) / "post.lua"
         script.write_text(WRK_SCRIPT % args.max_tokens)
         server = start_kvfleet("smollm2", args.workers, None, Path(tmp),
-                               ["--simulate", "zero", "--gateways", str(args.gateways), "--no-warmup"],
+                               ["--simulate", args.profile, "--gateways", str(args.gateways), "--no-warmup"],
                                cpus=rest)
         try:
             wait_ready(server, args.startup_timeout, workers=args.workers)
@@ -108,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
                 _pin(pid, {gateway_cpu})
             with _quotas(gateways, args.cpu_share):
                 _load(urls, script, args.connections, args.warmup, rest)
-                rounds = [_round(urls, script, args.connections, args.duration, gateways, rest)
+                rounds = [_round(urls, script, args.connections, args.duration, gateways, rest, args.max_tokens)
                           for _ in range(args.rounds)]
         except ServerFailed as e:
             print(f"kvfleet bench gateway: {e}", flush=True)
@@ -116,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
         finally:
             stop(server)
     report = {"cpu": {k: v for k, v in info.items() if k != "flags"}, "gateways": args.gateways,
-              "workers": args.workers, "cpu_share": args.cpu_share, "connections": args.connections,
+              "workers": args.workers, "profile": args.profile, "cpu_share": args.cpu_share, "connections": args.connections,
               "duration_s": args.duration, "max_tokens": args.max_tokens, "rounds": [r.row() for r in rounds]}
     print(json.dumps(report, indent=1) if args.json else format_report(report), flush=True)
     return 0
@@ -249,13 +254,14 @@ def _load(urls: list[str], script: Path, connections: int, seconds: float, cpus:
 
 
 def _round(urls: list[str], script: Path, connections: int, seconds: float, gateways: list[int],
-           cpus: set[int]) -> Round:
+           cpus: set[int], tokens_per_request: int) -> Round:
     cpu0, t0 = sum(_cpu_s(p) for p in gateways), time.monotonic()
     outputs = _load(urls, script, connections, seconds, cpus)
     cpu1, t1 = sum(_cpu_s(p) for p in gateways), time.monotonic()
     counts = [parse_wrk(out) for out in outputs]
     requests, non_2xx = sum(c[0] for c in counts), sum(c[1] for c in counts)
-    return Round(requests=requests, non_2xx=non_2xx, wall_s=round(t1 - t0, 3), gateway_cpu_s=round(cpu1 - cpu0, 3))
+    return Round(requests=requests, non_2xx=non_2xx, wall_s=round(t1 - t0, 3), gateway_cpu_s=round(cpu1 - cpu0, 3),
+                 tokens_per_request=tokens_per_request)
 
 
 def parse_wrk(out: str) -> tuple[int, int]:
@@ -272,12 +278,13 @@ def format_report(report: dict[str, Any]) -> str:
     held = f"each held to {share:g} of a core" if share is not None else "no quota"
     lines = [f"CPU: {describe(report['cpu'])}, {report['cpu']['cores']} cores, load average "
              f"{report['cpu']['load_average_1m']} at the start",
-             f"{report['gateways']} gateway(s) on the last CPU ({held}); {report['workers']} zero-cost simulated "
-             f"workers, Redis and wrk ({report['connections']} connections per gateway) on the others; streamed "
+             f"{report['gateways']} gateway(s) on the last CPU ({held}); {report['workers']} simulated workers "
+             f"(profile {report['profile']}), Redis and wrk ({report['connections']} connections per gateway) on the others; streamed "
              f"{report['max_tokens']}-token completions, {report['duration_s']:g} s per round", "",
-             "| round | requests/s | non-2xx | gateway CPU (cores) | CPU per request | requests/s per core |",
-             "|---|---|---|---|---|---|"]
+             "| round | requests/s | non-2xx | gateway CPU (cores) | CPU per request | requests/s per core | CPU per "
+             "token |", "|---|---|---|---|---|---|---|"]
     for i, r in enumerate(report["rounds"], 1):
         lines.append(f"| {i} | {r['requests_per_s']:,.1f} | {r['non_2xx']} | {r['gateway_cpu_share']:.2f} | "
-                     f"{r['cpu_ms_per_request']:.3f} ms | {r['requests_per_s_per_core']:,.0f} |")
+                     f"{r['cpu_ms_per_request']:.3f} ms | {r['requests_per_s_per_core']:,.0f} | "
+                     f"{r['cpu_us_per_token']:,.1f} us |")
     return "\n".join(lines)

@@ -34,14 +34,16 @@ def test_wrk_reports_are_read_with_their_errors():
 
 def test_a_round_gives_cpu_per_request_and_the_rate_per_core():
     row = Round(requests=3000, non_2xx=0, wall_s=10.0, gateway_cpu_s=2.7).row()
-    assert row["requests_per_s"] == 300.0 and row["gateway_cpu_share"] == 0.27
+    assert row["requests_per_s"] == 300.0 and row["gateway_cpu_share"] == 0.27 and row["cpu_us_per_token"] == 900
+    assert Round(requests=3000, non_2xx=0, wall_s=10.0, gateway_cpu_s=2.7, tokens_per_request=64).row()[
+        "cpu_us_per_token"] == pytest.approx(900 / 64, abs=0.1)
     assert row["cpu_ms_per_request"] == 0.9 and row["requests_per_s_per_core"] == 1111
     table = format_report({"cpu": {"model": "AMD EPYC", "family": "25", "model_number": "1", "cores": 2,
                                    "simd": ["avx2"], "load_average_1m": 0.5}, "gateways": 2, "workers": 2,
-                           "cpu_share": 0.15, "connections": 64, "duration_s": 10.0, "max_tokens": 1,
+                           "profile": "zero", "cpu_share": 0.15, "connections": 64, "duration_s": 10.0, "max_tokens": 1,
                            "rounds": [row]})
     assert "AMD EPYC (family 25 model 1; avx2)" in table and "0.15 of a core" in table
-    assert "| 1 | 300.0 | 0 | 0.27 | 0.900 ms | 1,111 |" in table
+    assert "| 1 | 300.0 | 0 | 0.27 | 0.900 ms | 1,111 | 900.0 us |" in table
 
 
 def _args(**kw) -> argparse.Namespace:
