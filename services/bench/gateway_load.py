@@ -86,7 +86,7 @@ class Round:
         return asdict(self) | {"requests_per_s": round(self.requests_per_s, 1),
                                "gateway_cpu_share": round(self.gateway_cpu_s / self.wall_s, 3),
                                "cpu_ms_per_request": round(self.cpu_ms_per_request, 3),
-                               "requests_per_s_per_core": round(1000 / self.cpu_ms_per_request, 0),
+                               "requests_per_s_per_core": round(1000 / max(self.cpu_ms_per_request, 1e-9), 0),
                                "cpu_us_per_token": round(1000 * self.cpu_ms_per_request / self.tokens_per_request, 1)}
 
 
@@ -121,8 +121,8 @@ def run(args: argparse.Namespace) -> int:
         finally:
             stop(server)
     report = {"cpu": {k: v for k, v in info.items() if k != "flags"}, "gateways": args.gateways,
-              "workers": args.workers, "profile": args.profile, "cpu_share": args.cpu_share, "connections": args.connections,
-              "duration_s": args.duration, "max_tokens": args.max_tokens, "rounds": [r.row() for r in rounds]}
+              "workers": args.workers, "profile": args.profile, "cpu_share": args.cpu_share,
+              "connections": args.connections, "duration_s": args.duration, "max_tokens": args.max_tokens, "rounds": [r.row() for r in rounds]}
     print(json.dumps(report, indent=1) if args.json else format_report(report), flush=True)
     return 0
 
@@ -197,24 +197,23 @@ def _quotas(pids: list[int], share: float | None) -> Iterator[None]:
         yield
         return
     quota = int(share * PERIOD_US)
+    v1 = CGROUP_V1.is_dir()
     made: list[Path] = []
     try:
+        if not v1:
+            with contextlib.suppress(OSError):  # the cpu controller for the groups below the root
+                (CGROUP_V2 / "cgroup.subtree_control").write_text("+cpu")
         for i, pid in enumerate(pids):
-            if CGROUP_V1.is_dir():
-                group = CGROUP_V1 / f"kvfleet-bench-{os.getpid()}-{i}"
-                group.mkdir()
-                made.append(group)
+            group = (CGROUP_V1 if v1 else CGROUP_V2) / f"kvfleet-bench-{os.getpid()}-{i}"
+            group.mkdir()
+            made.append(group)
+            if v1:
                 (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
                 (group / "cpu.cfs_quota_us").write_text(str(quota))
                 for tid in _threads(pid):
                     with contextlib.suppress(ProcessLookupError):
                         (group / "tasks").write_text(str(tid))
             else:
-                with contextlib.suppress(OSError):  # the cpu controller for the groups below the root
-                    (CGROUP_V2 / "cgroup.subtree_control").write_text("+cpu")
-                group = CGROUP_V2 / f"kvfleet-bench-{os.getpid()}-{i}"
-                group.mkdir()
-                made.append(group)
                 (group / "cpu.max").write_text(f"{quota} {PERIOD_US}")
                 (group / "cgroup.procs").write_text(str(pid))
     except OSError as e:
@@ -279,8 +278,8 @@ def format_report(report: dict[str, Any]) -> str:
     lines = [f"CPU: {describe(report['cpu'])}, {report['cpu']['cores']} cores, load average "
              f"{report['cpu']['load_average_1m']} at the start",
              f"{report['gateways']} gateway(s) on the last CPU ({held}); {report['workers']} simulated workers "
-             f"(profile {report['profile']}), Redis and wrk ({report['connections']} connections per gateway) on the others; streamed "
-             f"{report['max_tokens']}-token completions, {report['duration_s']:g} s per round", "",
+             f"(profile {report['profile']}), Redis and wrk ({report['connections']} connections per gateway) on "
+             f"the others; streamed {report['max_tokens']}-token completions, {report['duration_s']:g} s per round", "",
              "| round | requests/s | non-2xx | gateway CPU (cores) | CPU per request | requests/s per core | CPU per "
              "token |", "|---|---|---|---|---|---|---|"]
     for i, r in enumerate(report["rounds"], 1):
