@@ -4,8 +4,8 @@ found), then one table: output and total tokens/s, ratios, peak memory, KV block
 and the engine's FLOP/s against the best matmul FLOP/s torch reaches at the model's shapes here.
 
 Default requests: ../shared/peers/peer64.json (64 prompts of 32-512 tokens, 128 output tokens each); any
-workload of ../shared/workloads/*.jsonl with --num-requests N. Greedy, EOS ignored, exactly each request's
-output length. The model (default: the smollm2 GGUF, de-quantized once into ~/.cache/kvfleet) is handed to
+workload of ../shared/workloads/*.jsonl with --num-requests N. EOS ignored, exactly each request's output
+length; greedy, or sampled with --temperature (and --top-p, --top-k), the same parameters for every system. The model (default: the smollm2 GGUF, de-quantized once into ~/.cache/kvfleet) is handed to
 the baselines as the same float32 safetensors directory the engine loads.
 """
 
@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 from services.bench import calibrate, fleet_sim_cmd, gateway_load, serve
+from services.bench.engine import sampling_args
 from services.bench.peers import DEFAULT_VLLM_VENV
 from services.bench.workload import DEFAULT_WORKLOAD
 
@@ -41,6 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="kvfleet's engine split over N ranks (processes), --threads shared among them (see "
                         "`kvfleet worker --help`); the baselines run as they are")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn off kvfleet's automatic prefix caching")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature of every system (0: greedy, the systems' outputs then comparable)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling of every system (1: off)")
+    p.add_argument("--top-k", type=int, default=0, help="top-k sampling of every system (0: off)")
     p.add_argument("--hf-batch-size", type=int, default=16, help='static batch size of the Hugging Face generate baseline')
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baseline")
     p.add_argument("--vllm-venv", type=Path, default=DEFAULT_VLLM_VENV,
@@ -88,6 +93,11 @@ def throughput(args: argparse.Namespace) -> int:
     from services.bench.workload import load_workload
 
     torch.set_num_threads(args.threads)
+    try:
+        sampling_args(args)  # a bad value fails here, before anything runs
+    except ValueError as e:
+        print(f"kvfleet bench throughput: error: {e}", file=sys.stderr)
+        return 2
     files = load_model_files(args.model)  # a GGUF is de-quantized once into ~/.cache/kvfleet
     shape = ModelShape.from_config(files.config)
     workload = load_workload(args.workload, vocab_size=shape.vocab_size, num_requests=args.num_requests,
@@ -105,7 +115,8 @@ def throughput(args: argparse.Namespace) -> int:
         probe = probe_matmul(shape, args.dtype)
     with tempfile.TemporaryDirectory(prefix="kvfleet-bench-") as tmp:
         requests_json = Path(tmp) / "requests.json"
-        requests_json.write_text(json.dumps(workload.to_peer_json(files.weights_dir)))
+        requests_json.write_text(json.dumps({**workload.to_peer_json(files.weights_dir),
+                                             "sampling": sampling_args(args)}))
         if not args.no_hf:
             results["hf"] = run_hf(requests_json, args, progress=progress)
         if not args.no_vllm:

@@ -17,8 +17,22 @@ from services.bench.workload import Workload
 from shared.sampling_params import SamplingParams
 
 
-def _params(output_len: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=output_len, min_tokens=output_len, ignore_eos=True)
+def sampling_args(args: argparse.Namespace) -> dict:
+    """--temperature / --top-p / --top-k as the peers read them (their JSON's "sampling"); raises ValueError,
+    naming the flag, for a value kvfleet refuses."""
+    sampling = {"temperature": getattr(args, "temperature", 0.0), "top_p": getattr(args, "top_p", 1.0),
+                "top_k": getattr(args, "top_k", 0)}
+    try:
+        SamplingParams(**sampling)
+    except ValueError as e:
+        name, rule = str(e).split(" ", 1)
+        raise ValueError(f"--{name.replace('_', '-')} {rule}") from None
+    return sampling
+
+
+def _params(output_len: int, sampling: dict | None = None) -> SamplingParams:
+    return SamplingParams(**(sampling or {"temperature": 0.0}), max_tokens=output_len, min_tokens=output_len,
+                          ignore_eos=True)
 
 
 def run_engine(model_dir: Path, workload: Workload, shape: ModelShape, args: argparse.Namespace, *,
@@ -26,6 +40,7 @@ def run_engine(model_dir: Path, workload: Workload, shape: ModelShape, args: arg
     from gpu_worker.engine.llm_engine import LLMEngine
 
     tp = getattr(args, "tensor_parallel_size", 1)
+    sampling = sampling_args(args)
     with PeakRssSampler(children=tp > 1) as rss:  # with the executors' memory
         t0 = time.perf_counter()
         engine = LLMEngine.from_model(
@@ -34,7 +49,7 @@ def run_engine(model_dir: Path, workload: Workload, shape: ModelShape, args: arg
             enable_prefix_caching=not args.no_prefix_caching, seed=0, tensor_parallel_size=tp)
         load_s = time.perf_counter() - t0
         for i, r in enumerate(workload.requests[:2]):  # warm-up on reversed prompts: no prefix-cache hits later
-            engine.add_request(f"warmup-{i}", r.prompt_token_ids[::-1], _params(4))
+            engine.add_request(f"warmup-{i}", r.prompt_token_ids[::-1], _params(4, sampling))
         while engine.has_unfinished_requests():
             engine.step()
         # timed from a resident KV cache, as vLLM's (it zeroes its cache while it starts), as a worker's
@@ -60,7 +75,7 @@ def run_engine(model_dir: Path, workload: Workload, shape: ModelShape, args: arg
         steps = 0
         t1 = time.perf_counter()
         for r in workload.requests:
-            engine.add_request(str(r.id), r.prompt_token_ids, _params(r.output_len))
+            engine.add_request(str(r.id), r.prompt_token_ids, _params(r.output_len, sampling))
         while engine.has_unfinished_requests():
             outputs = engine.step()
             steps += 1

@@ -2,7 +2,7 @@
 
 `python -m services.bench.peer_hf REQUESTS.json --dtype float32 --batch-size 16 --threads 2` reads the peer-file
 form of a workload (Workload.to_peer_json: "model" is a local Hugging Face directory) and prints one line
-`RESULT {json}`. Greedy, left padding; each batch runs until its longest request's output_len (every row
+`RESULT {json}`. Greedy (or its "sampling"), left padding; each batch runs until its longest request's output_len (every row
 gets that many tokens, only output_len of them count). Like ../shared/peers/bench_hf.py, which produced the
 figures in issue 3.
 """
@@ -41,6 +41,10 @@ def main(argv: list[str] | None = None) -> None:
     model = AutoModelForCausalLM.from_pretrained(wl["model"], dtype=getattr(torch, args.dtype)).eval()
     load_s = time.perf_counter() - t0
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    s = wl.get("sampling") or {"temperature": 0.0}
+    # greedy, or sampled with the same parameters (top_k 0: off, as in kvfleet; generate's default is 50)
+    sampling = {"do_sample": False} if s["temperature"] == 0 else {
+        "do_sample": True, "temperature": s["temperature"], "top_p": s["top_p"], "top_k": s["top_k"]}
 
     def generate(batch: list[dict], new_tokens: int) -> tuple[torch.Tensor, int]:
         width = max(len(r["prompt_token_ids"]) for r in batch)
@@ -52,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
             mask[i, width - len(p):] = 1
         with torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_id)
+                                 min_new_tokens=new_tokens, pad_token_id=pad_id, **sampling)
         return out[:, width:], ids.numel()  # [B, new_tokens]
 
     generate(reqs[:2], 4)  # warm-up (not timed), as the vLLM baseline does
@@ -79,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     result = {
         "system": f"HF generate (static batches of {args.batch_size})", "dtype": args.dtype,
         "torch": torch.__version__, "transformers": transformers.__version__, "threads": args.threads,
-        "num_requests": len(reqs), "prompt_tokens": n_in, "padded_prompt_tokens": padded_in,
+        "sampling": s, "num_requests": len(reqs), "prompt_tokens": n_in, "padded_prompt_tokens": padded_in,
         "output_tokens": n_out, "load_s": round(load_s, 2), "wall_s": round(wall, 3),
         "output_tok_per_s": n_out / wall, "total_tok_per_s": (n_in + n_out) / wall,
         "peak_rss_bytes": _peak_rss_bytes(),

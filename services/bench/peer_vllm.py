@@ -1,8 +1,8 @@
 """Baseline: vLLM's CPU build, offline `LLM.generate`, run as its own process with vLLM's own Python.
 
 `VENV/bin/python -m services.bench.peer_vllm REQUESTS.json --dtype float32` (cwd: the repository) reads the
-peer-file form of a workload and prints one line `RESULT {json}`: greedy, ignore_eos, exactly output_len
-tokens per request. `vllm_env()` builds the environment of ../shared/peers/vllm_env.sh, vLLM's best
+peer-file form of a workload and prints one line `RESULT {json}`: greedy (or its "sampling"), ignore_eos,
+exactly output_len tokens per request. `vllm_env()` builds the environment of ../shared/peers/vllm_env.sh, vLLM's best
 configuration on a small machine: every core for the model (VLLM_CPU_OMP_THREADS_BIND), Intel OpenMP and
 tcmalloc preloaded, loopback only. Imports nothing but the standard library and vLLM (and, for memory,
 services.bench.metrics, and shared.settings: neither needs torch nor kvfleet's dependencies).
@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> None:
         llm.generate([TokensPrompt(prompt_token_ids=r["prompt_token_ids"][::-1]) for r in reqs[:2]],
                      SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
         prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in reqs]
-        params = [SamplingParams(temperature=0.0, max_tokens=r["output_len"], min_tokens=r["output_len"],
+        sampling = wl.get("sampling") or {"temperature": 0.0}  # kvfleet's names; top_k 0 is off in both
+        params = [SamplingParams(**sampling, max_tokens=r["output_len"], min_tokens=r["output_len"],
                                  ignore_eos=True) for r in reqs]
         t1 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=args.progress)
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
         "num_kv_blocks": cache.num_gpu_blocks, "max_num_seqs": sched.max_num_seqs,
         "max_num_batched_tokens": sched.max_num_batched_tokens, "prefix_caching": cache.enable_prefix_caching,
         "threads_bind": foreign_var("VLLM_CPU_OMP_THREADS_BIND") or None,
-        "num_requests": len(reqs), "prompt_tokens": n_in, "output_tokens": n_out,
+        "sampling": sampling, "num_requests": len(reqs), "prompt_tokens": n_in, "output_tokens": n_out,
         "load_s": round(init_s, 2), "wall_s": round(wall, 3),
         "output_tok_per_s": n_out / wall, "total_tok_per_s": (n_in + n_out) / wall,
         "peak_rss_bytes": rss.peak,

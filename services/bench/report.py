@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from services.bench.engine import sampling_args
 from services.bench.workload import Workload
 
 LABELS = {"kvfleet": "kvfleet", "hf": "HF generate", "vllm": "vLLM CPU"}
@@ -31,8 +32,15 @@ def summarize(workload: Workload, args: argparse.Namespace, results: dict[str, d
         "cpu": cpu_info(), "paths": ours.get("paths", {}),
         "workload": {"name": workload.name, "path": str(workload.path), "num_requests": len(workload.requests),
                      "prompt_tokens": workload.prompt_tokens, "output_tokens": workload.output_tokens},
-        "dtype": args.dtype, "threads": args.threads, "results": results, "ratios": ratios, "flops": flops,
+        "dtype": args.dtype, "threads": args.threads, "sampling": sampling_args(args), "results": results, "ratios": ratios, "flops": flops,
     }
+
+
+def describe_sampling(sampling: dict | None) -> str:
+    if not sampling or sampling["temperature"] == 0:
+        return "greedy"
+    off = {"top_p": 1.0, "top_k": 0}
+    return "sampled: " + ", ".join(f"{k} {v}" for k, v in sampling.items() if off.get(k) != v)
 
 
 def _gib(n: float) -> str:
@@ -42,7 +50,8 @@ def _gib(n: float) -> str:
 def format_table(summary: dict) -> str:
     wl, results = summary["workload"], summary["results"]
     lines = [f"kvfleet bench throughput: {wl['name']}, {wl['num_requests']} requests, {wl['prompt_tokens']} "
-             f"prompt + {wl['output_tokens']} output tokens, {summary['dtype']}, {summary['threads']} threads"]
+             f"prompt + {wl['output_tokens']} output tokens, {summary['dtype']}, {summary['threads']} threads, "
+             f"{describe_sampling(summary.get('sampling'))}"]
     if "cpu" in summary:
         from services.bench.cpu import describe
 
