@@ -32,7 +32,7 @@ from gpu_worker.engine import isolation
 from gpu_worker.engine.detokenizer import IncrementalDetokenizer
 from gpu_worker.engine.isolation import EngineFault
 from gpu_worker.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from gpu_worker.engine.sampler import Sampler, SamplingRow
+from gpu_worker.engine.sampler import Sampler, SamplingRow, draw_uniform
 from gpu_worker.executor.model_loader import checked_max_model_len, eos_token_ids, load_model_files
 from gpu_worker.executor.model_runner import ModelRunner
 from shared.sampling_params import SamplingParams
@@ -185,7 +185,7 @@ class LLMEngine:
             generator = torch.Generator(device=self.runner.device)
             generator.manual_seed(sp.seed)
             for _ in resumed:  # the draws those tokens took, so the continuation is the same
-                torch.empty(self.runner.vocab_size, device=self.runner.device).exponential_(generator=generator)
+                draw_uniform(generator, 1, self.runner.device)
         banned = list(sp.stop_token_ids)
         if self.eos_token_id is not None and not sp.ignore_eos:
             banned.append(self.eos_token_id)

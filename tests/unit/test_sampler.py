@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from gpu_worker.engine.sampler import Sampler, SamplingRow, apply_penalties, filter_logits
+from gpu_worker.engine.sampler import Sampler, SamplingRow, _pick, _Random, apply_penalties, nucleus
 from shared.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.unit
@@ -86,19 +86,6 @@ def test_penalties_match_direct_computation():
     torch.testing.assert_close(got, want)
 
 
-def test_top_k_top_p_min_p_keep_the_right_tokens():
-    probs = torch.tensor([0.40, 0.25, 0.15, 0.10, 0.06, 0.04])
-    logits = probs.log().repeat(4, 1)
-    out = filter_logits(logits, top_k=torch.tensor([2, 0, 0, 3]), top_p=torch.tensor([1.0, 0.7, 1.0, 0.6]),
-                        min_p=torch.tensor([0.0, 0.0, 0.3, 0.0]))
-    kept = (out > float("-inf")).tolist()
-    assert kept[0] == [True, True, False, False, False, False]  # top-k 2
-    assert kept[1] == [True, True, True, False, False, False]  # 0.40 + 0.25 < 0.7: the third is needed
-    assert kept[2] == [True, True, True, False, False, False]  # p >= 0.3 * 0.40 = 0.12
-    assert kept[3] == [True, True, False, False, False, False]  # top-k 3, then top-p 0.6 of the renormalized (0.5, 0.31, 0.19)
-    torch.testing.assert_close(out[0, :2], logits[0, :2])
-
-
 def test_sampling_follows_the_filtered_distribution():
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     logits = probs.log()[None].repeat(4000, 1)
@@ -135,3 +122,70 @@ def test_seeded_rows_do_not_depend_on_the_batch():
          for _ in range(8)]
     assert a == b
     assert len(set(a)) > 1  # really sampling
+
+
+def _reference(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Top-k then top-p by sorting the whole row: the probabilities [V] a token is drawn with."""
+    vals, order = logits.sort(descending=True)
+    if top_k:
+        vals[top_k:] = float("-inf")
+    probs = vals.softmax(dim=-1)
+    probs[probs.cumsum(dim=-1) - probs >= top_p] = 0.0
+    return torch.zeros_like(probs).scatter(0, order, probs / probs.sum())
+
+
+def test_nucleus_keeps_the_right_tokens_and_flags_a_nucleus_past_the_candidates():
+    probs = torch.tensor([0.40, 0.25, 0.15, 0.10, 0.06, 0.04])
+    logits = probs.log().repeat(3, 1)
+    top_k, top_p = torch.tensor([2, 0, 3]), torch.tensor([1.0, 0.7, 0.6])
+    ids, weights, spill = nucleus(logits, top_k, top_p, size=6)
+    kept = [sorted(i for i, w in zip(r, ws, strict=True) if w > 0) for r, ws in zip(ids.tolist(), weights.tolist(),
+                                                                                   strict=True)]
+    assert kept == [[0, 1], [0, 1, 2], [0, 1]]  # top-k 2; 0.40 + 0.25 < 0.7 needs a third; top-k 3 then top-p 0.6
+    assert not spill.any()
+    # row 1's nucleus holds 3 tokens: 2 candidates are too few; a batch's candidates cover its largest top_k (3)
+    assert nucleus(logits[1:2], top_k[1:2], top_p[1:2], size=2)[2].tolist() == [True]
+    assert nucleus(logits, top_k, top_p, size=2)[2].tolist() == [False, False, False]
+
+
+@pytest.mark.parametrize("size", [4, 32, 300])
+@pytest.mark.parametrize("top_ks", [[0] * 8, [0, 5, 0, 40, 0, 0, 3, 0]])
+def test_nucleus_matches_a_sort_of_the_whole_vocabulary(size, top_ks):
+    g = torch.Generator().manual_seed(size)
+    logits = torch.randn(24, 300, generator=g) * torch.tensor([0.5, 2.0, 6.0]).repeat(8)[:, None]  # flat to peaked
+    top_k = torch.tensor(top_ks * 3)
+    top_p = torch.tensor([0.9, 1.0, 0.5, 0.95, 0.99, 0.3, 0.8, 1e-3] * 3)
+    ids, weights, spill = nucleus(logits.clone(), top_k, top_p, size)
+    candidates = min(300, max(size, int(top_k.max())))  # a batch's candidates cover its largest top_k
+    assert ids.shape == (24, candidates)
+    for r in range(24):
+        want = _reference(logits[r].clone(), int(top_k[r]), float(top_p[r]))
+        fits = int((want > 0).sum()) <= candidates
+        assert bool(spill[r]) == (not fits), r
+        if fits:
+            got = torch.zeros(300).scatter(0, ids[r], weights[r] / weights[r].sum())
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    assert bool(spill.any()) == (candidates < 300)  # the flat rows' nuclei hold most of the vocabulary
+
+
+def test_min_p_keeps_tokens_above_its_share_of_the_top():
+    probs = torch.tensor([0.40, 0.25, 0.15, 0.10, 0.06, 0.04])
+    out = Sampler(seed=1)(probs.log().repeat(3000, 1), [row(SamplingParams(min_p=0.3))] * 3000).token_ids
+    counts = torch.bincount(torch.tensor(out), minlength=6).float() / 3000
+    assert counts[3:].sum() == 0  # p >= 0.3 * 0.40 = 0.12 keeps the first three
+    torch.testing.assert_close(counts[:3], probs[:3] / 0.8, atol=0.03, rtol=0)
+
+
+def test_a_nucleus_past_the_candidates_is_drawn_from_the_whole_vocabulary(monkeypatch):
+    monkeypatch.setattr(_Random, "CANDIDATES", (2, 4))  # the nucleus of 0.9 here holds 6 tokens: both sizes spill
+    probs = torch.tensor([0.2, 0.18, 0.16, 0.14, 0.12, 0.1, 0.06, 0.04])
+    out = Sampler(seed=4)(probs.log().repeat(6000, 1), [row(SamplingParams(top_p=0.9))] * 6000).token_ids
+    counts = torch.bincount(torch.tensor(out), minlength=8).float() / 6000
+    assert counts[6:].sum() == 0
+    torch.testing.assert_close(counts[:6], probs[:6] / 0.9, atol=0.02, rtol=0)
+
+
+def test_pick_never_lands_on_a_zero_weight():
+    weights = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0, 0.0]] * 3)
+    u = torch.tensor([0.0, 0.5, 1.0 - 2**-24])
+    assert _pick(weights.clone(), u).tolist() == [1, 3, 3]
