@@ -72,6 +72,34 @@ class Mailbox:
             self.waiter = None
 
 
+def gather(chunk: OutputChunk, box: Mailbox) -> OutputChunk:
+    """`chunk` with the chunks of the same choice that wait right behind it merged in (their tokens, text and
+    logprobs; the last one's sequence number, end and usage), taken from the mailbox: a relay that fell behind
+    its worker (a busy gateway) sends what piled up in one event, one write, instead of one per token, so
+    the busier the gateway, the less it spends per token. One that keeps up sends each chunk as it comes."""
+    items, last = box.items, chunk
+    if not items or chunk.final or chunk.finish_reason is not None or chunk.error is not None:
+        return chunk
+    token_ids, texts, logprobs = list(chunk.token_ids), [chunk.text], chunk.logprobs
+    while items:
+        nxt = items[0]
+        if (nxt.seq != last.seq + 1 or nxt.index != chunk.index or nxt.error is not None
+                or nxt.owner_token() != chunk.owner_token() or (nxt.logprobs is None) != (logprobs is None)):
+            break  # anything else takes the usual path: checks, dedup, an event of its own
+        items.popleft()
+        box.dedup.accept_next(nxt)  # the next sequence number from the same owner: accepted
+        token_ids += nxt.token_ids
+        texts.append(nxt.text)
+        if logprobs is not None and nxt.logprobs is not None:
+            logprobs = logprobs + nxt.logprobs
+        last = nxt
+        if nxt.final or nxt.finish_reason is not None:
+            break
+    if last is chunk:
+        return chunk
+    return last.model_copy(update={"token_ids": token_ids, "text": "".join(texts), "logprobs": logprobs})
+
+
 def _wake(waiter: asyncio.Future) -> None:
     if not waiter.done():
         waiter.set_result(None)
@@ -165,6 +193,7 @@ class Inbox:
                     raise WorkerLost(chunk.error.message)
                 if box.dedup.accept_next(chunk):
                     deadline, next_check = time.monotonic() + timeout_s, time.monotonic() + SILENCE_CHECK_S
+                    chunk = gather(chunk, box)
                     yield chunk
                     if chunk.final:
                         return
