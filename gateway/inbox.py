@@ -248,6 +248,9 @@ class Inbox:
                                                                         block_ms=self.block_ms)
                 failures, inbox.down_since = 0, None
             except streams.RedisError as e:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():  # redis-py turned a cancel into a ConnectionError
+                    raise asyncio.CancelledError from e
                 failures, next_keep = failures + 1, 0.0  # once back, check at once that Redis kept the inbox
                 inbox.down_since = inbox.down_since or time.monotonic()
                 wait = min(0.05 * 2 ** (failures - 1), 1.0)

@@ -13,6 +13,7 @@ the rows again one by one and fail only that row's request (gpu_worker.engine.is
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -37,37 +38,54 @@ class SamplerOutput:
     logprobs: list[dict[int, float] | None]  # chosen + top-N raw logprobs, None where not requested
 
 
+def _padded(rows: list[list], device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """Lists -> [R, L], each padded with its own first value: a repeated (id, value) pair writes the same
+    value back, so padding changes nothing."""
+    width = max(len(x) for x in rows)
+    return torch.tensor([x + [x[0]] * (width - len(x)) for x in rows], dtype=dtype, device=device)
+
+
+def _in_vocab(ids: list[list[int]], vocab: int) -> None:
+    for x in ids:
+        if min(x) < 0 or max(x) >= vocab:
+            raise IndexError(f"token id out of the vocabulary [0, {vocab}): {min(x) if min(x) < 0 else max(x)}")
+
+
 class _Penalties:
-    """The penalty tensors of the rows that use one; `apply` changes the logits in place."""
+    """The penalties of the rows that use one, on the tokens they touch only (gathered, changed, written back):
+    a row's prompt and output ids for the repetition penalty, its output ids and their counts for presence and
+    frequency. `apply` changes the logits in place. (Tensors over the whole vocabulary cost 200-250 ms a step
+    for 64 rows of SmolLM2's 49,152 tokens on a Zen 3; these, a few ms.)"""
 
     def __init__(self, rows: list[SamplingRow], vocab: int, device: torch.device):
-        self.rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
-        if self.rep:
-            self.seen = torch.zeros(len(self.rep), vocab, dtype=torch.bool, device=device)  # [R, V]
-            for j, i in enumerate(self.rep):
-                ids = rows[i].prompt_token_ids + rows[i].output_token_ids
-                self.seen[j, torch.tensor(ids, dtype=torch.long, device=device)] = True
-            self.rep_idx = torch.tensor(self.rep, device=device)
+        rep = [(i, list(set(r.prompt_token_ids + r.output_token_ids))) for i, r in enumerate(rows)
+               if r.params.repetition_penalty != 1.0]
+        rep = [(i, ids) for i, ids in rep if ids]
+        self.rep = [i for i, _ in rep]
+        if rep:
+            _in_vocab([ids for _, ids in rep], vocab)
+            self.rep_rows = torch.tensor(self.rep, dtype=torch.long, device=device)[:, None]  # [R, 1]
+            self.rep_ids = _padded([ids for _, ids in rep], device)  # [R, L]
             self.penalty = torch.tensor([rows[i].params.repetition_penalty for i in self.rep],
                                         device=device)[:, None]  # [R, 1]
-        self.pf = [i for i, r in enumerate(rows)
-                   if (r.params.presence_penalty or r.params.frequency_penalty) and r.output_token_ids]
-        if self.pf:
-            self.counts = torch.zeros(len(self.pf), vocab, device=device)  # [R, V]
-            for j, i in enumerate(self.pf):
-                ids = torch.tensor(rows[i].output_token_ids, dtype=torch.long, device=device)
-                self.counts[j].index_add_(0, ids, torch.ones(len(ids), device=device))
-            self.pf_idx = torch.tensor(self.pf, device=device)
+        pf = [(i, Counter(r.output_token_ids)) for i, r in enumerate(rows)
+              if (r.params.presence_penalty or r.params.frequency_penalty) and r.output_token_ids]
+        self.pf = [i for i, _ in pf]
+        if pf:
+            _in_vocab([list(c) for _, c in pf], vocab)
+            self.pf_rows = torch.tensor(self.pf, dtype=torch.long, device=device)[:, None]
+            self.pf_ids = _padded([list(c) for _, c in pf], device)
+            self.counts = _padded([list(c.values()) for _, c in pf], device, torch.float32)  # [R, L], each > 0
             self.freq = torch.tensor([rows[i].params.frequency_penalty for i in self.pf], device=device)[:, None]
             self.pres = torch.tensor([rows[i].params.presence_penalty for i in self.pf], device=device)[:, None]
 
     def apply(self, logits: torch.Tensor) -> None:
         if self.rep:
-            sub = logits[self.rep_idx]
-            sub = torch.where(self.seen, torch.where(sub > 0, sub / self.penalty, sub * self.penalty), sub)
-            logits[self.rep_idx] = sub
+            vals = logits[self.rep_rows, self.rep_ids]
+            logits[self.rep_rows, self.rep_ids] = torch.where(vals > 0, vals / self.penalty, vals * self.penalty)
         if self.pf:
-            logits[self.pf_idx] -= self.freq * self.counts + self.pres * (self.counts > 0).float()
+            vals = logits[self.pf_rows, self.pf_ids]
+            logits[self.pf_rows, self.pf_ids] = vals - (self.freq * self.counts + self.pres)
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:

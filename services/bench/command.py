@@ -18,8 +18,8 @@ import tempfile
 from pathlib import Path
 
 from services.bench import calibrate, fleet_sim_cmd, gateway_load, serve
-from services.bench.engine import sampling_args
 from services.bench.peers import DEFAULT_VLLM_VENV
+from services.bench.sampling import sampling_args
 from services.bench.workload import DEFAULT_WORKLOAD
 
 

@@ -13,21 +13,9 @@ import time
 from pathlib import Path
 
 from services.bench.metrics import KVWasteMeter, ModelShape, PeakRssSampler
+from services.bench.sampling import sampling_args
 from services.bench.workload import Workload
 from shared.sampling_params import SamplingParams
-
-
-def sampling_args(args: argparse.Namespace) -> dict:
-    """--temperature / --top-p / --top-k as the peers read them (their JSON's "sampling"); raises ValueError,
-    naming the flag, for a value kvfleet refuses."""
-    sampling = {"temperature": getattr(args, "temperature", 0.0), "top_p": getattr(args, "top_p", 1.0),
-                "top_k": getattr(args, "top_k", 0)}
-    try:
-        SamplingParams(**sampling)
-    except ValueError as e:
-        name, rule = str(e).split(" ", 1)
-        raise ValueError(f"--{name.replace('_', '-')} {rule}") from None
-    return sampling
 
 
 def _params(output_len: int, sampling: dict | None = None) -> SamplingParams:

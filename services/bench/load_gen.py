@@ -1,7 +1,7 @@
 """The load of `kvfleet bench serve`: requests sent to an OpenAI-compatible `/v1/completions` at their arrival
 times (Poisson at a rate, or all at once), at most `concurrency` in flight, each streamed and timed.
 
-One request: `stream: true` with `stream_options.include_usage`, greedy, `ignore_eos`, `max_tokens` =
+One request: `stream: true` with `stream_options.include_usage`, greedy (or the endpoint's sampling), `ignore_eos`, `max_tokens` =
 `min_tokens` = its output length, the prompt as token ids. Its TTFT is the time to the first event with a
 choice in it, each later such event adds one inter-token latency (as vLLM's benchmark_serving counts them),
 and its output tokens are the usage event's `completion_tokens`.
@@ -61,6 +61,7 @@ class Endpoint:
     api_key: str | None = None
     replicas: tuple[str, ...] = ()  # more roots of the same service (gateway replicas): requests go round-robin
     # over url and these, as a Kubernetes Service spreads them
+    sampling: dict | None = None  # temperature / top_p / top_k of every request; None: greedy
 
     @property
     def urls(self) -> tuple[str, ...]:
@@ -79,9 +80,9 @@ def shifted(requests: Sequence[BenchRequest], offset: int, vocab_size: int) -> l
             for r in requests]
 
 
-def completion_body(model: str, req: BenchRequest) -> dict:
+def completion_body(model: str, req: BenchRequest, sampling: dict | None = None) -> dict:
     return {"model": model, "prompt": req.prompt_token_ids, "max_tokens": req.output_len,
-            "min_tokens": req.output_len, "ignore_eos": True, "temperature": 0.0, "stream": True,
+            "min_tokens": req.output_len, "ignore_eos": True, "temperature": 0.0, **(sampling or {}), "stream": True,
             "stream_options": {"include_usage": True}}
 
 
@@ -101,7 +102,7 @@ async def send_one(client: httpx.AsyncClient, ep: Endpoint, req: BenchRequest, t
     last = sent
     buf = b""
     try:
-        async with client.stream("POST", "/v1/completions", json=completion_body(ep.model, req),
+        async with client.stream("POST", "/v1/completions", json=completion_body(ep.model, req, ep.sampling),
                                  headers=ep.headers()) as resp:
             if resp.status_code != 200:
                 res.error = _error_text(resp.status_code, await resp.aread())

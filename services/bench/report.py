@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from services.bench.engine import sampling_args
+from services.bench.sampling import describe_sampling, sampling_args
 from services.bench.workload import Workload
 
 LABELS = {"kvfleet": "kvfleet", "hf": "HF generate", "vllm": "vLLM CPU"}
@@ -34,13 +34,6 @@ def summarize(workload: Workload, args: argparse.Namespace, results: dict[str, d
                      "prompt_tokens": workload.prompt_tokens, "output_tokens": workload.output_tokens},
         "dtype": args.dtype, "threads": args.threads, "sampling": sampling_args(args), "results": results, "ratios": ratios, "flops": flops,
     }
-
-
-def describe_sampling(sampling: dict | None) -> str:
-    if not sampling or sampling["temperature"] == 0:
-        return "greedy"
-    off = {"top_p": 1.0, "top_k": 0}
-    return "sampled: " + ", ".join(f"{k} {v}" for k, v in sampling.items() if off.get(k) != v)
 
 
 def _gib(n: float) -> str:

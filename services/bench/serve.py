@@ -11,7 +11,8 @@ against vLLM's OpenAI server (started from the peer venv with ../shared/peers/vl
 same model as a float32 safetensors directory) and prints both side by side with ratios.
 
 Requests: a workload of ../shared/workloads (*.jsonl) or ../shared/peers/peer64.json, each request's prompt
-as token ids and exactly its output length (max_tokens = min_tokens, ignore_eos, greedy).
+as token ids and exactly its output length (max_tokens = min_tokens, ignore_eos); greedy, or sampled with
+--temperature (and --top-p, --top-k), the same for every system.
 Load: Poisson arrivals at --request-rate (seeded), at most --concurrency in flight; neither: all at once.
 --sweep runs one load point per rate (a list, or doubling from --request-rate until saturation: output
 tokens/s grows less than 10% or TTFT p50 is 10x the first point's).
@@ -39,6 +40,7 @@ from gateway.router import POLICIES
 from services.bench.cpu import cpu_info
 from services.bench.load_gen import Endpoint, RequestResult, run_load, send_one, shifted
 from services.bench.peers import DEFAULT_VLLM_VENV
+from services.bench.sampling import sampling_args
 from services.bench.serve_endpoints import Server, ServerFailed, start_kvfleet, start_vllm, stop, wait_ready
 from services.bench.serve_fleet import SETTLE_S, FleetWatch
 from services.bench.serve_redis import RedisWatch
@@ -71,6 +73,9 @@ def add_arguments(sub: Any) -> None:
     a("--sweep", nargs="?", const="double", metavar="RATES",
       help="one load point per rate: a comma list (1,2,4), or bare --sweep: doubling from --request-rate (1 when "
       "unset) until saturation, at most 12 points")
+    a("--temperature", type=float, default=0.0, help="every request's temperature (default 0: greedy)")
+    a("--top-p", type=float, default=1.0, help="every request's top_p (default 1: off)")
+    a("--top-k", type=int, default=0, help="every request's top_k (default 0: off)")
     a("--seed", type=int, default=0, help="seed of the arrival times and of .jsonl workloads' prompt ids (default %(default)s)")
     a("--slo", default=DEFAULT_SLO, help="goodput counts requests meeting all of these (seconds; keys ttft, tpot, e2e; default %(default)s)")
     a("--timeout", type=float, default=600.0, help="seconds a request may wait for the server's next bytes before it fails (default "
@@ -218,6 +223,10 @@ def run(args: argparse.Namespace) -> int:
     from services.bench.workload import load_workload
 
     slo = _check(args)
+    try:
+        sampling = sampling_args(args)
+    except ValueError as e:
+        raise SystemExit(f"kvfleet bench serve: error: {e}") from None
     given_rates = _rates(args)
     cpu = cpu_info()
     vocab = _vocab_size(args.model)
@@ -247,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
             url = server.url
             _note(f"fleet ready in {server.started_s:.1f} s at {url}")
         name = args.served_model_name or _served_name(url, args.api_key)
-        runs = drive(Endpoint(url, name, args.api_key, tuple(urls[1:])), workload, args, slo, "kvfleet", given_rates or [],
+        runs = drive(Endpoint(url, name, args.api_key, tuple(urls[1:]), sampling), workload, args, slo, "kvfleet", given_rates or [],
                      vocab)
         systems["kvfleet"] = _system(server, ", ".join(urls) or url, config, runs)
     except ServerFailed as e:
@@ -267,7 +276,7 @@ def run(args: argparse.Namespace) -> int:
             systems["vllm"] = {"endpoint": None, "config": "", "error": str(e), "runs": []}
     report = {
         "benchmark": "kvfleet bench serve", "time": datetime.now(UTC).isoformat(timespec="seconds"),
-        "cpu": cpu, "model": args.model, "served_model_name": name,
+        "cpu": cpu, "model": args.model, "served_model_name": name, "sampling": sampling,
         "workload": {"name": workload.name, "path": str(workload.path), "num_requests": len(workload.requests),
                      "prompt_tokens": workload.prompt_tokens, "output_tokens": workload.output_tokens},
         "load": {"request_rate": None if math.isinf(args.request_rate) else args.request_rate,
@@ -297,7 +306,7 @@ def _run_vllm(args: argparse.Namespace, weights_dir: Path, name: str, workload: 
     try:
         wait_ready(server, args.startup_timeout)
         _note(f"vLLM ready in {server.started_s:.1f} s at {server.url}")
-        runs = drive(Endpoint(server.url, name), workload, args, slo, "vLLM", rates, vocab)
+        runs = drive(Endpoint(server.url, name, sampling=sampling_args(args)), workload, args, slo, "vLLM", rates, vocab)
     finally:
         stop(server)
     return _system(server, server.url, f"(vllm serve, float32, {threads} threads, vllm_env.sh)", runs)

@@ -11,6 +11,7 @@ from typing import Any
 from services.bench.cpu import describe
 from services.bench.load_gen import LoadRun
 from services.bench.plots import CdfChart, LineChart, Series, write_html
+from services.bench.sampling import describe_sampling
 from services.bench.serve_redis import describe as describe_redis
 from services.bench.stats import SLO, Summary, goodput
 
@@ -82,7 +83,7 @@ def _rows(run: dict) -> list[tuple[str, str]]:
 def format_table(report: dict[str, Any]) -> str:
     cpu, wl, systems = report["cpu"], report["workload"], report["systems"]
     lines = [f"kvfleet bench serve: {wl['name']} ({wl['num_requests']} requests, {wl['prompt_tokens']} prompt + "
-             f"{wl['output_tokens']} output tokens)",
+             f"{wl['output_tokens']} output tokens, {describe_sampling(report.get('sampling'))})",
              f"CPU: {describe(cpu)}, {cpu['cores']} logical cores; load average "
              f"{cpu['load_average_1m']:g} at the start",
              f"SLO for goodput: {report['slo']['text']}"]

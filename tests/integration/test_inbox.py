@@ -69,7 +69,9 @@ def test_one_flush_writes_one_entry_per_gateway_and_each_relay_gets_its_own_chun
         for flush in flushes:
             streams.publish(r, W, output_ttl_s=60, chunks=flush, reply_to=reply_to | {"stray": a.gateway_id})
         got = await asyncio.gather(collect(a, "x"), collect(a, "y"), collect(b, "z"))
-        assert [[c.seq for c in g] for g in got] == [[0, 1, 2], [0, 1], [0, 1]]
+        # every token once and in order; the chunks that piled up come merged (gateway.inbox.gather)
+        assert [[t for c in g for t in c.token_ids] for g in got] == [[0, 1, 2], [0, 1], [0, 1]]
+        assert [g[-1].seq for g in got] == [2, 1, 1] and all(g[-1].final for g in got)
         assert r.xlen(keys.inbox(a.gateway_id)) == 1 + 3 and r.xlen(keys.inbox(b.gateway_id)) == 1 + 2, "one entry per flush per gateway (+ its opening)"
         assert not any(r.exists(keys.out_stream(rid)) for rid in "xyz"), "no stream of their own"
         await asyncio.sleep(0.3)
@@ -103,7 +105,8 @@ def test_a_relay_ends_as_its_request_does(r, redis_url):
             await collect(inbox, "lost", lost=lambda: True)
         with pytest.raises(WorkerLost, match="w died"):
             await collect(inbox, "moved")
-        assert [c.seq for c in await collect(inbox, "after", after_seq=2)] == [3, 4], "placed again after chunk 2"
+        after = await collect(inbox, "after", after_seq=2)
+        assert [t for c in after for t in c.token_ids] == [3, 4] and after[-1].seq == 4, "placed again after chunk 2"
         with pytest.raises(streams.OutputTimeout):
             await collect(inbox, "quiet", timeout_s=0.3)
         await inbox.close()

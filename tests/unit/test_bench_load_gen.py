@@ -76,3 +76,10 @@ def test_shifted_keeps_lengths_and_shared_prefixes():
     out = shifted(reqs, 11, 50)
     assert [r.prompt_token_ids for r in out] == [[12, 13, 14, 1], [12, 13, 14, 20, 20]]
     assert [(r.id, r.output_len) for r in out] == [(0, 5), (1, 6)]
+
+
+def test_a_sampled_endpoint_sends_its_parameters_in_every_request():
+    body = completion_body("m", REQ, {"temperature": 0.8, "top_p": 0.95, "top_k": 0})
+    assert (body["temperature"], body["top_p"], body["top_k"]) == (0.8, 0.95, 0)
+    assert body["ignore_eos"] and body["max_tokens"] == body["min_tokens"] == REQ.output_len
+    assert completion_body("m", REQ)["temperature"] == 0.0  # greedy by default

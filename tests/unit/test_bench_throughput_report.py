@@ -5,8 +5,8 @@ import argparse
 
 import pytest
 
-from services.bench.engine import sampling_args
 from services.bench.report import format_table, summarize
+from services.bench.sampling import sampling_args
 from services.bench.workload import Workload
 
 pytestmark = pytest.mark.unit

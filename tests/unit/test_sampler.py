@@ -189,3 +189,25 @@ def test_pick_never_lands_on_a_zero_weight():
     weights = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0, 0.0]] * 3)
     u = torch.tensor([0.0, 0.5, 1.0 - 2**-24])
     assert _pick(weights.clone(), u).tolist() == [1, 3, 3]
+
+
+def test_penalties_of_rows_of_different_lengths_match_a_dense_computation():
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 40, generator=g) * 3
+    rows = []
+    for r in range(6):
+        prompt = torch.randint(0, 40, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()
+        output = torch.randint(0, 40, (r * 3,), generator=g).tolist()  # 0 to 15 ids: padding of every width
+        rows.append(row(SamplingParams(repetition_penalty=[1.0, 1.3, 0.8][r % 3], presence_penalty=0.4 * (r % 2),
+                                       frequency_penalty=0.3 * (r > 2)), prompt=prompt, output=output))
+    got = logits.clone()
+    apply_penalties(got, rows)
+    want = logits.clone()
+    for r, x in enumerate(rows):
+        seen = torch.zeros(40, dtype=torch.bool)
+        seen[x.prompt_token_ids + x.output_token_ids] = True
+        p = x.params.repetition_penalty
+        want[r] = torch.where(seen, torch.where(want[r] > 0, want[r] / p, want[r] * p), want[r])
+        counts = torch.bincount(torch.tensor(x.output_token_ids, dtype=torch.long), minlength=40).float()
+        want[r] -= x.params.frequency_penalty * counts + x.params.presence_penalty * (counts > 0).float()
+    torch.testing.assert_close(got, want)
