@@ -60,7 +60,7 @@ def _gguf_tokenizer(gguf: Path) -> Any:
     model on a 2-core Zen 3), which every gateway start (and restart after a crash) would otherwise pay before
     its first request. Concurrent first uses each read it; the first to finish keeps its copy. A cache that cannot
     be written costs only the speed: the tokenizer read from the GGUF is used."""
-    from shared.models import cache_dir, gguf_cache_name
+    from shared.models import cache_dir, gguf_cache_name, mark_used
 
     out = cache_dir("tokenizers") / gguf_cache_name(gguf)
     if not (out / "tokenizer_config.json").is_file():
@@ -80,6 +80,7 @@ def _gguf_tokenizer(gguf: Path) -> Any:
                 log.warning("could not keep the tokenizer of %s in %s (%s); the next start reads it again", gguf,
                             out, e)
                 return tokenizer
+    mark_used(out)
     return _load_dir(out)
 
 

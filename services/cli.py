@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "status": ("services.status_cmd", "show the fleet at a glance"),
     "top": ("services.top", "live terminal view of the fleet"),
     "batch": ("services.batch", "run an OpenAI Batch API JSONL file through the fleet"),
+    "cache": ("services.cache_cmd", "list or prune what kvfleet derived from models (~/.cache/kvfleet)"),
     "chaos": ("services.chaos.command", "soak a real fleet under load and random faults; check nothing is lost"),
 }
 

@@ -72,6 +72,15 @@ def cache_dir(kind: str, root: str | os.PathLike | None = None) -> Path:
     return base / kind
 
 
+def mark_used(entry: Path) -> None:
+    """Note that a cache entry was used now (its directory's mtime), for `kvfleet cache prune`; a read-only
+    cache is left as it is."""
+    try:
+        os.utime(entry)
+    except OSError:
+        pass
+
+
 SAMPLES, SAMPLE_BYTES = 16, 1 << 16
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shared.models import ModelNotFound, cache_dir, gguf_cache_name, resolve_model
+from shared.models import ModelNotFound, cache_dir, gguf_cache_name, mark_used, resolve_model
 from shared.settings import hf_offline
 
 hf_offline()  # before transformers is imported: nothing is ever fetched from a hub
@@ -128,6 +128,7 @@ def _gguf_as_safetensors(gguf: Path, cache_root: str | os.PathLike | None) -> Pa
     root = cache_dir("gguf", cache_root)
     out = root / gguf_cache_name(gguf)
     if (out / "model.safetensors").is_file():
+        mark_used(out)
         return out
     with open(root / f"{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
