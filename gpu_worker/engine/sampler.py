@@ -153,7 +153,7 @@ def _pick(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     total = cdf[:, -1:].contiguous()  # [R, 1]
     chosen = torch.searchsorted(cdf, u[:, None] * total, right=True)
     last = torch.searchsorted(cdf, total, right=False)  # u * total can round up to total: the last real one
-    return torch.minimum(chosen, last)[:, 0]
+    return torch.minimum(chosen, last)[:, 0].clamp_(max=weights.shape[1] - 1)  # (a row of NaN: the last one)
 
 
 def _rows(x: torch.Tensor, idx: list[int], everything: bool) -> torch.Tensor:
@@ -198,6 +198,9 @@ class _Random:
     def __call__(self, x: torch.Tensor, rows: list[SamplingRow], default: torch.Generator | None) -> torch.Tensor:
         plan = self.plan
         u = _uniforms(rows, default, x.device)
+        # extreme parameters (a repetition_penalty of 5e-324) can make logits infinite: an infinite logit is the
+        # certain token, a NaN an impossible one
+        x.nan_to_num_(nan=float("-inf"), posinf=torch.finfo(x.dtype).max, neginf=float("-inf"))
         _apply_min_p(x, plan.min_p)
         tokens = torch.empty(len(rows), dtype=torch.long, device=x.device)
         narrow = ((plan.top_k > 0) | (plan.top_p < 1)).tolist()

@@ -211,3 +211,17 @@ def test_penalties_of_rows_of_different_lengths_match_a_dense_computation():
         counts = torch.bincount(torch.tensor(x.output_token_ids, dtype=torch.long), minlength=40).float()
         want[r] -= x.params.frequency_penalty * counts + x.params.presence_penalty * (counts > 0).float()
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(top_p=0.9), SamplingParams(top_k=3, min_p=0.1),
+                                    SamplingParams(repetition_penalty=5e-324)])
+def test_infinite_and_nan_logits_still_give_a_token_of_the_vocabulary(params):
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(8))
+    logits[0, 5] = float("inf")  # the certain token
+    logits[1, :] = float("nan")  # nothing usable: still an id, never an error
+    logits[2, 3] = float("nan")
+    out = Sampler(seed=2)(logits, [row(params, prompt=[1, 2], output=[3])] * 4).token_ids
+    assert all(0 <= t < V for t in out)
+    assert out[2] != 3
+    if params.repetition_penalty == 1.0:  # (5e-324 makes every seen token with a positive logit infinite too)
+        assert out[0] == 5
