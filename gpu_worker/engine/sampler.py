@@ -182,41 +182,37 @@ def nucleus(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, size: int
     return ids, probs, whole_set & (held < top_p)
 
 
-class _Random:
+CANDIDATES = (1024, 8192)  # the largest logits a top-k / top-p row draws from, before the whole vocabulary
+
+
+def _draw_random(x: torch.Tensor, plan: _Plan, rows: list[SamplingRow], default: torch.Generator | None
+                 ) -> torch.Tensor:
     """The draw for the rows that are not greedy, on their temperature-scaled logits [R, V] (owned: changed in
     place). A row without top-k or top-p draws over the whole vocabulary (softmax, inverse CDF). One
     with them draws from its largest logits, CANDIDATES at first; a row whose top-p nucleus reaches past them
     tries the next size, and the whole vocabulary sorted last. Sorting 49,152 logits costs ~2 ms a row on a
     Zen 3 core, the 1,024 largest a quarter of that; SmolLM2's nucleus at top_p 0.95 and temperature 1 holds
     374 tokens at the median, 1,843 at p90. Every row takes one uniform per token, whichever path it takes."""
-
-    CANDIDATES = (1024, 8192)
-
-    def __init__(self, plan: _Plan):
-        self.plan = plan
-
-    def __call__(self, x: torch.Tensor, rows: list[SamplingRow], default: torch.Generator | None) -> torch.Tensor:
-        plan = self.plan
-        u = _uniforms(rows, default, x.device)
-        # extreme parameters (a repetition_penalty of 5e-324) can make logits infinite: an infinite logit is the
-        # certain token, a NaN an impossible one
-        x.nan_to_num_(nan=float("-inf"), posinf=torch.finfo(x.dtype).max, neginf=float("-inf"))
-        _apply_min_p(x, plan.min_p)
-        tokens = torch.empty(len(rows), dtype=torch.long, device=x.device)
-        narrow = ((plan.top_k > 0) | (plan.top_p < 1)).tolist()
-        whole = [i for i, n in enumerate(narrow) if not n]
-        if whole:  # softmax, not exp: torch's exp takes a slow path (10-30x) for the underflowing tail
-            tokens[whole] = _pick(_rows(x, whole, len(whole) == len(rows)).softmax(dim=-1), u[whole])
-        pending = torch.tensor([i for i, n in enumerate(narrow) if n], dtype=torch.long, device=x.device)
-        for size in (*self.CANDIDATES, x.shape[1]):
-            if not len(pending):
-                break
-            ids, probs, spill = nucleus(_rows(x, pending.tolist(), len(pending) == len(rows)), plan.top_k[pending],
-                                        plan.top_p[pending], size)
-            done = ~spill
-            tokens[pending[done]] = ids[done].gather(1, _pick(probs[done], u[pending[done]])[:, None])[:, 0]
-            pending = pending[spill]
-        return tokens
+    u = _uniforms(rows, default, x.device)
+    # extreme parameters (a repetition_penalty of 5e-324) can make logits infinite: an infinite logit is the
+    # certain token, a NaN an impossible one
+    x.nan_to_num_(nan=float("-inf"), posinf=torch.finfo(x.dtype).max, neginf=float("-inf"))
+    _apply_min_p(x, plan.min_p)
+    tokens = torch.empty(len(rows), dtype=torch.long, device=x.device)
+    narrow = ((plan.top_k > 0) | (plan.top_p < 1)).tolist()
+    whole = [i for i, n in enumerate(narrow) if not n]
+    if whole:  # softmax, not exp: torch's exp takes a slow path (10-30x) for the underflowing tail
+        tokens[whole] = _pick(_rows(x, whole, len(whole) == len(rows)).softmax(dim=-1), u[whole])
+    pending = torch.tensor([i for i, n in enumerate(narrow) if n], dtype=torch.long, device=x.device)
+    for size in (*CANDIDATES, x.shape[1]):
+        if not len(pending):
+            break
+        ids, probs, spill = nucleus(_rows(x, pending.tolist(), len(pending) == len(rows)), plan.top_k[pending],
+                                    plan.top_p[pending], size)
+        done = ~spill
+        tokens[pending[done]] = ids[done].gather(1, _pick(probs[done], u[pending[done]])[:, None])[:, 0]
+        pending = pending[spill]
+    return tokens
 
 
 class Sampler:
@@ -242,7 +238,7 @@ class Sampler:
         tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device) if every else logits.argmax(dim=-1)
         if plan.rand:
             x = logits.div_(plan.temp) if every else logits[plan.rand_idx].div_(plan.temp)
-            tokens[plan.rand_idx] = _Random(plan)(x, [rows[i] for i in plan.rand], self.generator)
+            tokens[plan.rand_idx] = _draw_random(x, plan, [rows[i] for i in plan.rand], self.generator)
 
         token_list = tokens.tolist()
         logprobs: list[dict[int, float] | None] = [None] * len(rows)

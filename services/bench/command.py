@@ -94,7 +94,7 @@ def throughput(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     try:
-        sampling_args(args)  # a bad value fails here, before anything runs
+        sampling = sampling_args(args)  # a bad value fails here, before anything runs
     except ValueError as e:
         print(f"kvfleet bench throughput: error: {e}", file=sys.stderr)
         return 2
@@ -116,7 +116,7 @@ def throughput(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="kvfleet-bench-") as tmp:
         requests_json = Path(tmp) / "requests.json"
         requests_json.write_text(json.dumps({**workload.to_peer_json(files.weights_dir),
-                                             "sampling": sampling_args(args)}))
+                                             "sampling": sampling}))
         if not args.no_hf:
             results["hf"] = run_hf(requests_json, args, progress=progress)
         if not args.no_vllm:

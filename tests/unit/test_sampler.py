@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from gpu_worker.engine.sampler import Sampler, SamplingRow, _pick, _Random, apply_penalties, nucleus
+from gpu_worker.engine import sampler
+from gpu_worker.engine.sampler import Sampler, SamplingRow, _pick, apply_penalties, nucleus
 from shared.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.unit
@@ -177,7 +178,7 @@ def test_min_p_keeps_tokens_above_its_share_of_the_top():
 
 
 def test_a_nucleus_past_the_candidates_is_drawn_from_the_whole_vocabulary(monkeypatch):
-    monkeypatch.setattr(_Random, "CANDIDATES", (2, 4))  # the nucleus of 0.9 here holds 6 tokens: both sizes spill
+    monkeypatch.setattr(sampler, "CANDIDATES", (2, 4))  # the nucleus of 0.9 here holds 6 tokens: both sizes spill
     probs = torch.tensor([0.2, 0.18, 0.16, 0.14, 0.12, 0.1, 0.06, 0.04])
     out = Sampler(seed=4)(probs.log().repeat(6000, 1), [row(SamplingParams(top_p=0.9))] * 6000).token_ids
     counts = torch.bincount(torch.tensor(out), minlength=8).float() / 6000
