@@ -130,8 +130,9 @@ def create_app(settings: Settings) -> Any:
             return EventStream(events, headers=headers | SSE_HEADERS)
 
         async def whole() -> Any:
-            parts = [asyncio.ensure_future(responses.completion_body(s, relay(state, s), echo=body.echo,
-                                                                     logprobs=body.logprobs)) for s in batch.subs]
+            parts = [asyncio.ensure_future(responses.completion_body(
+                s, relay(state, s), echo=body.echo, logprobs=body.logprobs, prompt_top=body.prompt_logprobs))
+                for s in batch.subs]
             try:  # one prompt failing (or the client leaving) cancels the others
                 return responses.merge_completions(batch.request_id, list(await asyncio.gather(*parts)))
             finally:
@@ -151,7 +152,8 @@ def create_app(settings: Settings) -> Any:
             events = responses.chat_events(sub, relay(state, sub), top_logprobs=top,
                                            include_usage=include_usage)
             return EventStream(events, headers=headers | SSE_HEADERS)
-        return await finish(request, responses.chat_body(sub, relay(state, sub), top_logprobs=top), headers)
+        return await finish(request, responses.chat_body(sub, relay(state, sub), top_logprobs=top,
+                                                         prompt_top=body.prompt_logprobs), headers)
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models() -> ModelList:

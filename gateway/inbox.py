@@ -78,13 +78,15 @@ def gather(chunk: OutputChunk, box: Mailbox) -> OutputChunk:
     its worker (a busy gateway) sends what piled up in one event, one write, instead of one per token, so
     the busier the gateway, the less it spends per token. One that keeps up sends each chunk as it comes."""
     items, last = box.items, chunk
-    if not items or chunk.final or chunk.finish_reason is not None or chunk.error is not None:
+    if (not items or chunk.final or chunk.finish_reason is not None or chunk.error is not None
+            or chunk.prompt_logprobs is not None):
         return chunk
     token_ids, texts, logprobs = list(chunk.token_ids), [chunk.text], chunk.logprobs
     while items:
         nxt = items[0]
         if (nxt.seq != last.seq + 1 or nxt.index != chunk.index or nxt.error is not None
-                or nxt.owner_token() != chunk.owner_token() or (nxt.logprobs is None) != (logprobs is None)):
+                or nxt.owner_token() != chunk.owner_token() or (nxt.logprobs is None) != (logprobs is None)
+                or nxt.prompt_logprobs is not None):
             break  # anything else takes the usual path: checks, dedup, an event of its own
         items.popleft()
         box.dedup.accept_next(nxt)  # the next sequence number from the same owner: accepted

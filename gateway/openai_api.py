@@ -90,6 +90,17 @@ class _SamplingFields(BaseModel):
                           description="a signed 32-bit integer; under the worker's priority scheduling policy "
                                       "lower values run first (ignored by fcfs and sjf)")
     user: str | None = None
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="vLLM's: each prompt token's logprob, rank and the top N there, in "
+                                                 "the choices' `prompt_logprobs` (the first token's null); not with "
+                                                 "stream")
+
+    @model_validator(mode="after")
+    def _prompt_logprobs_not_streamed(self) -> Any:
+        if self.prompt_logprobs is not None and self.stream:
+            raise invalid("prompt_logprobs", "is not available with stream: true (as in vLLM); ask without "
+                                             "streaming, or use echo with logprobs on /v1/completions")
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -128,11 +139,13 @@ class _SamplingFields(BaseModel):
                 raise invalid(f".{key}", f"a bias must be in [-100, 100], got {value!r}")
         return bias
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         return SamplingParams(
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
@@ -144,7 +157,8 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(16, ge=1, le=INT32_MAX)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = Field(None, ge=1, le=MAX_N, description="only best_of == n (kvfleet does not rank)")
-    echo: bool = False
+    echo: bool = Field(False, description="the prompt before the completion; with logprobs, the prompt tokens' "
+                                          "logprobs too (the first is null), as OpenAI's legacy completions")
 
     @model_validator(mode="after")
     def _best_of_is_n(self) -> CompletionRequest:
@@ -218,11 +232,29 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob: one token at one prompt position."""
+
+    logprob: float
+    rank: int | None = None  # 1: the likeliest token there
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: per prompt position {token id: PromptLogprob} (the prompt's token and the top N), the
+# first None; left out of a response that did not ask (and out of every streamed event)
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
+def _absent(value: Any) -> bool:
+    return value is None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = Field(None, exclude_if=_absent)
 
 
 class CompletionResponse(BaseModel):
@@ -258,6 +290,7 @@ class ChatChoice(BaseModel):
     message: ChatMessageOut
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = Field(None, exclude_if=_absent)
 
 
 class ChatCompletionResponse(BaseModel):

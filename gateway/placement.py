@@ -146,6 +146,9 @@ class Submitted:
     def prompt_of(self, _choice: int) -> str | None:
         return self.request.prompt
 
+    def prompt_ids_of(self, _choice: int) -> list[int]:
+        return self.request.prompt_token_ids
+
 
 @dataclass
 class Batch:
@@ -169,6 +172,9 @@ class Batch:
 
     def prompt_of(self, choice: int) -> str | None:
         return self.subs[choice // self.n].request.prompt
+
+    def prompt_ids_of(self, choice: int) -> list[int]:
+        return self.subs[choice // self.n].request.prompt_token_ids
 
 
 def new_request_id(prefix: str) -> str:

@@ -32,6 +32,7 @@ class Prepared:
     logprobs: int | None  # completion: logprobs; chat: top_logprobs; None: off
     echo: bool
     priority: int
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs as asked (top N); None: off
 
 
 def is_batch(prompt: Any) -> bool:
@@ -145,8 +146,15 @@ def prepare(target: Any, body: CompletionRequest | ChatCompletionRequest) -> Pre
     else:
         inputs = completion_prompts(tok, body.prompt)
         wanted, param, echo, logprobs = body.max_tokens, "prompt", body.echo, body.logprobs
+        if echo:  # token ids are echoed as their text
+            inputs = [(ids, tok.decode(ids) if text is None else text) for ids, text in inputs]
+    # the prompt's logprobs: vLLM's prompt_logprobs, or echo + logprobs (OpenAI's legacy completions; how lm-eval
+    # scores text); with both, the larger top N (each answer shows its own)
+    asked = [v for v in (body.prompt_logprobs, logprobs if echo else None) if v is not None]
+    prompt_logprobs = max(asked) if asked else None
     prompts = []
     for ids, text in inputs:
         max_tokens = resolve_max_tokens(target, len(ids), wanted, param)
-        prompts.append(Prompt(ids, text, make_params(lambda m=max_tokens: body.sampling_params(m, logprobs))))
-    return Prepared(prompts, logprobs, echo, body.priority)
+        prompts.append(Prompt(ids, text, make_params(
+            lambda m=max_tokens: body.sampling_params(m, logprobs, prompt_logprobs))))
+    return Prepared(prompts, logprobs, echo, body.priority, body.prompt_logprobs)

@@ -22,6 +22,7 @@ from gateway.openai_api import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
+    PromptLogprob,
     TokenLogprob,
     TopLogprob,
     UsageInfo,
@@ -58,6 +59,65 @@ def completion_logprobs(tok: Any, token_ids: list[int], lps: list[dict[int, floa
     return out
 
 
+def _prompt_entries(prompt_ids: list[int], lps: list[dict[int, float] | None] | None
+                    ) -> list[dict[int, float] | None]:
+    """The worker's prompt logprobs, one per prompt token (all None when missing: never a wrong length)."""
+    return lps if lps is not None and len(lps) == len(prompt_ids) else [None] * len(prompt_ids)
+
+
+def _with_top(entry: dict[int, float], token: int, top_n: int) -> list[tuple[int, float]]:
+    """`token` and the top_n likeliest of an entry (the worker may have scored more, for another answer)."""
+    ranked = _ranked(entry)[:top_n]
+    return ranked if any(k == token for k, _ in ranked) else [(token, entry[token])] + ranked
+
+
+def prompt_logprobs(tok: Any, prompt_ids: list[int], lps: list[dict[int, float] | None] | None, top_n: int
+                    ) -> CompletionLogprobs:
+    """The prompt's part of an echoed completion's logprobs: each prompt token with its logprob and the top_n
+    there; the first token has none (null), as in OpenAI's legacy completions and vLLM's."""
+    out = CompletionLogprobs()
+    offset = 0
+    for t, s, lp in zip(prompt_ids, token_strings(tok, prompt_ids), _prompt_entries(prompt_ids, lps), strict=True):
+        out.tokens.append(s)
+        out.text_offset.append(offset)
+        offset += len(s)
+        if lp is None:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            continue
+        out.token_logprobs.append(lp.get(t))
+        kept = _with_top(lp, t, top_n)
+        names = token_strings(tok, [k for k, _ in kept])
+        out.top_logprobs.append({name: v for name, (_, v) in zip(names, kept, strict=True)})
+    return out
+
+
+def vllm_prompt_logprobs(tok: Any, prompt_ids: list[int], lps: list[dict[int, float] | None] | None,
+                         ranks: list[int | None] | None, top_n: int) -> list[dict[str, PromptLogprob] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token {token id: logprob, rank, decoded token} for the prompt's token
+    and the top_n there (ranks 1..top_n); the first None."""
+    ranks = ranks if ranks is not None and len(ranks) == len(prompt_ids) else [None] * len(prompt_ids)
+    out: list[dict[str, PromptLogprob] | None] = []
+    for t, lp, rank in zip(prompt_ids, _prompt_entries(prompt_ids, lps), ranks, strict=True):
+        if lp is None:
+            out.append(None)
+            continue
+        top = _ranked(lp)[:top_n]
+        names = token_strings(tok, [t] + [k for k, _ in top])
+        entry = {str(t): PromptLogprob(logprob=lp[t], rank=rank, decoded_token=names[0])}
+        for i, ((k, v), name) in enumerate(zip(top, names[1:], strict=True)):
+            entry.setdefault(str(k), PromptLogprob(logprob=v, rank=i + 1, decoded_token=name))
+        out.append(entry)
+    return out
+
+
+def _joined(first: CompletionLogprobs, then: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(tokens=first.tokens + then.tokens,
+                              token_logprobs=first.token_logprobs + then.token_logprobs,
+                              top_logprobs=first.top_logprobs + then.top_logprobs,
+                              text_offset=first.text_offset + then.text_offset)
+
+
 def chat_logprobs(tok: Any, token_ids: list[int], lps: list[dict[int, float]], top_n: int) -> ChatLogprobs:
     out = ChatLogprobs()
     for t, s, lp in zip(token_ids, token_strings(tok, token_ids), lps, strict=False):
@@ -75,6 +135,8 @@ class _Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprob_ranks: list[int | None] | None = None
 
 
 async def collect(chunks: AsyncIterator[OutputChunk], n: int) -> tuple[list[_Choice], Usage | None]:
@@ -88,20 +150,30 @@ async def collect(chunks: AsyncIterator[OutputChunk], n: int) -> tuple[list[_Cho
         ch.token_ids += c.token_ids
         ch.logprobs += c.logprobs or []
         ch.finish_reason = c.finish_reason or ch.finish_reason
+        if c.prompt_logprobs is not None:
+            ch.prompt_logprobs, ch.prompt_logprob_ranks = c.prompt_logprobs, c.prompt_logprob_ranks
         if c.final:
             usage = c.usage
     return choices, usage
 
 
 async def completion_body(sub: Submitted, chunks: AsyncIterator[OutputChunk], *, echo: bool,
-                          logprobs: int | None) -> CompletionResponse:
+                          logprobs: int | None, prompt_top: int | None = None) -> CompletionResponse:
+    """prompt_top: vLLM's prompt_logprobs as the request asked (None: not asked)."""
     choices, usage = await collect(chunks, sub.num_choices)
     prefix = (sub.request.prompt or "") if echo else ""
-    tok = sub.target.tokenizer
+    tok, prompt = sub.target.tokenizer, sub.request.prompt_token_ids
+
+    def choice_logprobs(c: _Choice) -> CompletionLogprobs | None:
+        if logprobs is None:
+            return None
+        out = completion_logprobs(tok, c.token_ids, c.logprobs, len(prefix))
+        return _joined(prompt_logprobs(tok, prompt, c.prompt_logprobs, logprobs), out) if echo else out
+
     return CompletionResponse(id=sub.request_id, model=sub.target.model, usage=usage_info(usage), choices=[
         CompletionChoice(index=i, text=prefix + "".join(c.text), finish_reason=c.finish_reason,
-                         logprobs=completion_logprobs(tok, c.token_ids, c.logprobs, len(prefix))
-                         if logprobs is not None else None)
+                         logprobs=choice_logprobs(c), prompt_logprobs=None if prompt_top is None else
+                         vllm_prompt_logprobs(tok, prompt, c.prompt_logprobs, c.prompt_logprob_ranks, prompt_top))
         for i, c in enumerate(choices)])
 
 
@@ -170,14 +242,16 @@ async def _merged(streams: list[AsyncGenerator[OutputChunk, None]], n: int) -> A
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def chat_body(sub: Submitted, chunks: AsyncIterator[OutputChunk], *, top_logprobs: int | None
-                    ) -> ChatCompletionResponse:
+async def chat_body(sub: Submitted, chunks: AsyncIterator[OutputChunk], *, top_logprobs: int | None,
+                    prompt_top: int | None = None) -> ChatCompletionResponse:
+    """prompt_top: vLLM's prompt_logprobs as the request asked (over the templated prompt; None: not asked)."""
     choices, usage = await collect(chunks, sub.num_choices)
-    tok = sub.target.tokenizer
+    tok, prompt = sub.target.tokenizer, sub.request.prompt_token_ids
     return ChatCompletionResponse(id=sub.request_id, model=sub.target.model, usage=usage_info(usage), choices=[
         ChatChoice(index=i, message=ChatMessageOut(content="".join(c.text)), finish_reason=c.finish_reason,
                    logprobs=chat_logprobs(tok, c.token_ids, c.logprobs, top_logprobs)
-                   if top_logprobs is not None else None)
+                   if top_logprobs is not None else None, prompt_logprobs=None if prompt_top is None else
+                   vllm_prompt_logprobs(tok, prompt, c.prompt_logprobs, c.prompt_logprob_ranks, prompt_top))
         for i, c in enumerate(choices)])
 
 
@@ -237,10 +311,18 @@ async def completion_events(sub: Any, chunks: AsyncIterator[OutputChunk], *, ech
     tok, model, rid = sub.target.tokenizer, sub.target.model, sub.request_id
     created = int(time.time())  # one for every chunk of the stream, as OpenAI's
     offsets = [len(sub.prompt_of(i) or "") if echo else 0 for i in range(sub.num_choices)]
-    if echo:
+    # echo with logprobs: a choice's prompt goes out with its logprobs, which come with its first tokens
+    echo_later = set(range(sub.num_choices)) if echo and logprobs is not None else set()
+    if echo and not echo_later:
         for i in range(sub.num_choices):
             yield sse(CompletionResponse(id=rid, created=created, model=model, choices=[CompletionChoice(
                 index=i, text=sub.prompt_of(i) or "")]))
+
+    def echo_event(c: OutputChunk) -> str:
+        echo_later.discard(c.index)
+        lp = prompt_logprobs(tok, sub.prompt_ids_of(c.index), c.prompt_logprobs, logprobs)
+        return sse(CompletionResponse(id=rid, created=created, model=model, choices=[CompletionChoice(
+            index=c.index, text=sub.prompt_of(c.index) or "", logprobs=lp)]))
 
     text_event = TextEvents(lambda i, text: CompletionResponse(id=rid, created=created, model=model, choices=[
         CompletionChoice(index=i, text=text)]))
@@ -248,11 +330,12 @@ async def completion_events(sub: Any, chunks: AsyncIterator[OutputChunk], *, ech
     def render(c: OutputChunk) -> str:
         if logprobs is None and c.finish_reason is None:
             return text_event(c.index, c.text)
+        head = echo_event(c) if c.index in echo_later else ""
         lp = None
         if logprobs is not None:
             lp = completion_logprobs(tok, c.token_ids, c.logprobs or [], offsets[c.index])
             offsets[c.index] += sum(len(s) for s in lp.tokens)
-        return sse(CompletionResponse(id=rid, created=created, model=model, choices=[
+        return head + sse(CompletionResponse(id=rid, created=created, model=model, choices=[
             CompletionChoice(index=c.index, text=c.text, logprobs=lp, finish_reason=c.finish_reason)]))
 
     def usage_event(usage: Usage | None) -> str:

@@ -61,6 +61,7 @@ class CallInfo:
     request: dict[str, Any]  # the GenerationRequest as enqueued (JSON)
     echo: bool = False
     logprobs: int | None = None  # completion: logprobs; chat: top_logprobs; None: off
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs (top N); None: off
     shard: int = 0  # where it was enqueued (shared.keys): its output stream is there
 
 
@@ -172,9 +173,10 @@ class FleetCaller:
         sub = await self._submitted(call)
         try:
             if info.kind == "completion":
-                body = await completion_body(sub, chunks, echo=info.echo, logprobs=info.logprobs)
+                body = await completion_body(sub, chunks, echo=info.echo, logprobs=info.logprobs,
+                                             prompt_top=info.prompt_logprobs)
             else:
-                body = await chat_body(sub, chunks, top_logprobs=info.logprobs)
+                body = await chat_body(sub, chunks, top_logprobs=info.logprobs, prompt_top=info.prompt_logprobs)
         except APIError as e:
             raise from_api_error(e) from None
         except streams.OutputTimeout:
@@ -210,7 +212,7 @@ class FleetCaller:
         def info(p: Planned) -> CallInfo:
             return CallInfo(kind=kind, model=target.model, tokenizer=tokenizer,
                             request=p.request.model_dump(mode="json"), echo=prepared.echo,
-                            logprobs=prepared.logprobs)
+                            logprobs=prepared.logprobs, prompt_logprobs=prepared.prompt_logprobs)
 
         return planned, info
 
@@ -247,7 +249,8 @@ class FleetCaller:
     async def _submitted(self, call: Call) -> Submitted:
         """The gateway's view of a placed request, as its response renderers take it."""
         info = call.info
-        tok = await self.gateway.tokenizers.get(info.tokenizer) if info.logprobs is not None else None
+        wants_tokens = info.logprobs is not None or info.prompt_logprobs is not None
+        tok = await self.gateway.tokenizers.get(info.tokenizer) if wants_tokens else None
         target = Target(model=info.model, workers=[], view=FleetView(), tokenizer=tok, max_model_len=0,
                         block_size=0, max_total_blocks=0)
         return Submitted(call.request_id, target, GenerationRequest.model_validate(info.request),

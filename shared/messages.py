@@ -75,6 +75,10 @@ class OutputChunk(BaseModel):
     token_ids: list[int] = Field(default_factory=list)
     text: str = ""  # text delta
     logprobs: list[dict[int, float]] | None = None  # one dict per token: chosen + top-k token id -> logprob
+    # in the choice's first chunk with tokens, when prompt_logprobs was asked: one dict per prompt token (the
+    # token's logprob given what precedes it + the top-k there), the first None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprob_ranks: list[int | None] | None = None  # each prompt token's rank there (1: the likeliest)
     finish_reason: FinishReason | None = None  # this choice finished
     stop_reason: int | str | None = None
     final: bool = False  # the request finished: nothing follows
@@ -90,13 +94,14 @@ class OutputChunk(BaseModel):
         return self.attempt, self.delivery
 
 
-    @field_validator("logprobs")
+    @field_validator("logprobs", "prompt_logprobs")
     @classmethod
-    def _finite_logprobs(cls, v: list[dict[int, float]] | None) -> list[dict[int, float]] | None:
+    def _finite_logprobs(cls, v: list[dict[int, float] | None] | None) -> list[dict[int, float] | None] | None:
         """-inf / NaN would be written as null and make the chunk unreadable: LOGPROB_FLOOR instead."""
-        if v is None or all(math.isfinite(x) for d in v for x in d.values()):
+        if v is None or all(math.isfinite(x) for d in v if d is not None for x in d.values()):
             return v
-        return [{t: x if math.isfinite(x) else (0.0 if x > 0 else LOGPROB_FLOOR) for t, x in d.items()} for d in v]
+        return [None if d is None else {t: x if math.isfinite(x) else (0.0 if x > 0 else LOGPROB_FLOOR)
+                                        for t, x in d.items()} for d in v]
 
 
 class WorkerStatus(BaseModel):

@@ -43,6 +43,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per token besides the chosen one
+    # the prompt's logprobs too (vLLM's prompt_logprobs: each prompt token's given what precedes it, plus the
+    # top N there; the first token has none), with the first output token. OpenAI's echo + logprobs.
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -93,6 +96,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be <= max_tokens, got {self.min_tokens} > {self.max_tokens}")
         if self.logprobs is not None and not is_int(self.logprobs, 0, MAX_LOGPROBS):
             raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and not is_int(self.prompt_logprobs, 0, MAX_LOGPROBS):
+            raise bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
         if not in_range(self.presence_penalty, -2, 2):
             raise bad("presence_penalty", "must be in [-2, 2]")
         if not in_range(self.frequency_penalty, -2, 2):

@@ -54,6 +54,9 @@ class Request:
     max_model_len: int | None = None  # set by the scheduler on add when left None
     num_cached_tokens: int = 0  # prefix-cache hit (tokens) at first admission
     block_hashes: list[int] = field(default_factory=list, repr=False)  # chained hashes of its full blocks
+    # Set by the engine while the prompt's logprobs are still to compute: top N of them. The scheduler then
+    # computes the whole prompt (no prefix-cache hit: a hit has no logits) and names each chunk's targets.
+    prompt_logprobs: int | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -18,6 +18,10 @@ class ScheduledSeq:
     block_table: list[int]  # physical block ids covering positions [0, start_pos + len(token_ids))
     slot_mapping: list[int]  # one per token in token_ids: block_id * block_size + offset
     sample: bool  # True when this chunk reaches the end of the known tokens: sample a new token
+    # Prompt logprobs: the prompt tokens that token_ids[0], token_ids[1], ... predict (the next ones), for as
+    # many of this chunk's leading tokens as predict a prompt token; empty: none wanted. With the top N of each.
+    prompt_logprob_targets: list[int] = field(default_factory=list)
+    num_prompt_logprobs: int = 0
 
     @property
     def num_tokens(self) -> int:

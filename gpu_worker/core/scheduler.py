@@ -243,7 +243,8 @@ class Scheduler:
                 self.waiting.remove(request)
                 self._finish_in_schedule(request, "length")
                 continue
-            hit_blocks, num_hit = kvm.get_computed_blocks(request)
+            # a request scoring its prompt computes all of it: a prefix-cache hit has no logits
+            hit_blocks, num_hit = ([], 0) if request.prompt_logprobs is not None else kvm.get_computed_blocks(request)
             limit = self._token_limit(request)
             if num_hit > limit:  # a resumed group leader: stop the hit at the shared prefix
                 hit_blocks = hit_blocks[: limit // self.block_size]
@@ -271,6 +272,10 @@ class Scheduler:
                 request_id=rid, token_ids=request.token_ids(start, start + num_new), start_pos=start,
                 block_table=kvm.get_block_ids(rid), slot_mapping=kvm.slot_mapping(rid, start, num_new),
                 sample=start + num_new == request.num_tokens))
+            if request.prompt_logprobs is not None:  # positions p < P - 1 predict prompt token p + 1
+                end = min(start + num_new, request.num_prompt_tokens - 1)
+                seqs[-1].prompt_logprob_targets = request.prompt_token_ids[start + 1:end + 1]
+                seqs[-1].num_prompt_logprobs = request.prompt_logprobs
             request.num_computed_tokens = start + num_new
         return SchedulerOutput(seqs=seqs, blocks_to_copy=kvm.take_pending_copies())
 

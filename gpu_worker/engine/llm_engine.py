@@ -7,6 +7,10 @@ Tokens a request already had (resumed after a takeover, or recomputed after pree
 A request with n > 1 runs as n sequences with ids f"{request_id}-{i}" (one scheduler group: they share the
 prompt's blocks) and comes back as one RequestOutput with n CompletionOutputs.
 
+Prompt logprobs (SamplingParams.prompt_logprobs): the runner scores the prompt's chunks as they are computed
+(the scheduler names the targets and skips the prefix cache for such a request until they are all scored); each
+sample's first output carries the whole list, entry 0 None (the first token has no context).
+
 A failure that belongs to one request fails that request alone: its output is final with finish_reason
 "error" and `error` set, its blocks are freed, and every other request of the step carries on as if nothing
 happened. The forward and the sampler are isolated by gpu_worker.engine.isolation (bisection, row by row);
@@ -62,6 +66,7 @@ class _Sequence:
     num_sent: int  # output tokens already in an output (or sent before a takeover)
     logprobs: list[dict[int, float]] | None  # of the processed tokens not sent yet; None if not asked
     cumulative_logprob: float | None
+    prompt_logprobs_due: bool = False  # its first output is still to carry the prompt logprobs
 
 
 @dataclass
@@ -71,6 +76,9 @@ class _Group:
     prompt_token_ids: list[int]
     seqs: list[_Sequence] = field(default_factory=list)
     metrics: RequestMetrics | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # by position (0: None); None: not asked
+    prompt_logprob_ranks: list[int | None] | None = None  # the prompt tokens' ranks, by position
+    prompt_logprobs_missing: int = 0  # positions not scored yet
 
     @property
     def finished(self) -> bool:
@@ -144,6 +152,13 @@ class LLMEngine:
         for i in range(params.n):
             group.seqs.append(self._make_sequence(group, i, params, priority, arrival,
                                                   resume[i] if i < len(resume) else []))
+        if params.prompt_logprobs is not None and any(s.prompt_logprobs_due for s in group.seqs):
+            group.prompt_logprobs = [None] * len(prompt_token_ids)
+            group.prompt_logprob_ranks = [None] * len(prompt_token_ids)
+            group.prompt_logprobs_missing = len(prompt_token_ids) - 1
+            if group.prompt_logprobs_missing:
+                for s in group.seqs:  # any of them may compute the prompt (the leader, or one after a preemption)
+                    s.request.prompt_logprobs = params.prompt_logprobs
         requests = [s.request for s in group.seqs]
         if len(requests) == 1:
             self.scheduler.add_request(requests[0])
@@ -197,7 +212,8 @@ class LLMEngine:
             detok.take_text(finished=False)
         want_lp = sp.logprobs is not None
         return _Sequence(index, request, detok, generator, banned, num_seen=len(resumed), num_sent=len(resumed),
-                         logprobs=[] if want_lp else None, cumulative_logprob=0.0 if want_lp else None)
+                         logprobs=[] if want_lp else None, cumulative_logprob=0.0 if want_lp else None,
+                         prompt_logprobs_due=sp.prompt_logprobs is not None and not resumed)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request (all its samples) and free its blocks; unknown or finished id: no-op."""
@@ -258,6 +274,8 @@ class LLMEngine:
             for rid in culprits:
                 failed.setdefault(self._seq_owner[rid][0].request_id, f"the model failed on it: {culprits[rid]}")
             sampling = [s for s in sampling if s.request.request_id not in culprits]
+            if any(seq.prompt_logprob_targets for seq in sched.seqs):
+                self._record_prompt_logprobs()
         if sampling:
             rows = [SamplingRow(s.request.sampling_params, s.request.prompt_token_ids, s.request.output_token_ids,
                                 s.banned_ids if s.request.num_output_tokens < s.request.sampling_params.min_tokens
@@ -335,6 +353,23 @@ class LLMEngine:
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, True,
                              dataclasses.replace(group.metrics), error=error)
 
+    def _record_prompt_logprobs(self) -> None:
+        """The prompt logprobs the step's forwards scored, into their groups; a group with all of them stops
+        asking the scheduler for more (its requests may use the prefix cache again after a preemption)."""
+        for rid, scored in self.runner.take_prompt_logprobs().items():
+            owner = self._seq_owner.get(rid)
+            group = owner[0] if owner is not None else None
+            if group is None or group.prompt_logprobs is None:
+                continue
+            for position, (entry, rank) in enumerate(zip(scored.entries, scored.ranks, strict=True),
+                                                     scored.first_position):
+                if group.prompt_logprobs[position] is None:
+                    group.prompt_logprobs_missing -= 1
+                group.prompt_logprobs[position], group.prompt_logprob_ranks[position] = entry, rank
+            if group.prompt_logprobs_missing == 0:
+                for s in group.seqs:
+                    s.request.prompt_logprobs = None
+
     def _process_new_tokens(self, s: _Sequence, logprob: dict[int, float] | None) -> None:
         request = s.request
         new = request.output_token_ids[s.num_seen:]
@@ -365,8 +400,13 @@ class LLMEngine:
             logprobs = s.logprobs
             if logprobs is not None:
                 s.logprobs = []
+            prompt_logprobs = prompt_ranks = None
+            if s.prompt_logprobs_due and new_ids:
+                prompt_logprobs, prompt_ranks = group.prompt_logprobs, group.prompt_logprob_ranks
+                s.prompt_logprobs_due = False
             outs.append(CompletionOutput(
                 index=s.index, text=s.detok.take_text(r.is_finished), token_ids=new_ids, logprobs=logprobs,
-                finish_reason=r.finish_reason, stop_reason=r.stop_reason, cumulative_logprob=s.cumulative_logprob))
+                finish_reason=r.finish_reason, stop_reason=r.stop_reason, cumulative_logprob=s.cumulative_logprob,
+                prompt_logprobs=prompt_logprobs, prompt_logprob_ranks=prompt_ranks))
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, finished,
                              dataclasses.replace(group.metrics))

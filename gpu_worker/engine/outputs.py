@@ -18,6 +18,10 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running; stays once set
     stop_reason: int | str | None = None  # the stop token id or stop string; None for eos or length
     cumulative_logprob: float | None = None  # over all the sample's tokens so far
+    # in the sample's first output with tokens, when asked (SamplingParams.prompt_logprobs): per prompt
+    # position the prompt token's logprob + the top N there; entry 0 is None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprob_ranks: list[int | None] | None = None  # each prompt token's rank there (1: the likeliest)
 
     @property
     def finished(self) -> bool:
@@ -45,6 +49,8 @@ class RequestOutput:
     finished: bool = False
     metrics: RequestMetrics | None = None
     error: str | None = None  # why the request failed (its samples' finish_reason is then "error")
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # as vLLM's: folded in by OutputAccumulator
+    prompt_logprob_ranks: list[int | None] | None = None
 
 
 class OutputAccumulator:
@@ -67,6 +73,9 @@ class OutputAccumulator:
                 c = self._samples[d.index] = CompletionOutput(d.index, "", [], None if d.logprobs is None else [])
                 self._text[d.index] = []
             c.token_ids += d.token_ids
+            if d.prompt_logprobs is not None:
+                self._output.prompt_logprobs = d.prompt_logprobs
+                self._output.prompt_logprob_ranks = d.prompt_logprob_ranks
             if d.logprobs is not None:
                 c.logprobs += d.logprobs
             self._text[d.index].append(d.text)

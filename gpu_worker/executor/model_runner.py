@@ -1,7 +1,9 @@
 """The model runner: owns the model and the paged KV cache; turns a SchedulerOutput into one forward.
 
 execute(sched_out) applies copy-on-write block copies, runs every scheduled token in one forward and
-returns float32 logits only for the sequences that sample this step (lm_head runs on those rows only).
+returns float32 logits only for the sequences that sample this step (lm_head runs on those rows only). A
+sequence that asks for its prompt's logprobs also has its chunk's rows scored (prompt_logprobs): the engine
+takes those with take_prompt_logprobs() after the step.
 On CPU with N > 1 torch threads, the step's sequences are split into N groups (batch_split) that run as N
 concurrent forwards, one thread each, with single-threaded ops (see batch_split for why), except for steps
 of few tokens when the matmuls split their columns across threads (LinearPlan.splits_columns):
@@ -30,6 +32,7 @@ from gpu_worker.executor.model_loader import ModelFiles
 from gpu_worker.executor.models.llama import LlamaForCausalLM
 from gpu_worker.executor.ops import AttentionMetadata
 from gpu_worker.executor.ops.cpu import linear as cpu_linear
+from gpu_worker.executor.prompt_logprobs import PromptLogprobs, score_rows
 from gpu_worker.executor.tp_group import TPGroup
 
 log = logging.getLogger(__name__)
@@ -133,6 +136,7 @@ class ModelRunner:
         # (not with Triton on CPU: the Triton interpreter is not thread-safe)
         self.num_parts = (torch.get_num_threads() if device.type == "cpu" and not use_triton and self.tp.size == 1
                           else 1)
+        self._prompt_logprobs: dict[str, PromptLogprobs] = {}  # request id -> this step's (take_prompt_logprobs)
         self._pool = (ThreadPoolExecutor(self.num_parts, thread_name_prefix="kvfleet-forward",
                                          initializer=torch.set_num_threads, initargs=(1,))
                       if self.num_parts > 1 else None)
@@ -172,6 +176,12 @@ class ModelRunner:
     def fault(self) -> str | None:
         """Why this runner cannot go on (a tensor-parallel runner's dead rank); a single process: never."""
         return None
+
+    def take_prompt_logprobs(self) -> dict[str, PromptLogprobs]:
+        """The prompt logprobs the forwards since the last call scored, by request id (a step retried in parts
+        after a failure adds those of each part that ran)."""
+        out, self._prompt_logprobs = self._prompt_logprobs, {}
+        return out
 
     def close(self) -> None:
         self.kv_prefault.stop()
@@ -260,4 +270,12 @@ class ModelRunner:
         with torch.inference_mode():
             input_ids, positions, meta, sample_rows = self.prepare_inputs(seqs)
             hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, H]
-            return self.model.compute_logits(hidden[sample_rows])  # [N, V]
+            logits = self.model.compute_logits(hidden[sample_rows])  # [N, V]
+            start = 0
+            for s in seqs:
+                if s.prompt_logprob_targets:
+                    rows = hidden[start:start + len(s.prompt_logprob_targets)]
+                    self._prompt_logprobs[s.request_id] = PromptLogprobs(s.start_pos + 1, *score_rows(
+                        self.model.compute_logits, rows, s.prompt_logprob_targets, s.num_prompt_logprobs))
+                start += len(s.token_ids)
+            return logits

@@ -7,11 +7,13 @@ sampler, detokenizer, intake, outbox, status. execute returns, for each sampling
 at the chosen token and LOSER_LOGIT elsewhere: the sampler picks that token under greedy and under random
 sampling alike (any temperature, top-k/p, min-p), and penalties and logit_bias cannot move another above it.
 The token at position p of a sequence is sim_token(seed, request id, p): the same on any worker, after a
-takeover or a preemption (recomputed tokens land on the same positions).
+takeover or a preemption (recomputed tokens land on the same positions). Prompt logprobs are those logits'
+too: a prompt token is ~0 where the simulated model would have chosen it, LOSER_LOGIT below that elsewhere.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable
 
@@ -19,6 +21,7 @@ import torch
 
 from gpu_worker.core.sched_output import SchedulerOutput
 from gpu_worker.executor.cost_model import CostProfile, StepShape, sim_token
+from gpu_worker.executor.prompt_logprobs import PromptLogprobs
 
 # Every token but the chosen one. Finite, so logprobs stay numbers in JSON; low enough that the largest
 # logit_bias (+100), a penalty or a temperature (0.01..2) leaves the chosen token (at 0) far ahead.
@@ -45,6 +48,9 @@ class SimulatedRunner:
         self.last_shape: StepShape | None = None
         self.last_step_s = 0.0  # what the profile gave the last step
         self.last_sleep_s = 0.0  # how long it slept for it
+        self._prompt_logprobs: dict[str, PromptLogprobs] = {}
+        # log-sum-exp of a row of these logits: one 0, vocab_size - 1 at LOSER_LOGIT
+        self._norm = math.log1p((vocab_size - 1) * math.exp(LOSER_LOGIT))
 
     def fault(self) -> str | None:
         return None
@@ -58,6 +64,24 @@ class SimulatedRunner:
     def token(self, request_id: str, position: int) -> int:
         """The token the simulated model emits at `position` (0-based, prompt included) of a sequence."""
         return sim_token(self.seed, request_id, position, self.token_range, self.avoid)
+
+    def take_prompt_logprobs(self) -> dict[str, PromptLogprobs]:
+        out, self._prompt_logprobs = self._prompt_logprobs, {}
+        return out
+
+    def _score_prompt(self, request_id: str, first: int, targets: list[int], top_n: int) -> PromptLogprobs:
+        """Position first + i holds targets[i]; the simulated model's choice there scores ~0, any other token
+        LOSER_LOGIT less; the top N are its choice, then the lowest other ids."""
+        entries, ranks = [], []
+        for i, target in enumerate(targets):
+            choice = self.token(request_id, first + i)
+            top = [choice] + [t for t in range(top_n) if t != choice][:max(0, top_n - 1)]
+            entry = {target: (0.0 if target == choice else LOSER_LOGIT) - self._norm}
+            for t in top[:top_n]:
+                entry.setdefault(t, (0.0 if t == choice else LOSER_LOGIT) - self._norm)
+            entries.append(entry)
+            ranks.append(1 if target == choice else 2)  # ties: every other token is second
+        return PromptLogprobs(first, entries, ranks)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: there is no KV data to copy."""
@@ -73,6 +97,10 @@ class SimulatedRunner:
         self.last_step_s = self.profile.step_seconds(self.last_shape)
         # the token being generated sits at position context_len: right after every token computed so far
         chosen = [self.token(s.request_id, s.context_len) for s in sched.seqs if s.sample]
+        for s in sched.seqs:
+            if s.prompt_logprob_targets:
+                self._prompt_logprobs[s.request_id] = self._score_prompt(
+                    s.request_id, s.start_pos + 1, s.prompt_logprob_targets, s.num_prompt_logprobs)
         logits = torch.full((len(chosen), self.vocab_size), LOSER_LOGIT)  # [N, V]
         logits[torch.arange(len(chosen)), torch.tensor(chosen, dtype=torch.long)] = 0.0
         self.last_sleep_s = max(0.0, began + self.last_step_s - time.monotonic())

@@ -38,6 +38,7 @@ from gpu_worker.core.sched_output import ScheduledSeq, SchedulerOutput
 from gpu_worker.executor.model_loader import load_model_files
 from gpu_worker.executor.model_runner import ModelRunner, RunnerFault
 from gpu_worker.executor.models.llama import decoder_arch
+from gpu_worker.executor.prompt_logprobs import PromptLogprobs
 from gpu_worker.executor.shm_comm import ShmComm
 from gpu_worker.executor.tp_group import TPGroup, cpu_group, init_cpu_group, vocab_shard
 
@@ -55,15 +56,18 @@ class TensorParallelFault(RunnerFault):
 
 def encode_step(sched: SchedulerOutput) -> torch.Tensor:
     """-> int64 [L]: [num seqs, num copies, (src, dst) * copies, then per seq: num tokens, start pos, num blocks,
-    sample, tokens..., blocks..., slots...]. Request ids stay on rank 0: the forward does not need them."""
+    sample, num prompt-logprob targets, their top N, tokens..., blocks..., slots..., targets...]. Request ids
+    stay on rank 0: the forward does not need them (every rank computes the same logits: they are gathered)."""
     out = [len(sched.seqs), len(sched.blocks_to_copy)]
     for src, dst in sched.blocks_to_copy:
         out += (src, dst)
     for s in sched.seqs:
-        out += (len(s.token_ids), s.start_pos, len(s.block_table), int(s.sample))
+        out += (len(s.token_ids), s.start_pos, len(s.block_table), int(s.sample), len(s.prompt_logprob_targets),
+                s.num_prompt_logprobs)
         out += s.token_ids
         out += s.block_table
         out += s.slot_mapping
+        out += s.prompt_logprob_targets
     return torch.tensor(out, dtype=torch.long)
 
 
@@ -75,12 +79,13 @@ def decode_step(data: torch.Tensor) -> SchedulerOutput:
     i += 2 * num_copies
     seqs = []
     for n in range(num_seqs):
-        num_tokens, start, num_blocks, sample = v[i:i + 4]
-        i += 4
+        num_tokens, start, num_blocks, sample, num_targets, top_n = v[i:i + 6]
+        i += 6
         tokens, i = v[i:i + num_tokens], i + num_tokens
         blocks, i = v[i:i + num_blocks], i + num_blocks
         slots, i = v[i:i + num_tokens], i + num_tokens
-        seqs.append(ScheduledSeq(f"s{n}", tokens, start, blocks, slots, bool(sample)))
+        targets, i = v[i:i + num_targets], i + num_targets
+        seqs.append(ScheduledSeq(f"s{n}", tokens, start, blocks, slots, bool(sample), targets, top_n))
     return SchedulerOutput(seqs=seqs, blocks_to_copy=copies)
 
 
@@ -155,6 +160,7 @@ def executor_main(rank: int, spec: RankSpec) -> None:
     runner = _build(spec, rank)
     while (sched := _receive_step()) is not None:
         runner.execute(sched)
+        runner.take_prompt_logprobs()  # rank 0's are the answer; these only took part in the gathers
     dist.destroy_process_group()
 
 
@@ -236,6 +242,9 @@ class TensorParallelRunner:
     def fault(self) -> str | None:
         """Why the group is broken, or None."""
         return self._fault
+
+    def take_prompt_logprobs(self) -> dict[str, PromptLogprobs]:
+        return self.runner.take_prompt_logprobs()
 
     def execute(self, sched: SchedulerOutput) -> torch.Tensor:
         if self._fault:

@@ -126,7 +126,9 @@ class RequestTracker:
             job.sent_tokens[i] += comp.token_ids
             job.finished[i] = finish is not None
             chunks.append(self.chunk(job, index=i, token_ids=comp.token_ids, text=comp.text, logprobs=comp.logprobs,
-                                     finish_reason=finish, stop_reason=comp.stop_reason))
+                                     finish_reason=finish, stop_reason=comp.stop_reason,
+                                     prompt_logprobs=comp.prompt_logprobs,
+                                     prompt_logprob_ranks=comp.prompt_logprob_ranks))
         if output.finished:
             usage = self.usage(job, output)
             error = None if output.error is None else ChunkError(kind="internal", message=output.error)

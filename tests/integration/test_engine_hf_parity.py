@@ -1,6 +1,8 @@
 """Greedy tokens and logprobs equal Hugging Face transformers' generate on the same tiny checkpoints, with a
 cache small enough to preempt, a token budget small enough to chunk prefills, and shared prefixes."""
 
+import dataclasses
+
 import pytest
 import torch
 from tiny_models import hf_greedy
@@ -58,3 +60,42 @@ def test_repetition_penalty_matches_hf(tiny_llama_dir):
     plain = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
                          use_tqdm=False)[0].outputs[0]
     assert plain.token_ids != want  # the penalty changed something
+
+
+def _hf_prompt_logprobs(model_dir, prompt: list[int]) -> torch.Tensor:
+    """[len(prompt) - 1, V]: HF's log-softmax at each position but the last (what predicts prompt[i + 1])."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0, :-1].float().log_softmax(-1)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_prompt_logprobs_match_hf(kind, request):
+    """Each prompt token's logprob and the top N there equal HF's, with the prompt computed in chunks (a 16-token
+    budget), a prefix that the cache already holds (scored anyway: a hit has no logits), a small cache that
+    preempts, and n=2 (both samples carry the same list)."""
+    model_dir = request.getfixturevalue(f"tiny_{kind}_dir")
+    llm = LLM(str(model_dir), block_size=4, num_kv_blocks=22, max_num_batched_tokens=16, max_num_seqs=6,
+              max_model_len=128)
+    llm.generate([{"prompt_token_ids": SHARED + [1]}], SamplingParams(max_tokens=1), use_tqdm=False)  # cached
+    prompts = [SHARED + list(range(500, 530)), list(range(3000, 3031)), [42, 43], [7]]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    outs += llm.generate({"prompt_token_ids": prompts[0]}, dataclasses.replace(params, n=2, temperature=1.0, seed=3),
+                         use_tqdm=False)
+    for prompt, out in zip(prompts + [prompts[0]], outs, strict=True):
+        got, ranks = out.prompt_logprobs, out.prompt_logprob_ranks
+        assert len(got) == len(ranks) == len(prompt) and got[0] is None and ranks[0] is None
+        if len(prompt) == 1:
+            continue
+        want = _hf_prompt_logprobs(model_dir, prompt)
+        for i, entry in enumerate(got[1:]):
+            target = prompt[i + 1]
+            assert entry[target] == pytest.approx(want[i, target].item(), abs=1e-3)
+            top_vals, top_ids = want[i].topk(3)
+            for t, v in zip(top_ids.tolist(), top_vals.tolist(), strict=True):
+                assert entry[t] == pytest.approx(v, abs=1e-3)
+            assert set(entry) == {target, *top_ids.tolist()}
+            # 1 + how many are likelier, up to float noise among near-equal logits
+            v = want[i, target]
+            assert int((want[i] > v + 1e-3).sum()) < ranks[i + 1] <= int((want[i] > v - 1e-3).sum()) + 1

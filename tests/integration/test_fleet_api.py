@@ -317,6 +317,79 @@ def test_metrics_open_opens_only_metrics(fleet):
         del fleet.gateways[port]
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(client, model, fleet):
+    """lm-eval's loglikelihood request (`local-completions`): token-id prompts in a batch, echo, logprobs=1,
+    max_tokens=1, greedy. Each choice's logprobs cover the prompt (the first token's null) and then the
+    completion; the prompt's equal Hugging Face's on the same weights. Streamed, the prompt's event carries
+    the same logprobs."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    prompts = [[5, 6, 7, 8, 9, 10], list(range(300, 340))]
+    out = client.completions.create(model=model, prompt=prompts, max_tokens=1, logprobs=1, echo=True,
+                                    temperature=0, seed=1234)
+    hf = AutoModelForCausalLM.from_pretrained(fleet.model, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(fleet.model)
+    for prompt, choice in zip(prompts, out.choices, strict=True):
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(prompt) + 1
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        with torch.no_grad():
+            want = hf(torch.tensor([prompt])).logits[0].float().log_softmax(-1)  # [P, V]
+        for i in range(1, len(prompt)):
+            assert lp.token_logprobs[i] == pytest.approx(want[i - 1, prompt[i]].item(), abs=2e-3)
+            assert max(lp.top_logprobs[i].values()) == pytest.approx(want[i - 1].max().item(), abs=2e-3)
+        assert lp.token_logprobs[-1] == pytest.approx(want[-1].max().item(), abs=2e-3)  # greedy: the top one
+        assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+        assert choice.text.startswith(tok.decode(prompt))  # token ids are echoed as their text
+    streamed = list(client.completions.create(model=model, prompt="The quick brown fox", max_tokens=3, logprobs=2,
+                                              echo=True, temperature=0, stream=True, n=2))
+    whole = client.completions.create(model=model, prompt="The quick brown fox", max_tokens=3, logprobs=2,
+                                      echo=True, temperature=0, n=2)
+    for choice in whole.choices:
+        parts = [c for e in streamed for c in e.choices if c.index == choice.index]
+        assert "".join(c.text for c in parts) == choice.text and choice.text.startswith("The quick brown fox")
+        got = [v for c in parts for v in c.logprobs.token_logprobs]
+        assert got[0] is None and got[1:] == pytest.approx(choice.logprobs.token_logprobs[1:], abs=1e-4)
+
+
+
+def test_vllm_prompt_logprobs(client, model, fleet):
+    """vLLM's `prompt_logprobs` (extra_body): per prompt token {id: logprob, rank, decoded_token} for the prompt's
+    token and the top N, the first null; on chat over the templated prompt. Not with stream: a 400 naming it.
+    A response that did not ask has no such field."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompt = list(range(200, 230))
+    out = client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0,
+                                    extra_body={"prompt_logprobs": 2})
+    got = out.choices[0].model_extra["prompt_logprobs"]
+    hf = AutoModelForCausalLM.from_pretrained(fleet.model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf(torch.tensor([prompt])).logits[0].float().log_softmax(-1)  # [P, V]
+    assert len(got) == len(prompt) and got[0] is None
+    for i in range(1, len(prompt)):
+        entry, row = got[i], want[i - 1]
+        mine = entry[str(prompt[i])]
+        assert mine["logprob"] == pytest.approx(row[prompt[i]].item(), abs=2e-3)
+        assert abs(mine["rank"] - (int((row > row[prompt[i]]).sum()) + 1)) <= 2  # near-ties may swap
+        top = row.topk(2).indices.tolist()
+        assert set(entry) == {str(prompt[i]), *map(str, top)}
+        assert entry[str(top[0])]["rank"] == 1 or prompt[i] == top[0]
+        assert all(isinstance(e["decoded_token"], str) for e in entry.values())
+    plain = client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)
+    assert "prompt_logprobs" not in plain.choices[0].model_dump()
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi there"}],
+                                          max_tokens=2, extra_body={"prompt_logprobs": 0})
+    lps = chat.choices[0].model_extra["prompt_logprobs"]
+    assert lps[0] is None and all(len(e) == 1 and next(iter(e.values()))["rank"] >= 1 for e in lps[1:])
+    assert len(lps) == chat.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt=prompt, max_tokens=2, stream=True,
+                                  extra_body={"prompt_logprobs": 1})
+    assert e.value.body["param"] == "prompt_logprobs" and "stream" in e.value.body["message"]
+
 def test_no_live_worker_then_no_redis_answer_503(fleet, client, model):  # last: it stops the fleet
     """Last in the module: it stops the fleet's workers, then its Redis."""
     for wid in ("w0", "w1"):
@@ -335,3 +408,4 @@ def test_no_live_worker_then_no_redis_answer_503(fleet, client, model):  # last:
     with pytest.raises(openai.InternalServerError) as e:
         client.completions.create(model=model, prompt="anyone?", max_tokens=2)
     assert e.value.status_code == 503 and _error(e.value)["code"] == "redis_unavailable"
+

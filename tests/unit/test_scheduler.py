@@ -365,3 +365,30 @@ def test_memory_log(caplog):
     (rec,) = caplog.records
     assert "2/16 blocks used" in rec.getMessage() and "fragmentation 2 of 8 slots" in rec.getMessage()
     assert "0 preemptions" in rec.getMessage()
+
+
+def test_prompt_logprobs_name_each_chunks_targets_and_skip_the_prefix_cache():
+    """A request scoring its prompt computes all of it (a cached prefix has no logits) and each chunk names
+    the prompt tokens its rows predict; once the engine has them all (it clears the field), hits count again."""
+    s = make(budget=6, block_size=4)
+    prompt = list(range(100, 113))  # 13 tokens
+    warm = req("warm", prompt, max_tokens=1)
+    s.add_request(warm)
+    while s.has_unfinished_requests():
+        step(s)
+    scoring = req("a", prompt, max_tokens=2)
+    scoring.prompt_logprobs = 2
+    s.add_request(scoring)
+    chunks = []
+    while not scoring.output_token_ids:
+        out = s.schedule()
+        (seq,) = out.seqs
+        chunks.append((seq.start_pos, seq.prompt_logprob_targets, seq.num_prompt_logprobs))
+        s.update_from_output(out, {seq.request_id: 7} if seq.sample else {})
+    assert scoring.num_cached_tokens == 0
+    assert chunks == [(0, prompt[1:7], 2), (6, prompt[7:13], 2), (12, [], 2)]  # the last row predicts no prompt
+    again = req("b", prompt, max_tokens=1)
+    again.prompt_logprobs = None
+    s.add_request(again)
+    out = s.schedule()
+    assert again.num_cached_tokens == 12 and out.seqs[0].prompt_logprob_targets == []

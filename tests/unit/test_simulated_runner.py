@@ -175,3 +175,22 @@ def test_kvfleet_up_passes_simulate_to_every_worker():
     for cmd in workers:
         assert cmd[cmd.index("--simulate") + 1] == "smollm2-cpu"
         assert "--block-size" not in cmd  # the profile's scheduler limits apply unless given
+
+
+def test_prompt_logprobs_score_the_simulated_models_choices():
+    """Where the prompt holds the token the simulated model would choose there, its logprob is ~0; elsewhere
+    LOSER_LOGIT less. The top N lead with that choice. Each row is a distribution: the probabilities sum to 1."""
+    r, _ = runner()
+    choice = [r.token("a", p) for p in range(1, 5)]
+    targets = [choice[0], (choice[1] + 1) % VOCAB, choice[2], 5]
+    s = ScheduledSeq("a", [3, 4, 5, 6], 0, [0], [0, 1, 2, 3], False, targets, 3)
+    r.execute(SchedulerOutput([s]))
+    (scored,) = r.take_prompt_logprobs().values()
+    assert scored.first_position == 1 and r.take_prompt_logprobs() == {}
+    assert scored.ranks == [1, 2, 1, 1 if targets[3] == choice[3] else 2]
+    for i, entry in enumerate(scored.entries):
+        want = 0.0 if targets[i] == choice[i] else LOSER_LOGIT
+        assert entry[targets[i]] == pytest.approx(want, abs=1e-6)
+        assert max(entry, key=entry.get) == choice[i] and len(entry) in (3, 4)
+        others = r.vocab_size - 1
+        assert math.exp(entry[choice[i]]) + others * math.exp(LOSER_LOGIT + entry[choice[i]]) == pytest.approx(1.0)

@@ -53,10 +53,15 @@ def test_split_cpus():
 def test_step_round_trips_as_ints():
     sched = SchedulerOutput(seqs=[ScheduledSeq("a", [5, 6, 7], 0, [3, 9], [48, 49, 50], False),
                                   ScheduledSeq("b", [11], 40, [1, 2, 4], [70], True),
-                                  ScheduledSeq("c", [], 0, [], [], True)],
+                                  ScheduledSeq("c", [], 0, [], [], True),
+                                  ScheduledSeq("d", [4, 5, 6], 2, [7], [28, 29, 30], False, [5, 6, 9], 4)],
                             blocks_to_copy=[(3, 8), (2, 5)])
     back = decode_step(encode_step(sched))
     assert back.blocks_to_copy == sched.blocks_to_copy
-    assert [(s.token_ids, s.start_pos, s.block_table, s.slot_mapping, s.sample) for s in back.seqs] == \
-        [(s.token_ids, s.start_pos, s.block_table, s.slot_mapping, s.sample) for s in sched.seqs]
+
+    def fields(s):
+        return (s.token_ids, s.start_pos, s.block_table, s.slot_mapping, s.sample, s.prompt_logprob_targets,
+                s.num_prompt_logprobs)
+
+    assert [fields(s) for s in back.seqs] == [fields(s) for s in sched.seqs]
     assert decode_step(encode_step(SchedulerOutput())).seqs == []
