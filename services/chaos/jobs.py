@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from services.chaos.faults import FaultLog
-from services.chaos.load import CLIENT_TIMEOUT_S, Record, Spec
+from services.chaos.load import CLIENT_TIMEOUT_S, Record, Spec, check_scored
 from shared import streams
 from shared.settings import Settings
 
@@ -41,10 +41,12 @@ BATCH_LINES = 4
 BATCH_RUNS = 5  # runs of one batch file before its unanswered lines count as lost
 
 
-def _answered(rec: Record, body: dict[str, Any], cancelled: bool) -> None:
+def _answered(rec: Record, body: dict[str, Any], cancelled: bool, spec: Spec) -> None:
     """Texts and outcome from an OpenAI response body: "cancelled" when a choice was aborted by our cancel."""
     choices = sorted(body["choices"], key=lambda c: c["index"])
     rec.texts = [c["message"]["content"] if "message" in c else c["text"] for c in choices]
+    if spec.score and not cancelled:
+        check_scored(rec, [c.get("logprobs") for c in choices])
     aborted = any(c["finish_reason"] == "abort" for c in choices)
     rec.outcome = "cancelled" if aborted and cancelled else "ok"
     if aborted and not cancelled:
@@ -72,7 +74,7 @@ def send_python(client: Any, specs: list[Spec], idx: int, model: str, rng: rando
                 rec.detail = f"cancel not delivered: {e!r}"
                 cancel = False
         if not rec.outcome:
-            _answered(rec, handle.result(timeout=CLIENT_TIMEOUT_S), cancel)
+            _answered(rec, handle.result(timeout=CLIENT_TIMEOUT_S), cancel, specs[idx])
     except FleetUnavailable as e:
         rec.outcome, rec.status, rec.code, rec.detail = "refused", e.status_code, e.code or "", str(e)
     except (InvalidRequest, GenerationFailed) as e:
@@ -136,7 +138,7 @@ class CeleryDoor:
         while time.time() < deadline:
             try:
                 if res.ready():
-                    self._read(rec, res)
+                    self._read(rec, res, spec)
                     break
             except self.errors:
                 pass  # Redis away or our connection killed: ask again
@@ -154,9 +156,9 @@ class CeleryDoor:
         rec.t1 = time.time()
         return rec
 
-    def _read(self, rec: Record, res: Any) -> None:
+    def _read(self, rec: Record, res: Any, spec: Spec) -> None:
         if res.successful():
-            _answered(rec, res.result, cancelled=False)
+            _answered(rec, res.result, cancelled=False, spec=spec)
         else:  # the task raised: InvalidRequest / GenerationFailed carry the HTTP status and code
             exc = res.result
             rec.outcome, rec.detail = "http_error", repr(exc)
@@ -202,7 +204,7 @@ def run_batch(env: dict[str, str], work_dir: Path, k: int, specs: list[Spec], id
             rec.outcome = "lost"
             rec.order_errors.append(f"{cid}: no line in {out} after {runs} run(s) of kvfleet batch")
         elif got[0]["error"] is None:
-            _answered(rec, got[0]["response"]["body"], cancelled=False)
+            _answered(rec, got[0]["response"]["body"], cancelled=False, spec=specs[idx])
         else:
             rec.outcome, rec.status = "http_error", got[0]["response"]["status_code"]
             rec.code, rec.detail = got[0]["error"]["code"], got[0]["error"]["message"]

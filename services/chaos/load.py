@@ -1,5 +1,5 @@
 """The steady mixed load: a fixed catalogue of requests (completion and chat, streaming and not, greedy and
-seeded sampling, n>1), each sent through the real `openai` client as a whole request, by a client that
+seeded sampling, n>1, prompt scoring as lm-eval asks it: echo + logprobs), each sent through the real `openai` client as a whole request, by a client that
 cancels (gives up after a fraction of a second) or one that disconnects mid-stream; or by a door that skips
 HTTP (services.chaos.jobs: the Python client, whole or cancelled, and Celery tasks; batch files run beside);
 plus poison requests (bad bodies the gateway must refuse with a 4xx). Every request's outcome is one `Record`."""
@@ -18,6 +18,7 @@ PROMPTS = ["Once upon a time, in a land of many rivers,", "The three laws of the
            "The quick brown fox", "Rain on the window, and"]
 MAX_TOKENS = 48  # long enough that faults hit requests mid-way
 CLIENT_TIMEOUT_S = 90.0  # no answer within this: the request is lost
+UNSCORED = "the prompt's logprobs are missing or incomplete"  # a scoring answer's flaw (check_scored)
 # how a client treats a request: over HTTP whole, cancelled, disconnected mid-stream; or through a door without
 # HTTP (services.chaos.jobs): the Python client whole or cancelled with Handle.cancel(), a Celery task
 MODES = ("whole", "whole", "whole", "cancel", "disconnect", "python_client", "python_cancel", "celery", "celery")
@@ -33,10 +34,13 @@ class Spec:
     prompt: str
     n: int = 1
     seed: int | None = None  # None: greedy
+    score: bool = False  # a completion with echo + logprobs: the prompt's logprobs come first (never streamed)
 
     def body(self, model: str) -> dict[str, Any]:
         body: dict[str, Any] = {"model": model, "max_tokens": MAX_TOKENS, "n": self.n, "extra_body": {"ignore_eos": True}}
         body |= {"temperature": 0.8, "seed": self.seed} if self.seed is not None else {"temperature": 0}
+        if self.score:
+            body |= {"echo": True, "logprobs": 1}
         if self.chat:
             body["messages"] = [{"role": "user", "content": self.prompt}]
         else:
@@ -54,9 +58,20 @@ def catalogue(seed: int, size: int = 16) -> list[Spec]:
     specs = []
     for i in range(size):
         sampled = i % 2 == 1
-        specs.append(Spec(chat=i % 4 >= 2, stream=rng.random() < 0.5, prompt=PROMPTS[i % len(PROMPTS)],
-                          n=rng.choice((1, 2)) if sampled else 1, seed=rng.randrange(1000) if sampled else None))
+        score = i % 8 == 4  # some greedy completions
+        specs.append(Spec(chat=i % 4 >= 2, stream=rng.random() < 0.5 and not score, prompt=PROMPTS[i % len(PROMPTS)],
+                          n=rng.choice((1, 2)) if sampled else 1, seed=rng.randrange(1000) if sampled else None,
+                          score=score))
     return specs
+
+
+def check_scored(rec: Record, logprobs: list[dict[str, Any] | None]) -> None:
+    """A scoring spec's answer, per choice: the prompt's logprobs before the completion's (the first token's
+    null, every other a number), as many as the echoed prompt has tokens and more."""
+    for i, lp in enumerate(logprobs):
+        values = (lp or {}).get("token_logprobs") or []
+        if len(values) <= MAX_TOKENS or values[0] is not None or any(v is None for v in values[1:]):
+            rec.order_errors.append(f"choice {i}: {UNSCORED} ({len(values)} token logprobs)")
 
 
 @dataclass
@@ -91,8 +106,11 @@ def _call(client: Any, spec: Spec, model: str, rec: Record, disconnect_after: in
     api = client.chat.completions if spec.chat else client.completions
     if not spec.stream and disconnect_after is None:
         out = api.create(**body)
-        rec.texts = [c.message.content if spec.chat else c.text for c in sorted(out.choices, key=lambda c: c.index)]
+        choices = sorted(out.choices, key=lambda c: c.index)
+        rec.texts = [c.message.content if spec.chat else c.text for c in choices]
         rec.outcome = "ok"
+        if spec.score:
+            check_scored(rec, [c.logprobs.model_dump() if c.logprobs else None for c in choices])
         return
     texts, finished = [""] * spec.n, [False] * spec.n
     with api.create(**body, stream=True) as stream:

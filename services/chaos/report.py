@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from services.chaos.faults import FaultLog
 from services.chaos.fleet import ChaosFleet
-from services.chaos.load import Record, Spec
+from services.chaos.load import UNSCORED, Record, Spec
 
 EXPECTED_503 = ("redis_unavailable", "redis_lost_request")
 ANSWERED = ("ok", "http_error", "stream_error", "connection_error", "cancelled", "disconnected")
@@ -94,8 +94,14 @@ def check(specs: list[Spec], reference: list[list[str]], records: list[Record], 
         if r.mode == "poison" and r.outcome != "refused" and not 400 <= r.status < 500:
             poison_bad += 1
             rep.problems.append(f"poison {r.code}: {r.outcome} {r.status}, not a 4xx")
+    scored = unscored = 0
     for r in accepted:
         spec, want = specs[r.spec], reference[r.spec]
+        if spec.score and r.outcome == "ok":
+            scored += 1
+            if any(UNSCORED in e for e in r.order_errors):
+                unscored += 1
+                rep.problems.append(f"unscored: spec {r.spec} {r.mode} at {r.t0:.1f}: {r.order_errors}")
         if r.outcome == "lost":
             rep.lost += 1
             rep.problems.append(f"lost: spec {r.spec} {r.mode} on port {r.port} at {r.t0:.1f}: {r.order_errors}")
@@ -141,6 +147,7 @@ def check(specs: list[Spec], reference: list[list[str]], records: list[Record], 
         ("streams: no token twice or skipped", f"{stream_bad} bad", stream_bad == 0),
         ("no 5xx but 503 while Redis was down", f"{bad_5xx} unexpected", bad_5xx == 0),
         ("poison requests refused with a 4xx", f"{poison_bad} not", poison_bad == 0),
+        ("scoring answers carry the prompt's logprobs", f"{unscored} of {scored} without", unscored == 0),
         ("no client met an unexpected exception", str(len(harness)), not harness),
         ("no fleet process gone for good", ", ".join(gone) or "all running", not gone),
         ("no fleet process exited on its own", f"{sum(map(len, crashes.values()))} crashes", not crashes),

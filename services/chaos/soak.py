@@ -47,7 +47,7 @@ def _reference(fleet: ChaosFleet, specs: list[load.Spec]) -> list[list[str]]:
                            timeout=load.CLIENT_TIMEOUT_S)
     ref = []
     for spec in specs:
-        whole = load.Spec(spec.chat, False, spec.prompt, spec.n, spec.seed)
+        whole = dataclasses.replace(spec, stream=False)
         rec = load.send(client, [whole], 0, "whole", fleet.model, fleet.ports[0], random.Random(0))
         if rec.outcome != "ok":
             raise RuntimeError(f"the fault-free reference failed ({rec.outcome} {rec.status} {rec.code}) for {spec}")

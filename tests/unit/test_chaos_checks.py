@@ -14,7 +14,7 @@ import pytest
 from services.chaos.command import duration
 from services.chaos.faults import KINDS, TAKE_NOTHING_AWAY, FaultLog
 from services.chaos.jobs import _answered
-from services.chaos.load import MODES, Record, Spec
+from services.chaos.load import MAX_TOKENS, MODES, Record, Spec, catalogue, check_scored
 from services.chaos.report import _compare, check
 
 pytestmark = pytest.mark.unit
@@ -58,6 +58,9 @@ def test_spec_params_are_the_body_without_the_openai_clients_extra_body():
     assert "extra_body" not in params and "stream" not in params and params["seed"] == 7
 
 
+PLAIN = Spec(chat=False, stream=False, prompt="p")
+
+
 def _body(*finishes: str, chat: bool = False) -> dict:
     choices = [{"index": i, "finish_reason": f} | ({"message": {"content": f"t{i}"}} if chat else {"text": f"t{i}"})
                for i, f in reversed(list(enumerate(finishes)))]
@@ -66,14 +69,29 @@ def _body(*finishes: str, chat: bool = False) -> dict:
 
 def test_an_abort_is_a_cancel_only_when_the_client_cancelled():
     rec = Record(spec=0, mode="python_cancel", port=0, t0=0.0)
-    _answered(rec, _body("abort", "length"), cancelled=True)
+    _answered(rec, _body("abort", "length"), cancelled=True, spec=PLAIN)
     assert rec.outcome == "cancelled" and rec.texts == ["t0", "t1"]
     rec = Record(spec=0, mode="celery", port=0, t0=0.0)
-    _answered(rec, _body("length", chat=True), cancelled=False)
+    _answered(rec, _body("length", chat=True), cancelled=False, spec=PLAIN)
     assert rec.outcome == "ok" and rec.texts == ["t0"]
     rec = Record(spec=0, mode="python_client", port=0, t0=0.0)
-    _answered(rec, _body("abort"), cancelled=False)
+    _answered(rec, _body("abort"), cancelled=False, spec=PLAIN)
     assert rec.outcome == "lost" and "never cancelled" in rec.order_errors[0]
+
+
+def test_a_scoring_answer_needs_the_prompts_logprobs_before_the_completions():
+    spec = Spec(chat=False, stream=False, prompt="p", score=True)
+    body = spec.body("m")
+    assert body["echo"] is True and body["logprobs"] == 1
+    whole = [None, -1.5, -0.25] + [-0.5] * MAX_TOKENS  # the prompt's (first null), then the completion's
+    for logprobs, ok in [(whole, True), ([-0.5] * MAX_TOKENS, False), ([None] * (MAX_TOKENS + 3), False),
+                         (None, False)]:
+        rec = Record(spec=0, mode="celery", port=0, t0=0.0)
+        body = _body("length")
+        body["choices"][0]["logprobs"] = None if logprobs is None else {"token_logprobs": logprobs}
+        _answered(rec, body, cancelled=False, spec=spec)
+        assert (rec.order_errors == []) is ok, (logprobs, rec.order_errors)
+    assert any(s.score and not s.stream and not s.chat and s.seed is None for s in catalogue(0))
 
 
 def _fleet(gone: tuple[str, ...] = ()) -> SimpleNamespace:
@@ -138,3 +156,12 @@ def test_a_celery_task_is_sent_again_only_after_an_outage_that_began_after_it_wa
     assert resend_due(windows, sent=90.0, now=126.0, resent=set()) == [125.0]
     assert resend_due(windows, sent=90.0, now=126.0, resent={125.0}) == []  # once per outage
     assert resend_due(windows, sent=110.0, now=240.0, resent=set()) == [230.0]  # sent during or after the first
+
+
+def test_checks_fail_on_a_scoring_answer_without_the_prompts_logprobs():
+    specs, ref = [Spec(chat=False, stream=False, prompt="p", score=True)], [["p and more"]]
+    good = _rec("whole", "ok", ["p and more"])
+    bad = _rec("celery", "ok", ["p and more"])
+    check_scored(bad, [{"token_logprobs": [-0.5] * 3}])
+    rep = check(specs, ref, [good, bad], FaultLog(), _fleet(), 2**20, 2**20, {})
+    assert rep.failed() == ["scoring answers carry the prompt's logprobs"] and "1 of 2 without" in rep.table()
