@@ -143,6 +143,11 @@ class Submitted:
     def num_choices(self) -> int:
         return self.request.sampling_params.get("n", 1)
 
+    @property
+    def n(self) -> int:
+        """Choices per prompt (one prompt: all of them), as Batch.n."""
+        return self.num_choices
+
     def prompt_of(self, _choice: int) -> str | None:
         return self.request.prompt
 

@@ -150,8 +150,9 @@ async def collect(chunks: AsyncIterator[OutputChunk], n: int) -> tuple[list[_Cho
         ch.token_ids += c.token_ids
         ch.logprobs += c.logprobs or []
         ch.finish_reason = c.finish_reason or ch.finish_reason
-        if c.prompt_logprobs is not None:
-            ch.prompt_logprobs, ch.prompt_logprob_ranks = c.prompt_logprobs, c.prompt_logprob_ranks
+        if c.prompt_logprobs is not None:  # once per request, for every choice (they share the prompt)
+            for each in choices:
+                each.prompt_logprobs, each.prompt_logprob_ranks = c.prompt_logprobs, c.prompt_logprob_ranks
         if c.final:
             usage = c.usage
     return choices, usage
@@ -311,8 +312,10 @@ async def completion_events(sub: Any, chunks: AsyncIterator[OutputChunk], *, ech
     tok, model, rid = sub.target.tokenizer, sub.target.model, sub.request_id
     created = int(time.time())  # one for every chunk of the stream, as OpenAI's
     offsets = [len(sub.prompt_of(i) or "") if echo else 0 for i in range(sub.num_choices)]
-    # echo with logprobs: a choice's prompt goes out with its logprobs, which come with its first tokens
+    # echo with logprobs: a choice's prompt goes out with its logprobs, which come once per prompt, with the first
+    # tokens of any of its choices (so before or with each choice's first chunk)
     echo_later = set(range(sub.num_choices)) if echo and logprobs is not None else set()
+    scored: dict[int, list[dict[int, float] | None]] = {}  # prompt (choice // n) -> its logprobs
     if echo and not echo_later:
         for i in range(sub.num_choices):
             yield sse(CompletionResponse(id=rid, created=created, model=model, choices=[CompletionChoice(
@@ -320,7 +323,9 @@ async def completion_events(sub: Any, chunks: AsyncIterator[OutputChunk], *, ech
 
     def echo_event(c: OutputChunk) -> str:
         echo_later.discard(c.index)
-        lp = prompt_logprobs(tok, sub.prompt_ids_of(c.index), c.prompt_logprobs, logprobs)
+        if c.prompt_logprobs is not None:
+            scored[c.index // sub.n] = c.prompt_logprobs
+        lp = prompt_logprobs(tok, sub.prompt_ids_of(c.index), scored.get(c.index // sub.n), logprobs)
         return sse(CompletionResponse(id=rid, created=created, model=model, choices=[CompletionChoice(
             index=c.index, text=sub.prompt_of(c.index) or "", logprobs=lp)]))
 

@@ -75,8 +75,8 @@ class OutputChunk(BaseModel):
     token_ids: list[int] = Field(default_factory=list)
     text: str = ""  # text delta
     logprobs: list[dict[int, float]] | None = None  # one dict per token: chosen + top-k token id -> logprob
-    # in the choice's first chunk with tokens, when prompt_logprobs was asked: one dict per prompt token (the
-    # token's logprob given what precedes it + the top-k there), the first None
+    # once per request, in its first chunk with tokens (any choice's; every choice's prompt), when prompt_logprobs
+    # was asked: one dict per prompt token (its logprob given what precedes it + the top-k there), the first None
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_logprob_ranks: list[int | None] | None = None  # each prompt token's rank there (1: the likeliest)
     finish_reason: FinishReason | None = None  # this choice finished

@@ -8,8 +8,9 @@ A request with n > 1 runs as n sequences with ids f"{request_id}-{i}" (one sched
 prompt's blocks) and comes back as one RequestOutput with n CompletionOutputs.
 
 Prompt logprobs (SamplingParams.prompt_logprobs): the runner scores the prompt's chunks as they are computed
-(the scheduler names the targets and skips the prefix cache for such a request until they are all scored); each
-sample's first output carries the whole list, entry 0 None (the first token has no context).
+(the scheduler names the targets and skips the prefix cache for such a request until they are all scored). The
+request's first output with tokens carries the whole list once (in that sample's CompletionOutput), entry 0 None
+(the first token has no context); a request resumed with tokens sent had it sent already.
 
 A failure that belongs to one request fails that request alone: its output is final with finish_reason
 "error" and `error` set, its blocks are freed, and every other request of the step carries on as if nothing
@@ -66,7 +67,6 @@ class _Sequence:
     num_sent: int  # output tokens already in an output (or sent before a takeover)
     logprobs: list[dict[int, float]] | None  # of the processed tokens not sent yet; None if not asked
     cumulative_logprob: float | None
-    prompt_logprobs_due: bool = False  # its first output is still to carry the prompt logprobs
 
 
 @dataclass
@@ -79,6 +79,7 @@ class _Group:
     prompt_logprobs: list[dict[int, float] | None] | None = None  # by position (0: None); None: not asked
     prompt_logprob_ranks: list[int | None] | None = None  # the prompt tokens' ranks, by position
     prompt_logprobs_missing: int = 0  # positions not scored yet
+    prompt_logprobs_due: bool = False  # the next output with tokens carries them (once per request)
 
     @property
     def finished(self) -> bool:
@@ -152,7 +153,8 @@ class LLMEngine:
         for i in range(params.n):
             group.seqs.append(self._make_sequence(group, i, params, priority, arrival,
                                                   resume[i] if i < len(resume) else []))
-        if params.prompt_logprobs is not None and any(s.prompt_logprobs_due for s in group.seqs):
+        if params.prompt_logprobs is not None and not any(resume):  # else they went out with the first tokens
+            group.prompt_logprobs_due = True
             group.prompt_logprobs = [None] * len(prompt_token_ids)
             group.prompt_logprob_ranks = [None] * len(prompt_token_ids)
             group.prompt_logprobs_missing = len(prompt_token_ids) - 1
@@ -212,8 +214,7 @@ class LLMEngine:
             detok.take_text(finished=False)
         want_lp = sp.logprobs is not None
         return _Sequence(index, request, detok, generator, banned, num_seen=len(resumed), num_sent=len(resumed),
-                         logprobs=[] if want_lp else None, cumulative_logprob=0.0 if want_lp else None,
-                         prompt_logprobs_due=sp.prompt_logprobs is not None and not resumed)
+                         logprobs=[] if want_lp else None, cumulative_logprob=0.0 if want_lp else None)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request (all its samples) and free its blocks; unknown or finished id: no-op."""
@@ -401,9 +402,9 @@ class LLMEngine:
             if logprobs is not None:
                 s.logprobs = []
             prompt_logprobs = prompt_ranks = None
-            if s.prompt_logprobs_due and new_ids:
+            if group.prompt_logprobs_due and new_ids:
                 prompt_logprobs, prompt_ranks = group.prompt_logprobs, group.prompt_logprob_ranks
-                s.prompt_logprobs_due = False
+                group.prompt_logprobs_due = False
             outs.append(CompletionOutput(
                 index=s.index, text=s.detok.take_text(r.is_finished), token_ids=new_ids, logprobs=logprobs,
                 finish_reason=r.finish_reason, stop_reason=r.stop_reason, cumulative_logprob=s.cumulative_logprob,

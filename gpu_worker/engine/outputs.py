@@ -18,8 +18,9 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running; stays once set
     stop_reason: int | str | None = None  # the stop token id or stop string; None for eos or length
     cumulative_logprob: float | None = None  # over all the sample's tokens so far
-    # in the sample's first output with tokens, when asked (SamplingParams.prompt_logprobs): per prompt
-    # position the prompt token's logprob + the top N there; entry 0 is None
+    # once per request, in the first output with tokens (of whichever sample), when asked
+    # (SamplingParams.prompt_logprobs): per prompt position the prompt token's logprob + the top N there;
+    # entry 0 is None
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_logprob_ranks: list[int | None] | None = None  # each prompt token's rank there (1: the likeliest)
 

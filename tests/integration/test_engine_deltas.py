@@ -97,3 +97,25 @@ def test_a_step_sends_only_what_it_produced(llm):
         assert set(per_step[i]) <= {0, 1} and sum(per_step[i]) == 70
     complete = llm.generate({"prompt_token_ids": A}, params, use_tqdm=False)[0]
     assert [text[c.index] for c in complete.outputs] == [c.text for c in complete.outputs]
+
+
+def test_prompt_logprobs_come_once_per_request_with_its_first_tokens(llm):
+    """n = 3 samples share one prompt: its logprobs ride in the request's first output with tokens, once (a
+    64-choice request would otherwise carry 64 copies), and a request resumed with tokens sent gets none."""
+    engine = llm.engine
+    engine.add_request("p", A, SamplingParams(n=3, temperature=0.8, seed=1, max_tokens=4, prompt_logprobs=2))
+    engine.add_request("r", B, SamplingParams(max_tokens=4, prompt_logprobs=1), resume_output_token_ids=[[5, 6]])
+    carried: dict[str, list] = defaultdict(list)
+    first_tokens: dict[str, int] = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        steps += 1
+        for out in engine.step():
+            for c in out.outputs:
+                if c.token_ids and out.request_id not in first_tokens:
+                    first_tokens[out.request_id] = steps
+                if c.prompt_logprobs is not None:
+                    carried[out.request_id].append((steps, c.prompt_logprobs))
+    (step, lps), = carried["p"]
+    assert step == first_tokens["p"] and len(lps) == len(A) and lps[0] is None and all(lps[1:])
+    assert "r" not in carried
