@@ -23,6 +23,7 @@ from shared.sampling_params import (
     SEED_MAX,
     SEED_MIN,
     SamplingParams,
+    structured_error,
 )
 
 PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1  # a signed 32-bit integer; lower runs first
@@ -59,6 +60,31 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(True, alias="schema")  # `true`: any JSON value
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text (no constraint), json_object (any JSON object), json_schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise invalid("json_schema", "is required when type is \"json_schema\"")
+        return self
+
+
+# vLLM's ways to ask for structured outputs besides response_format, and the kind each is
+STRUCTURED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                     "guided_grammar": "grammar"}
+
+
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 
@@ -90,10 +116,51 @@ class _SamplingFields(BaseModel):
                           description="a signed 32-bit integer; under the worker's priority scheduling policy "
                                       "lower values run first (ignored by fcfs and sjf)")
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = Field(
+        None, description="vLLM's: exactly one of json (a schema), json_object (true), regex, choice (strings), "
+                          "grammar (EBNF); or its older guided_json, guided_regex, guided_choice, guided_grammar")
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     prompt_logprobs: int | None = Field(
         None, ge=0, le=MAX_LOGPROBS, description="vLLM's: each prompt token's logprob, rank and the top N there, in "
                                                  "the choices' `prompt_logprobs` (the first token's null); not with "
                                                  "stream")
+
+    def structured_spec(self) -> tuple[str, dict[str, Any]] | None:
+        """(the field that asked, SamplingParams.structured_outputs) or None; see _one_structured_field."""
+        if self.structured_outputs is not None:
+            return "structured_outputs", self.structured_outputs
+        for field, kind in STRUCTURED_FIELDS.items():
+            value = getattr(self, field)
+            if value is not None:
+                return field, {kind: value}
+        rf = self.response_format
+        if rf is None or rf.type == "text":
+            return None
+        if rf.type == "json_object":
+            return "response_format", {"json_object": True}
+        schema = rf.json_schema.schema_
+        return "response_format.json_schema.schema", {"json": {} if schema is True else schema}
+
+    @model_validator(mode="after")
+    def _one_structured_field(self) -> Any:
+        """At most one way of asking (response_format other than text counts), and that one well-formed."""
+        asked = [f for f in ("structured_outputs", *STRUCTURED_FIELDS) if getattr(self, f) is not None]
+        if self.response_format is not None and self.response_format.type != "text":
+            asked.append("response_format")
+        if len(asked) > 1:
+            raise invalid(asked[1], f"only one of {', '.join(asked)} may be given")
+        spec = self.structured_spec()
+        if spec is not None:
+            field, value = spec
+            why = structured_error(value)  # ".kind: rule" or ": rule"
+            if why is not None:
+                below, rule = why.split(": ", 1)
+                raise invalid(field + below if field == "structured_outputs" else field, rule)
+        return self
 
     @model_validator(mode="after")
     def _prompt_logprobs_not_streamed(self) -> Any:
@@ -145,7 +212,7 @@ class _SamplingFields(BaseModel):
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
+            prompt_logprobs=prompt_logprobs, structured_outputs=(spec := self.structured_spec()) and spec[1],
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,

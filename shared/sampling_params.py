@@ -6,6 +6,7 @@ token ids against the vocabulary) happen where the tokenizer is known (gateway.p
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,41 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS = 300  # token ids in one logit_bias (OpenAI's limit)
 LOGIT_BIAS_MIN, LOGIT_BIAS_MAX = -100.0, 100.0
 MIN_TEMPERATURE = 0.01  # a smaller positive temperature samples as this one (vLLM's rule): logits / 1e-300 are inf
+# structured outputs (vLLM's StructuredOutputsParams): exactly one of these kinds
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+MAX_GRAMMAR_CHARS = 32768  # a JSON schema, regex, grammar or all the choices together: compiling costs with the size
+MAX_CHOICES = 256
+
+
+def structured_error(spec: Any) -> str | None:
+    """What is wrong with a structured-outputs spec ("<field>: <rule>", the field under structured_outputs), or
+    None. The grammar itself is compiled by the worker, which answers one that does not compile with a 400."""
+    if not isinstance(spec, dict) or len(spec) != 1 or next(iter(spec)) not in STRUCTURED_KINDS:
+        return f": must be an object with exactly one of {', '.join(STRUCTURED_KINDS)}"
+    kind, value = next(iter(spec.items()))
+    if kind == "json_object":
+        return None if value is True else ".json_object: must be true"
+    if kind == "choice":
+        if (not isinstance(value, list) or not 1 <= len(value) <= MAX_CHOICES
+                or any(not isinstance(c, str) or not c for c in value)):
+            return f".choice: must be a list of 1 to {MAX_CHOICES} non-empty strings"
+        size = sum(len(c) for c in value)
+    elif kind == "json":
+        if isinstance(value, dict):
+            value = json.dumps(value)
+        if not isinstance(value, str) or not value:
+            return ".json: must be a JSON schema (an object, or its JSON text)"
+        try:
+            if not isinstance(json.loads(value), dict | bool):
+                return ".json: must be a JSON schema (an object, or its JSON text)"
+        except ValueError as e:
+            return f".json: is not valid JSON ({e})"
+        size = len(value)
+    else:
+        if not isinstance(value, str) or not value:
+            return f".{kind}: must be a non-empty string"
+        size = len(value)
+    return None if size <= MAX_GRAMMAR_CHARS else f".{kind}: at most {MAX_GRAMMAR_CHARS} characters, got {size}"
 
 
 def _token_key(key: Any) -> Any:
@@ -46,6 +82,9 @@ class SamplingParams:
     # the prompt's logprobs too (vLLM's prompt_logprobs: each prompt token's given what precedes it, plus the
     # top N there; the first token has none), with the first output token. OpenAI's echo + logprobs.
     prompt_logprobs: int | None = None
+    # constrained decoding (vLLM's structured outputs; OpenAI's response_format): one of {"json": schema (text or
+    # object)}, {"json_object": True}, {"regex": str}, {"choice": [str, ...]}, {"grammar": EBNF str}
+    structured_outputs: dict[str, Any] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -62,6 +101,9 @@ class SamplingParams:
             self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()} or None
         if self.top_k == -1:
             self.top_k = 0
+        spec = self.structured_outputs
+        if isinstance(spec, dict) and isinstance(spec.get("json"), dict):  # one form: the schema's JSON text
+            self.structured_outputs = {"json": json.dumps(spec["json"], separators=(",", ":"))}
         self._validate()
         if 0 < self.temperature < MIN_TEMPERATURE:
             self.temperature = MIN_TEMPERATURE
@@ -98,6 +140,8 @@ class SamplingParams:
             raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
         if self.prompt_logprobs is not None and not is_int(self.prompt_logprobs, 0, MAX_LOGPROBS):
             raise bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if self.structured_outputs is not None and (why := structured_error(self.structured_outputs)) is not None:
+            raise ValueError(f"structured_outputs{why}")
         if not in_range(self.presence_penalty, -2, 2):
             raise bad("presence_penalty", "must be in [-2, 2]")
         if not in_range(self.frequency_penalty, -2, 2):

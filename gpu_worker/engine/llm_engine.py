@@ -4,6 +4,10 @@ Outputs are deltas (vLLM's RequestOutputKind.DELTA): the token ids, text and log
 last output, so a step costs what it produced; the offline API (llm.py) folds them into complete outputs.
 Tokens a request already had (resumed after a takeover, or recomputed after preemption) are never sent again.
 
+Structured outputs (SamplingParams.structured_outputs): each sequence's grammar masks its logits before the
+sampler and takes each sampled token (gpu_worker.engine.structured); a spec that does not compile is an
+InvalidRequest.
+
 A request with n > 1 runs as n sequences with ids f"{request_id}-{i}" (one scheduler group: they share the
 prompt's blocks) and comes back as one RequestOutput with n CompletionOutputs.
 
@@ -33,11 +37,12 @@ from gpu_worker.core.config import CacheConfig, SchedulerConfig
 from gpu_worker.core.policies import SchedulingPolicy
 from gpu_worker.core.request import Request
 from gpu_worker.core.scheduler import RequestRejected, Scheduler, SchedulerStats
-from gpu_worker.engine import isolation
+from gpu_worker.engine import isolation, structured
 from gpu_worker.engine.detokenizer import IncrementalDetokenizer
 from gpu_worker.engine.isolation import EngineFault
 from gpu_worker.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from gpu_worker.engine.sampler import Sampler, SamplingRow, draw_uniform
+from gpu_worker.engine.structured import Constraint, GrammarError, Grammars
 from gpu_worker.executor.model_loader import checked_max_model_len, eos_token_ids, load_model_files
 from gpu_worker.executor.model_runner import ModelRunner
 from shared.sampling_params import SamplingParams
@@ -67,6 +72,7 @@ class _Sequence:
     num_sent: int  # output tokens already in an output (or sent before a takeover)
     logprobs: list[dict[int, float]] | None  # of the processed tokens not sent yet; None if not asked
     cumulative_logprob: float | None
+    constraint: Constraint | None = None  # structured outputs: its grammar's state
 
 
 @dataclass
@@ -100,6 +106,7 @@ class LLMEngine:
         self.sampler = Sampler(seed, device=runner.device)
         self._groups: dict[str, _Group] = {}
         self._seq_owner: dict[str, tuple[_Group, _Sequence]] = {}  # scheduler request id -> its group
+        self.grammars = Grammars(tokenizer, runner.vocab_size, eos_token_ids)
 
     @classmethod
     def from_model(cls, model: str, *, dtype: str = "float32", device: str = "cpu", block_size: int = 16,
@@ -186,6 +193,11 @@ class LLMEngine:
             raise InvalidRequest(f"logit_bias: key {bad!r} is outside the vocabulary [0, {vocab})")
         if not isinstance(params.top_k, int) or not 0 <= params.top_k <= vocab:
             raise InvalidRequest(f"top_k must be -1 (off) or in [1, {vocab}] (the vocabulary), got {params.top_k!r}")
+        if params.structured_outputs is not None:
+            try:
+                self.grammars.compile(params.structured_outputs)
+            except GrammarError as e:
+                raise InvalidRequest(str(e)) from None
 
     def _make_sequence(self, group: _Group, index: int, params: SamplingParams, priority: int, arrival: float,
                        resumed: list[int]) -> _Sequence:
@@ -213,8 +225,15 @@ class LLMEngine:
             detok.add_tokens(resumed)
             detok.take_text(finished=False)
         want_lp = sp.logprobs is not None
+        constraint = None
+        if sp.structured_outputs is not None:
+            try:
+                constraint = Constraint(self.grammars.compile(sp.structured_outputs), resumed)
+            except GrammarError as e:
+                raise InvalidRequest(str(e)) from None
         return _Sequence(index, request, detok, generator, banned, num_seen=len(resumed), num_sent=len(resumed),
-                         logprobs=[] if want_lp else None, cumulative_logprob=0.0 if want_lp else None)
+                         logprobs=[] if want_lp else None, cumulative_logprob=0.0 if want_lp else None,
+                         constraint=constraint)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request (all its samples) and free its blocks; unknown or finished id: no-op."""
@@ -277,6 +296,11 @@ class LLMEngine:
             sampling = [s for s in sampling if s.request.request_id not in culprits]
             if any(seq.prompt_logprob_targets for seq in sched.seqs):
                 self._record_prompt_logprobs()
+        if sampling and any(s.constraint is not None for s in sampling):
+            for i, why in structured.mask(logits, [(i, s.constraint) for i, s in enumerate(sampling)
+                                                   if s.constraint is not None]).items():
+                failed.setdefault(self._seq_owner[sampling[i].request.request_id][0].request_id,
+                                  f"structured outputs failed: {why}")
         if sampling:
             rows = [SamplingRow(s.request.sampling_params, s.request.prompt_token_ids, s.request.output_token_ids,
                                 s.banned_ids if s.request.num_output_tokens < s.request.sampling_params.min_tokens
@@ -289,6 +313,11 @@ class LLMEngine:
                 else:
                     sampled[s.request.request_id] = tok
                     logprobs[s.request.request_id] = lp
+                    if s.constraint is not None:
+                        try:
+                            s.constraint.accept(tok)
+                        except GrammarError as e:
+                            failed.setdefault(self._seq_owner[s.request.request_id][0].request_id, str(e))
         for rid in failed:  # before update_from_output, which skips what is no longer running
             self._abort_seqs(self._groups[rid])
         finished = self.scheduler.update_from_output(sched, sampled)
@@ -301,6 +330,8 @@ class LLMEngine:
                 continue
             try:
                 self._process_new_tokens(s, logprobs.get(s.request.request_id))
+                if s.constraint is not None and s.constraint.done and not s.request.is_finished:
+                    self.scheduler.finish_request(s.request.request_id, "stop")  # the grammar is complete
             except Exception as e:  # noqa: BLE001 (this request's detokenizer or stop check)
                 failed[group.request_id] = f"detokenizing failed: {isolation.describe(e)}"
                 self._abort_seqs(group)

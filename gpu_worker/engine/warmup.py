@@ -5,7 +5,9 @@ dispatch in the middle of their request).
 Three small rounds through the real engine API (scheduler, KV cache, runner, sampler, detokenizer): a long
 prefill (up to WARMUP_PROMPT_TOKENS, at most half the KV cache; in chunks when the step budget is smaller) with greedy decoding; a batch
 of short requests decoding together with seeded sampling, top-p/top-k, penalties and logprobs; and n=2 (a
-forked prompt, copy-on-write). The prompts are fixed ids drawn from a seed, so their cached blocks match no
+forked prompt, copy-on-write) scoring its prompt (prompt logprobs); then a JSON-constrained request (structured
+outputs: the grammar library's import and this tokenizer's tables, ~0.5 s the first time; a tokenizer it cannot
+read is logged, not fatal: such requests then fail alone). The prompts are fixed ids drawn from a seed, so their cached blocks match no
 real prompt and are the first evicted. Then it waits until the KV cache is resident (on CPU the runner
 pre-faults it in the background from its start: gpu_worker.executor.kv_prefault), as vLLM's start zeroes its
 cache. Returns what it did and how long it took, for the start log.
@@ -13,6 +15,7 @@ cache. Returns what it did and how long it took, for the start log.
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from dataclasses import dataclass
@@ -23,6 +26,8 @@ from shared.sampling_params import SamplingParams
 WARMUP_PROMPT_TOKENS = 512  # the long prefill (capped by the context window and half the KV cache)
 WARMUP_BATCH = 8  # short requests decoding together
 WARMUP_PREFIX = "kvfleet-warmup"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -54,12 +59,18 @@ def warm_up(engine: LLMEngine, *, seed: int = 0) -> Warmup:
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     sampled = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=seed, max_tokens=4, ignore_eos=True,
                              logprobs=2, repetition_penalty=1.1, presence_penalty=0.1)
-    forked = SamplingParams(n=2, temperature=0.7, seed=seed, max_tokens=3, ignore_eos=True)
+    forked = SamplingParams(n=2, temperature=0.7, seed=seed, max_tokens=3, ignore_eos=True, prompt_logprobs=1)
+    shaped = SamplingParams(temperature=0.0, max_tokens=4, structured_outputs={"json_object": True})
     rounds = [[(ids(long_len), greedy)],
               [(ids(short_len), sampled) for _ in range(WARMUP_BATCH)]]
     if engine.scheduler.config.max_num_seqs >= forked.n:
         rounds.append([(ids(short_len), forked)])
     start, steps, requests, prompt_tokens, output_tokens = time.perf_counter(), 0, 0, 0, 0
+    try:
+        engine.grammars.compile(shaped.structured_outputs)
+        rounds.append([(ids(short_len), shaped)])
+    except Exception as e:  # noqa: BLE001 (an optional path: the worker serves everything else)
+        log.warning("structured outputs will fail on this worker: %s", e)
     for round_ in rounds:
         for prompt, params in round_:
             engine.add_request(f"{WARMUP_PREFIX}-{requests}", prompt, params)

@@ -1,8 +1,10 @@
 """`kvfleet up` with the default model (alias smollm2): a private Redis, the gateway and a worker come up,
-the `openai` client gets a sensible English chat answer, and SIGTERM leaves nothing running."""
+the `openai` client gets a sensible English chat answer (and one shaped by a JSON schema), and SIGTERM leaves
+nothing running."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -62,6 +64,16 @@ def test_kvfleet_up_answers_a_chat_in_english(tmp_path):
         words = re.findall(r"[A-Za-z]+", answer)
         assert len(words) >= 3 and {"the", "is", "of"} & {w.lower() for w in words}
         assert reply.usage.completion_tokens <= 40 and reply.choices[0].finish_reason in ("stop", "length")
+        schema = {"type": "object", "properties": {"country": {"type": "string"}, "capital": {"type": "string"}},
+                  "required": ["country", "capital"], "additionalProperties": False}
+        shaped = client.chat.completions.create(
+            model="smollm2", temperature=0, max_tokens=40,
+            messages=[{"role": "user", "content": "What is the capital of France? Answer in JSON."}],
+            response_format={"type": "json_schema", "json_schema": {"name": "capital", "schema": schema}})
+        print(f"smollm2 in JSON: {shaped.choices[0].message.content!r}")
+        fields = json.loads(shaped.choices[0].message.content)
+        assert set(fields) == {"country", "capital"} and fields["capital"] == "Paris"
+        assert shaped.choices[0].finish_reason == "stop"
     finally:
         if up.poll() is None:
             os.kill(up.pid, signal.SIGTERM)

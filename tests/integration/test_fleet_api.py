@@ -390,6 +390,36 @@ def test_vllm_prompt_logprobs(client, model, fleet):
                                   extra_body={"prompt_logprobs": 1})
     assert e.value.body["param"] == "prompt_logprobs" and "stream" in e.value.body["message"]
 
+
+def test_structured_outputs(client, model):
+    """OpenAI's response_format and vLLM's structured_outputs / guided_*: the answer follows the schema, the
+    regex or one of the choices, whatever the (random) model would say; streamed too. A spec that does not compile
+    is a 400 from the worker that names it; a malformed one a 400 from the gateway that names the field."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Status?"}], max_tokens=40, temperature=0.9, seed=5,
+        response_format={"type": "json_schema", "json_schema": {"name": "status", "schema": schema}})
+    answer = json.loads(chat.choices[0].message.content)
+    assert set(answer) == {"ok", "n"} and isinstance(answer["ok"], bool) and answer["n"] in (1, 2, 3)
+    assert chat.choices[0].finish_reason == "stop"
+    out = client.completions.create(model=model, prompt="Pick:", max_tokens=20, n=3, temperature=1.0, seed=2,
+                                    extra_body={"structured_outputs": {"choice": ["alpha", "beta", "gamma delta"]}})
+    assert all(c.text in ("alpha", "beta", "gamma delta") and c.finish_reason == "stop" for c in out.choices)
+    stream = client.completions.create(model=model, prompt="Code:", max_tokens=20, temperature=0, stream=True,
+                                       extra_body={"guided_regex": "[A-Z]{2}-[0-9]{3}"})
+    assert re.fullmatch("[A-Z]{2}-[0-9]{3}", "".join(c.choices[0].text for c in stream if c.choices))
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt="x", max_tokens=5, extra_body={"guided_regex": "a(b"})
+    assert "guided" not in e.value.message and "regex" in e.value.message and "does not compile" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt="x", max_tokens=5, extra_body={"structured_outputs": {"json": "{"}})
+    assert e.value.body["param"] == "structured_outputs.json"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=5,
+                                       response_format={"type": "json_object"}, extra_body={"guided_choice": ["a"]})
+    assert "only one of" in e.value.body["message"]
+
 def test_no_live_worker_then_no_redis_answer_503(fleet, client, model):  # last: it stops the fleet
     """Last in the module: it stops the fleet's workers, then its Redis."""
     for wid in ("w0", "w1"):

@@ -106,6 +106,12 @@ def test_valid_extremes_pass():
     ({"top_p": float("inf")}, "top_p"), ({"repetition_penalty": 10**400}, "repetition_penalty"),
     ({"stop_token_ids": [BIG]}, "stop_token_ids"), ({"stop": ["x" * 257]}, "stop"), ({"n": 65}, "n"),
     ({"max_tokens": 4, "min_tokens": 5}, "min_tokens"), ({"logprobs": 21}, "logprobs"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"), ({"structured_outputs": {"regex": "a", "json": "{}"}},
+                                                   "structured_outputs"),
+    ({"structured_outputs": {"choice": ["a"] * 257}}, "structured_outputs.choice"),
+    ({"structured_outputs": {"json": "[1, 2]"}}, "structured_outputs.json"),
+    ({"structured_outputs": {"json_object": False}}, "structured_outputs.json_object"),
+    ({"structured_outputs": {"grammar": "x" * 40_000}}, "structured_outputs.grammar"),
 ])
 def test_sampling_params_bound_every_field(kw, param):
     """The offline API and the worker build SamplingParams too: no value reaches a tensor unbounded."""
@@ -238,3 +244,33 @@ def test_sampling_params_to_dict_is_asdicts_copy_and_round_trips():
     d["logit_bias"][6] = 2.0
     assert (p.stop, p.stop_token_ids, p.logit_bias) == (["x"], [7], {5: 1.5})  # a copy, not a view
     assert SamplingParams.from_dict(p.to_dict()) == p
+
+
+@pytest.mark.parametrize(("body", "param", "words"), [
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "required"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type", "json_schema"),
+    ({"structured_outputs": {"json": "{"}}, "structured_outputs.json", "not valid JSON"),
+    ({"structured_outputs": {"regex": ""}}, "structured_outputs.regex", "non-empty"),
+    ({"structured_outputs": {}}, "structured_outputs", "exactly one"),
+    ({"guided_choice": []}, "guided_choice", "1 to 256"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "response_format", "only one of"),
+    ({"prompt_logprobs": 2, "stream": True}, "prompt_logprobs", "stream"),
+])
+def test_structured_outputs_and_prompt_logprobs_fields(body, param, words):
+    got_param, message = refused(body)
+    assert got_param == param and words in message, (got_param, message)
+
+
+def test_structured_outputs_reach_the_sampling_params_in_one_form():
+    """Every way of asking gives the worker one spec; a schema object becomes its compact JSON text."""
+    def spec(**body):
+        return CompletionRequest(model="m", prompt="x", **body).sampling_params(8, None).structured_outputs
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    text = json.dumps(schema, separators=(",", ":"))
+    assert spec(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}) == {"json": text}
+    assert spec(guided_json=schema) == spec(structured_outputs={"json": schema}) == {"json": text}
+    assert spec(response_format={"type": "json_object"}) == {"json_object": True}
+    assert spec(response_format={"type": "text"}) is None and spec() is None
+    assert spec(guided_choice=["a", "b"]) == {"choice": ["a", "b"]}
+    assert spec(guided_grammar='root ::= "x"') == {"grammar": 'root ::= "x"'}

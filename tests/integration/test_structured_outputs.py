@@ -1,0 +1,84 @@
+"""Structured outputs in the engine (gpu_worker.engine.structured, xgrammar) on a tiny random-weight model:
+whatever the model would say, the answer follows the spec, through batching, preemption, n > 1 and a resumed
+request; the sequence ends when its grammar is complete (ignore_eos too); a spec that does not compile, or
+resumed tokens the grammar refuses, are the request's InvalidRequest."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from gpu_worker import LLM, SamplingParams
+from gpu_worker.engine.llm_engine import InvalidRequest
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_torch_thread")]
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]},
+                                           "tag": {"type": "string", "pattern": "^[a-z]{1,4}$"}},
+          "required": ["ok", "n", "tag"], "additionalProperties": False}
+REGEX = r"[A-Z]{2}-\d{3}"
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    # a cache too small for the whole batch at once: requests are preempted and recomputed
+    return LLM(str(tiny_llama_dir), block_size=4, num_kv_blocks=40, max_num_batched_tokens=32, max_model_len=128)
+
+
+def test_every_kind_holds_under_batching_preemption_and_n(llm):
+    prompts = [{"prompt_token_ids": list(range(200 + 10 * i, 230 + 10 * i))} for i in range(6)]
+    kinds = [{"json": SCHEMA}, {"regex": REGEX}, {"choice": ["yes", "no", "ask again later"]}, {"json_object": True},
+             {"grammar": 'root ::= "(" [0-9]+ ")"'}, {"json": SCHEMA}]
+    params = [SamplingParams(n=2 if i % 2 else 1, temperature=1.0, seed=i, max_tokens=60, structured_outputs=k)
+              for i, k in enumerate(kinds)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.stats().num_preemptions > 0
+    for kind, out in zip(kinds, outs, strict=True):
+        for c in out.outputs:
+            if "json" in kind:
+                got = json.loads(c.text)
+                assert set(got) == {"ok", "n", "tag"} and got["n"] in (1, 2, 3) and re.fullmatch("[a-z]{1,4}", got["tag"])
+            elif "regex" in kind:
+                assert re.fullmatch(REGEX, c.text)
+            elif "choice" in kind:
+                assert c.text in ("yes", "no", "ask again later")
+            elif "json_object" in kind:
+                assert c.finish_reason == "length" or isinstance(json.loads(c.text), dict)
+            else:
+                assert re.fullmatch(r"\(\d+\)", c.text) or (c.finish_reason == "length" and c.text.startswith("("))
+            if "json_object" not in kind and "grammar" not in kind:
+                assert c.finish_reason == "stop"
+
+
+def test_the_grammar_ends_the_sequence_even_with_ignore_eos(llm):
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True,
+                       structured_outputs={"choice": ["done"]}), use_tqdm=False)[0].outputs[0]
+    assert out.text == "done" and out.finish_reason == "stop" and len(out.token_ids) < 50
+
+
+def test_a_resumed_request_continues_its_grammar(llm):
+    """A takeover resumes with the tokens already sent: the grammar replays them and the rest still fits."""
+    tok = llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=30, structured_outputs={"regex": REGEX})
+    whole = llm.generate({"prompt_token_ids": [9, 10, 11]}, params, use_tqdm=False)[0].outputs[0]
+    engine = llm.engine
+    engine.add_request("resumed", [9, 10, 11], params, resume_output_token_ids=[whole.token_ids[:2]])
+    new: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            new += out.outputs[0].token_ids
+    assert re.fullmatch(REGEX, tok.decode(whole.token_ids[:2] + new, skip_special_tokens=True))
+    bad = tok.encode("zz", add_special_tokens=False)
+    with pytest.raises(InvalidRequest, match="does not fit the grammar"):
+        engine.add_request("wrong", [9, 10, 11], params, resume_output_token_ids=[bad])
+
+
+@pytest.mark.parametrize(("spec", "words"), [({"regex": "a(b"}, "structured_outputs.regex: does not compile"),
+                                             ({"grammar": "root ::= nothing"}, "not defined"),
+                                             ({"json": '{"type": "no-such-type"}'}, "structured_outputs.json")])
+def test_a_spec_that_does_not_compile_is_the_requests_error(llm, spec, words):
+    with pytest.raises(InvalidRequest, match=re.escape(words)):
+        llm.engine.add_request("bad", [1, 2, 3], SamplingParams(structured_outputs=spec))
+    assert not llm.engine.has_unfinished_requests()
