@@ -13,6 +13,7 @@ model may otherwise emit whitespace until max_tokens, as vLLM's disable_any_whit
 from __future__ import annotations
 
 import re
+import threading
 from collections import OrderedDict
 from typing import Any
 
@@ -43,24 +44,27 @@ class Grammars:
         self._tokenizer, self._vocab_size, self._stop_ids = tokenizer, vocab_size, stop_token_ids
         self._compiler: Any = None
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._lock = threading.Lock()  # the worker's intake thread compiles ahead of its main thread
 
     def _compiler_once(self) -> Any:
-        if self._compiler is None:
-            import xgrammar as xgr  # imported on the first structured request: it takes seconds
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar as xgr  # imported on the first structured request: ~0.3 s
 
-            info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size,
-                                                      stop_token_ids=self._stop_ids or None)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
-        return self._compiler
+                info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size,
+                                                          stop_token_ids=self._stop_ids or None)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+            return self._compiler
 
     def compile(self, spec: dict[str, Any]) -> Any:
         """A checked spec (SamplingParams.structured_outputs) -> xgrammar's compiled grammar; GrammarError."""
         kind, value = next(iter(spec.items()))
         key = (kind, value if isinstance(value, str) else "\x00".join(value) if kind == "choice" else "")
-        compiled = self._cache.get(key)
-        if compiled is not None:
-            self._cache.move_to_end(key)
-            return compiled
+        with self._lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+                return compiled
         compiler = self._compiler_once()
         try:
             if kind == "json":
@@ -75,9 +79,10 @@ class Grammars:
                 compiled = compiler.compile_grammar(value)
         except Exception as e:  # noqa: BLE001 (xgrammar raises RuntimeError for every kind of bad input)
             raise GrammarError(f"structured_outputs.{kind}: does not compile: {_clean(e)}") from None
-        self._cache[key] = compiled
-        if len(self._cache) > CACHE_SIZE:
-            self._cache.popitem(last=False)
+        with self._lock:
+            self._cache[key] = compiled
+            if len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
         return compiled
 
 

@@ -23,6 +23,11 @@ sampling parameters are invalid (the worker trusts no producer): dead-lettered w
 it never blocks the stream. The threads survive any error: logged with its traceback, retried after a
 backoff; `dead_threads()` lets the worker notice one that died anyway.
 
+A request with structured outputs has its grammar compiled here (`precompile`: the engine's grammar cache),
+before the main thread takes it: a large schema or regex compiles for up to a few seconds, and this thread, not
+the engine's step loop, waits (the compile releases the GIL). A spec that does not compile is left to the main
+thread, which fails the request.
+
 The cancel thread also reads, every LEASE_CHECK_S in one MGET, the leases of the requests the worker holds
 whose gateway holds one (GenerationRequest.lease): a lease seen gone on checks LEASE_CONFIRM_S apart, with no
 failed read between (Redis back from an outage: the gateway sets its leases again within a second), becomes a
@@ -86,8 +91,9 @@ class Room:
 class Intake:
     def __init__(self, r: streams.Client, settings: Settings, worker_id: str, inbox: queue.Queue,
                  room: Callable[[], Room], *, metrics: Any = None, on_regroup: Callable[[], None] | None = None,
-                 leased: Callable[[], list[str]] | None = None):
+                 leased: Callable[[], list[str]] | None = None, precompile: Any = None):
         self.r, self.settings, self.worker_id = r, settings, worker_id
+        self.precompile = precompile  # gpu_worker.engine.structured.Grammars, or None
         self.metrics = metrics  # gpu_worker.serve.metrics.WorkerMetrics: counts dead letters
         self.on_regroup = on_regroup  # after Redis lost the groups: the worker publishes its status at once
         self.redis_failing: set[str] = set()  # the threads whose last turn failed on Redis (-> not ready)
@@ -337,6 +343,12 @@ class Intake:
         if room.total_blocks and need > room.total_blocks:
             self._forward(job, need)
             return
+        spec = request.params().structured_outputs
+        if spec is not None and self.precompile is not None:
+            try:
+                self.precompile.compile(spec)
+            except Exception:  # noqa: BLE001 (the main thread's add_request fails the request with the reason)
+                pass
         self.handed += 1
         self.inbox.put(job)
 

@@ -82,3 +82,16 @@ def test_a_spec_that_does_not_compile_is_the_requests_error(llm, spec, words):
     with pytest.raises(InvalidRequest, match=re.escape(words)):
         llm.engine.add_request("bad", [1, 2, 3], SamplingParams(structured_outputs=spec))
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_grammars_compile_once_for_two_threads(llm):
+    """The worker's intake thread compiles ahead of its main thread: racing compiles of one spec all succeed and
+    leave one cache entry, which every later compile returns."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    grammars, spec = llm.engine.grammars, {"regex": r"[a-f]{3}\d"}
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda _: grammars.compile(spec), range(8)))
+    assert all(g is not None for g in got)
+    assert [k for k in grammars._cache if k == ("regex", spec["regex"])] == [("regex", spec["regex"])]
+    assert grammars.compile(spec) is grammars.compile(spec) is grammars._cache[("regex", spec["regex"])]
