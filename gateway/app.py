@@ -150,10 +150,11 @@ def create_app(settings: Settings) -> Any:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             events = responses.chat_events(sub, relay(state, sub), top_logprobs=top,
-                                           include_usage=include_usage)
+                                           include_usage=include_usage, tool_mode=body.tool_mode())
             return EventStream(events, headers=headers | SSE_HEADERS)
         return await finish(request, responses.chat_body(sub, relay(state, sub), top_logprobs=top,
-                                                         prompt_top=body.prompt_logprobs), headers)
+                                                         prompt_top=body.prompt_logprobs, tool_mode=body.tool_mode()),
+                            headers)
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models() -> ModelList:

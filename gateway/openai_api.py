@@ -272,7 +272,45 @@ class ChatMessage(BaseModel):
         msg = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
         if self.name:
             msg["name"] = self.name
+        for key in ("tool_calls", "tool_call_id"):  # an earlier turn's calls and their results, for the template
+            if (self.model_extra or {}).get(key) is not None:
+                msg[key] = self.model_extra[key]
         return msg
+
+
+class FunctionSpec(BaseModel):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments (None: any object)
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+def tool_call_schema(tools: list[Tool], mode: str) -> dict[str, Any]:
+    """The JSON schema the answer is held to: a named function's parameters, or for "required" an array of calls."""
+    if mode != "required":
+        tool = next(t for t in tools if t.function.name == mode)
+        return tool.function.parameters or ANY_OBJECT
+    calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
+                                               "parameters": t.function.parameters or ANY_OBJECT},
+              "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+    return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -281,6 +319,42 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="\"required\" or a named function: the answer is a call, its arguments held to the "
+                          "function's parameters schema (structured outputs); \"auto\" (free-form calls the model "
+                          "may or may not make) needs a model-specific parser, which kvfleet does not have")
+    parallel_tool_calls: bool | None = None
+
+    def tool_mode(self) -> str | None:
+        """"required", a named function's name, or None (no tool call is asked for)."""
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            return choice.function.name
+        return "required" if choice == "required" else None
+
+    def structured_spec(self) -> tuple[str, dict[str, Any]] | None:
+        mode = self.tool_mode()
+        if mode is None or not self.tools or mode not in ("required", *(t.function.name for t in self.tools)):
+            return super().structured_spec()  # no call asked for, or a wrong one (_tools_and_choice_agree says so)
+        return "tools", {"json": tool_call_schema(self.tools, mode)}
+
+    @model_validator(mode="after")
+    def _tools_and_choice_agree(self) -> ChatCompletionRequest:
+        choice, names = self.tool_choice, [t.function.name for t in self.tools or []]
+        if self.tools and choice in (None, "auto"):
+            raise invalid("tool_choice", "must be \"none\", \"required\" or a named function when tools are given: "
+                                         "\"auto\" needs a parser of the model's own tool-call format, which this "
+                                         "server does not have (as vLLM without --enable-auto-tool-choice)")
+        if self.tool_mode() is not None:
+            if not self.tools:
+                raise invalid("tools", f"are required with tool_choice {self.tool_mode()!r}")
+            if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+                raise invalid("tool_choice.function.name", f"{choice.function.name!r} is not one of the tools: "
+                                                            f"{', '.join(names)}")
+            if super().structured_spec() is not None:
+                raise invalid("tool_choice", "a tool call cannot also take response_format or structured outputs")
+        return self
 
 
 # ---- responses -------------------------------------------------------------------------------------
@@ -347,9 +421,22 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] = Field(default_factory=list)
 
 
+class FunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str = ""  # JSON text
+
+
+class ToolCall(BaseModel):
+    index: int | None = Field(None, exclude_if=_absent)  # in a streamed delta
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str = ""
+    content: str | None = ""
+    tool_calls: list[ToolCall] | None = Field(None, exclude_if=_absent)
 
 
 class ChatChoice(BaseModel):
@@ -372,6 +459,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, exclude_if=_absent)
 
 
 class ChatChunkChoice(BaseModel):

@@ -137,7 +137,8 @@ def prepare(target: Any, body: CompletionRequest | ChatCompletionRequest) -> Pre
     check_vocab(body, len(tok))
     if isinstance(body, ChatCompletionRequest):
         try:
-            ids = chat_ids(tok, [m.as_template_input() for m in body.messages])
+            tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+            ids = chat_ids(tok, [m.as_template_input() for m in body.messages], tools)
         except ValueError as e:
             raise bad_request(str(e), "messages") from None
         inputs: list[tuple[list[int], str | None]] = [(ids, None)]

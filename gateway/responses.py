@@ -30,6 +30,7 @@ from gateway.openai_api import (
 from gateway.placement import Submitted
 from gateway.relay import chunk_error
 from gateway.tokenizer import token_strings
+from gateway.tool_calls import finish_reason, read_calls
 from shared.messages import LOGPROB_FLOOR, OutputChunk, Usage
 
 
@@ -243,13 +244,24 @@ async def _merged(streams: list[AsyncGenerator[OutputChunk, None]], n: int) -> A
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def _message(text: str, model_finish: str | None, tool_mode: str | None) -> tuple[ChatMessageOut, str | None]:
+    """The assistant's message and finish_reason: its text, or with a tool call asked for, the calls in it
+    (gateway.tool_calls; a call cut short by max_tokens stays text)."""
+    calls = read_calls(text, tool_mode) if tool_mode is not None else None
+    if calls is None:
+        return ChatMessageOut(content=text), model_finish
+    return ChatMessageOut(content=None, tool_calls=calls), finish_reason(tool_mode, model_finish, calls)
+
+
 async def chat_body(sub: Submitted, chunks: AsyncIterator[OutputChunk], *, top_logprobs: int | None,
-                    prompt_top: int | None = None) -> ChatCompletionResponse:
-    """prompt_top: vLLM's prompt_logprobs as the request asked (over the templated prompt; None: not asked)."""
+                    prompt_top: int | None = None, tool_mode: str | None = None) -> ChatCompletionResponse:
+    """prompt_top: vLLM's prompt_logprobs as the request asked (over the templated prompt; None: not asked).
+    tool_mode: "required" or a function's name when the request asked for a tool call."""
     choices, usage = await collect(chunks, sub.num_choices)
     tok, prompt = sub.target.tokenizer, sub.request.prompt_token_ids
+    messages = [_message("".join(c.text), c.finish_reason, tool_mode) for c in choices]
     return ChatCompletionResponse(id=sub.request_id, model=sub.target.model, usage=usage_info(usage), choices=[
-        ChatChoice(index=i, message=ChatMessageOut(content="".join(c.text)), finish_reason=c.finish_reason,
+        ChatChoice(index=i, message=messages[i][0], finish_reason=messages[i][1],
                    logprobs=chat_logprobs(tok, c.token_ids, c.logprobs, top_logprobs)
                    if top_logprobs is not None else None, prompt_logprobs=None if prompt_top is None else
                    vllm_prompt_logprobs(tok, prompt, c.prompt_logprobs, c.prompt_logprob_ranks, prompt_top))
@@ -351,7 +363,8 @@ async def completion_events(sub: Any, chunks: AsyncIterator[OutputChunk], *, ech
 
 
 async def chat_events(sub: Submitted, chunks: AsyncIterator[OutputChunk], *, top_logprobs: int | None,
-                      include_usage: bool) -> AsyncIterator[str]:
+                      include_usage: bool, tool_mode: str | None = None) -> AsyncIterator[str]:
+    """tool_mode: a tool call was asked for; each choice's call goes out whole, in one delta with its finish."""
     tok, model, rid = sub.target.tokenizer, sub.target.model, sub.request_id
     created = int(time.time())  # one for every chunk of the stream, as OpenAI's
     for i in range(sub.num_choices):
@@ -361,7 +374,18 @@ async def chat_events(sub: Submitted, chunks: AsyncIterator[OutputChunk], *, top
     text_event = TextEvents(lambda i, text: ChatCompletionChunk(id=rid, created=created, model=model, choices=[
         ChatChunkChoice(index=i, delta=ChatDelta(content=text))]))
 
+    held: dict[int, list[str]] = {}  # tool mode: each choice's text until it finishes
+
     def render(c: OutputChunk) -> str:
+        if tool_mode is not None:
+            held.setdefault(c.index, []).append(c.text)
+            if c.finish_reason is None:
+                return ""
+            message, finish = _message("".join(held.pop(c.index)), c.finish_reason, tool_mode)
+            calls = [call.model_copy(update={"index": k}) for k, call in enumerate(message.tool_calls or [])]
+            delta = ChatDelta(content=message.content, tool_calls=calls or None)
+            return sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[ChatChunkChoice(
+                index=c.index, delta=delta, finish_reason=finish)]))
         if top_logprobs is None and c.finish_reason is None:
             return text_event(c.index, c.text)
         lp = chat_logprobs(tok, c.token_ids, c.logprobs or [], top_logprobs) if top_logprobs is not None else None

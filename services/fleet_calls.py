@@ -62,6 +62,7 @@ class CallInfo:
     echo: bool = False
     logprobs: int | None = None  # completion: logprobs; chat: top_logprobs; None: off
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs (top N); None: off
+    tool_mode: str | None = None  # chat: "required" or a function's name when a tool call was asked for
     shard: int = 0  # where it was enqueued (shared.keys): its output stream is there
 
 
@@ -176,7 +177,8 @@ class FleetCaller:
                 body = await completion_body(sub, chunks, echo=info.echo, logprobs=info.logprobs,
                                              prompt_top=info.prompt_logprobs)
             else:
-                body = await chat_body(sub, chunks, top_logprobs=info.logprobs, prompt_top=info.prompt_logprobs)
+                body = await chat_body(sub, chunks, top_logprobs=info.logprobs, prompt_top=info.prompt_logprobs,
+                                       tool_mode=info.tool_mode)
         except APIError as e:
             raise from_api_error(e) from None
         except streams.OutputTimeout:
@@ -212,7 +214,8 @@ class FleetCaller:
         def info(p: Planned) -> CallInfo:
             return CallInfo(kind=kind, model=target.model, tokenizer=tokenizer,
                             request=p.request.model_dump(mode="json"), echo=prepared.echo,
-                            logprobs=prepared.logprobs, prompt_logprobs=prepared.prompt_logprobs)
+                            logprobs=prepared.logprobs, prompt_logprobs=prepared.prompt_logprobs,
+                            tool_mode=body.tool_mode() if kind == "chat" else None)
 
         return planned, info
 

@@ -1,6 +1,6 @@
 """`kvfleet up` with the default model (alias smollm2): a private Redis, the gateway and a worker come up,
-the `openai` client gets a sensible English chat answer (and one shaped by a JSON schema), and SIGTERM leaves
-nothing running."""
+the `openai` client gets a sensible English chat answer (one shaped by a JSON schema, and a forced tool call),
+and SIGTERM leaves nothing running."""
 
 from __future__ import annotations
 
@@ -74,6 +74,16 @@ def test_kvfleet_up_answers_a_chat_in_english(tmp_path):
         fields = json.loads(shaped.choices[0].message.content)
         assert set(fields) == {"country", "capital"} and fields["capital"] == "Paris"
         assert shaped.choices[0].finish_reason == "stop"
+        weather = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                   "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                                  "additionalProperties": False}}}
+        called = client.chat.completions.create(
+            model="smollm2", temperature=0, max_tokens=40, tools=[weather],
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            messages=[{"role": "user", "content": "What is the weather like in Paris today?"}])
+        (call,) = called.choices[0].message.tool_calls
+        print(f"smollm2 calls: {call.function.name}({call.function.arguments})")
+        assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city"}
     finally:
         if up.poll() is None:
             os.kill(up.pid, signal.SIGTERM)

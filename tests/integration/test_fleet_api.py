@@ -420,6 +420,42 @@ def test_structured_outputs(client, model):
                                        response_format={"type": "json_object"}, extra_body={"guided_choice": ["a"]})
     assert "only one of" in e.value.body["message"]
 
+
+def test_tool_calls_required_or_named(client, model):
+    """tool_choice "required" or a named function: the answer is a call (or calls) whose arguments follow the
+    function's parameters schema, in OpenAI's tool_calls shape, streamed or not; "auto" is a 400 naming
+    tool_choice (it needs a parser of the model's own format)."""
+    tools = [{"type": "function", "function": {"name": "set_light", "description": "Turn a light on or off",
+              "parameters": {"type": "object", "properties": {"on": {"type": "boolean"},
+                                                              "room": {"enum": ["kitchen", "hall"]}},
+                             "required": ["on", "room"], "additionalProperties": False}}},
+             {"type": "function", "function": {"name": "ping", "parameters": {
+                 "type": "object", "properties": {}, "additionalProperties": False}}}]
+    messages = [{"role": "user", "content": "Lights on in the kitchen"}]
+    named = client.chat.completions.create(model=model, messages=messages, tools=tools, max_tokens=60,
+                                           tool_choice={"type": "function", "function": {"name": "set_light"}})
+    (call,) = named.choices[0].message.tool_calls
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "set_light" and call.id.startswith("call_") and call.type == "function"
+    assert set(args) == {"on", "room"} and args["room"] in ("kitchen", "hall") and isinstance(args["on"], bool)
+    assert named.choices[0].message.content is None and named.choices[0].finish_reason == "stop"
+    required = client.chat.completions.create(model=model, messages=messages, tools=tools, tool_choice="required",
+                                              max_tokens=200, temperature=0.8, seed=3)
+    calls = required.choices[0].message.tool_calls
+    assert calls and all(c.function.name in ("set_light", "ping") for c in calls)
+    assert all(isinstance(json.loads(c.function.arguments), dict) for c in calls)
+    assert required.choices[0].finish_reason == "tool_calls"
+    events = list(client.chat.completions.create(model=model, messages=messages, tools=tools, max_tokens=60,
+                                                 tool_choice={"type": "function", "function": {"name": "set_light"}},
+                                                 stream=True))
+    deltas = [c.delta.tool_calls for e in events for c in e.choices if c.delta.tool_calls]
+    assert len(deltas) == 1 and deltas[0][0].index == 0 and deltas[0][0].function.name == "set_light"
+    assert set(json.loads(deltas[0][0].function.arguments)) == {"on", "room"}
+    assert [c.finish_reason for e in events for c in e.choices if c.finish_reason] == ["stop"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=messages, tools=tools, max_tokens=5)
+    assert e.value.body["param"] == "tool_choice" and "auto" in e.value.body["message"]
+
 def test_no_live_worker_then_no_redis_answer_503(fleet, client, model):  # last: it stops the fleet
     """Last in the module: it stops the fleet's workers, then its Redis."""
     for wid in ("w0", "w1"):
