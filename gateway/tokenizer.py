@@ -181,6 +181,10 @@ def chat_ids(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[st
                                             **({"tools": tools} if tools else {}))
     except TemplateError as e:  # the template's own checks ("roles must alternate ...")
         raise ValueError(f"the model's chat template refused these messages: {e}") from None
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:  # a message field of a shape the
+        # template did not expect (a tool_calls entry, a tool's parameters): the caller's input, not a fault
+        raise ValueError(f"the model's chat template could not render these messages or tools: "
+                         f"{type(e).__name__}: {e}") from None
     ids = out["input_ids"] if not isinstance(out, list) else out
     return list(ids)
 

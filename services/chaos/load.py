@@ -1,5 +1,6 @@
 """The steady mixed load: a fixed catalogue of requests (completion and chat, streaming and not, greedy and
-seeded sampling, n>1, prompt scoring as lm-eval asks it: echo + logprobs), each sent through the real `openai` client as a whole request, by a client that
+seeded sampling, n>1, prompt scoring as lm-eval asks it: echo + logprobs, answers held to a JSON schema), each
+sent through the real `openai` client as a whole request, by a client that
 cancels (gives up after a fraction of a second) or one that disconnects mid-stream; or by a door that skips
 HTTP (services.chaos.jobs: the Python client, whole or cancelled, and Celery tasks; batch files run beside);
 plus poison requests (bad bodies the gateway must refuse with a 4xx). Every request's outcome is one `Record`."""
@@ -19,6 +20,8 @@ PROMPTS = ["Once upon a time, in a land of many rivers,", "The three laws of the
 MAX_TOKENS = 48  # long enough that faults hit requests mid-way
 CLIENT_TIMEOUT_S = 90.0  # no answer within this: the request is lost
 UNSCORED = "the prompt's logprobs are missing or incomplete"  # a scoring answer's flaw (check_scored)
+SHAPE = {"type": "object", "properties": {"ok": {"type": "boolean"}, "size": {"enum": ["s", "m", "l"]}},
+         "required": ["ok", "size"], "additionalProperties": False}  # short whatever the model: never cut
 # how a client treats a request: over HTTP whole, cancelled, disconnected mid-stream; or through a door without
 # HTTP (services.chaos.jobs): the Python client whole or cancelled with Handle.cancel(), a Celery task
 MODES = ("whole", "whole", "whole", "cancel", "disconnect", "python_client", "python_cancel", "celery", "celery")
@@ -35,12 +38,15 @@ class Spec:
     n: int = 1
     seed: int | None = None  # None: greedy
     score: bool = False  # a completion with echo + logprobs: the prompt's logprobs come first (never streamed)
+    shaped: bool = False  # the answer held to SHAPE, a JSON schema (response_format)
 
     def body(self, model: str) -> dict[str, Any]:
         body: dict[str, Any] = {"model": model, "max_tokens": MAX_TOKENS, "n": self.n, "extra_body": {"ignore_eos": True}}
         body |= {"temperature": 0.8, "seed": self.seed} if self.seed is not None else {"temperature": 0}
         if self.score:
             body |= {"echo": True, "logprobs": 1}
+        if self.shaped:
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "shape", "schema": SHAPE}}
         if self.chat:
             body["messages"] = [{"role": "user", "content": self.prompt}]
         else:
@@ -61,7 +67,7 @@ def catalogue(seed: int, size: int = 16) -> list[Spec]:
         score = i % 8 == 4  # some greedy completions
         specs.append(Spec(chat=i % 4 >= 2, stream=rng.random() < 0.5 and not score, prompt=PROMPTS[i % len(PROMPTS)],
                           n=rng.choice((1, 2)) if sampled else 1, seed=rng.randrange(1000) if sampled else None,
-                          score=score))
+                          score=score, shaped=i % 8 in (3, 6)))  # a sampled chat, a greedy one
     return specs
 
 

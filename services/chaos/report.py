@@ -4,12 +4,13 @@ disconnected, the Python client whole or cancelled, Celery tasks, batch files, p
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from dataclasses import dataclass, field
 
 from services.chaos.faults import FaultLog
 from services.chaos.fleet import ChaosFleet
-from services.chaos.load import UNSCORED, Record, Spec
+from services.chaos.load import SHAPE, UNSCORED, Record, Spec
 
 EXPECTED_503 = ("redis_unavailable", "redis_lost_request")
 ANSWERED = ("ok", "http_error", "stream_error", "connection_error", "cancelled", "disconnected")
@@ -81,6 +82,16 @@ def _compare(got: list[str], want: list[str]) -> str:
     return "mismatch"
 
 
+def _fits_shape(text: str) -> bool:
+    """An answer held to load.SHAPE: a JSON object with exactly its keys and values."""
+    try:
+        got = json.loads(text)
+    except ValueError:
+        return False
+    return (isinstance(got, dict) and set(got) == set(SHAPE["required"]) and isinstance(got["ok"], bool)
+            and got["size"] in SHAPE["properties"]["size"]["enum"])
+
+
 def check(specs: list[Spec], reference: list[list[str]], records: list[Record], log: FaultLog, fleet: ChaosFleet,
           baseline: int, memory: int, lingering: dict[str, int]) -> Report:
     rep = Report(faults=Counter(log.counts), requests=len(records))
@@ -94,9 +105,15 @@ def check(specs: list[Spec], reference: list[list[str]], records: list[Record], 
         if r.mode == "poison" and r.outcome != "refused" and not 400 <= r.status < 500:
             poison_bad += 1
             rep.problems.append(f"poison {r.code}: {r.outcome} {r.status}, not a 4xx")
-    scored = unscored = 0
+    scored = unscored = shaped = misshapen = 0
     for r in accepted:
         spec, want = specs[r.spec], reference[r.spec]
+        if spec.shaped and r.outcome == "ok":
+            shaped += len(r.texts)
+            bad = [t for t in r.texts if not _fits_shape(t)]
+            misshapen += len(bad)
+            if bad:
+                rep.problems.append(f"misshapen: spec {r.spec} {r.mode} at {r.t0:.1f}: {bad!r}")
         if spec.score and r.outcome == "ok":
             scored += 1
             if any(UNSCORED in e for e in r.order_errors):
@@ -148,6 +165,7 @@ def check(specs: list[Spec], reference: list[list[str]], records: list[Record], 
         ("no 5xx but 503 while Redis was down", f"{bad_5xx} unexpected", bad_5xx == 0),
         ("poison requests refused with a 4xx", f"{poison_bad} not", poison_bad == 0),
         ("scoring answers carry the prompt's logprobs", f"{unscored} of {scored} without", unscored == 0),
+        ("schema-held answers follow the schema", f"{misshapen} of {shaped} not", misshapen == 0),
         ("no client met an unexpected exception", str(len(harness)), not harness),
         ("no fleet process gone for good", ", ".join(gone) or "all running", not gone),
         ("no fleet process exited on its own", f"{sum(map(len, crashes.values()))} crashes", not crashes),

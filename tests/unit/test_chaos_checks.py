@@ -165,3 +165,17 @@ def test_checks_fail_on_a_scoring_answer_without_the_prompts_logprobs():
     check_scored(bad, [{"token_logprobs": [-0.5] * 3}])
     rep = check(specs, ref, [good, bad], FaultLog(), _fleet(), 2**20, 2**20, {})
     assert rep.failed() == ["scoring answers carry the prompt's logprobs"] and "1 of 2 without" in rep.table()
+
+
+def test_checks_fail_on_an_answer_that_does_not_follow_the_schema():
+    spec = Spec(chat=True, stream=False, prompt="p", shaped=True)
+    assert spec.body("m")["response_format"]["json_schema"]["schema"]["required"] == ["ok", "size"]
+    good = '{"ok": true, "size": "m"}'
+    specs, ref = [spec], [[good]]
+    rep = check(specs, ref, [_rec("whole", "ok", [good]), _rec("celery", "ok", [good])], FaultLog(), _fleet(),
+                2**20, 2**20, {})
+    assert rep.passed, rep.table()
+    rep = check(specs, [['{"ok": 1}']], [_rec("python_client", "ok", ['{"ok": 1}'])], FaultLog(), _fleet(),
+                2**20, 2**20, {})
+    assert "schema-held answers follow the schema" in rep.failed() and "1 of 1 not" in rep.table()
+    assert any(s.shaped for s in catalogue(0)) and any(s.shaped and s.seed is None for s in catalogue(0))
