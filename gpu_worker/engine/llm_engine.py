@@ -302,9 +302,11 @@ class LLMEngine:
                 failed.setdefault(self._seq_owner[sampling[i].request.request_id][0].request_id,
                                   f"structured outputs failed: {why}")
         if sampling:
+            # min_tokens bans the stop ids while the output is short, but not under a grammar: when it is complete
+            # its stop token is the only one it allows (the fuzz tier found the 500 of that clash)
             rows = [SamplingRow(s.request.sampling_params, s.request.prompt_token_ids, s.request.output_token_ids,
                                 s.banned_ids if s.request.num_output_tokens < s.request.sampling_params.min_tokens
-                                else [], s.generator) for s in sampling]
+                                and s.constraint is None else [], s.generator) for s in sampling]
             out, row_errors = isolation.sample(self.sampler, logits, rows)
             for i, (s, tok, lp) in enumerate(zip(sampling, out.token_ids, out.logprobs, strict=True)):
                 if i in row_errors:

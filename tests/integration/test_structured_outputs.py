@@ -52,10 +52,14 @@ def test_every_kind_holds_under_batching_preemption_and_n(llm):
                 assert c.finish_reason == "stop"
 
 
-def test_the_grammar_ends_the_sequence_even_with_ignore_eos(llm):
-    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True,
-                       structured_outputs={"choice": ["done"]}), use_tqdm=False)[0].outputs[0]
-    assert out.text == "done" and out.finish_reason == "stop" and len(out.token_ids) < 50
+@pytest.mark.parametrize("extra", [{"ignore_eos": True}, {"min_tokens": 20}, {"min_tokens": 20, "ignore_eos": True}])
+def test_the_grammar_ends_the_sequence_even_with_ignore_eos_or_min_tokens(llm, extra):
+    """A complete grammar allows only its stop token: neither ignore_eos nor min_tokens (which bans the stop
+    ids while the output is short) holds the sequence open (the fuzz tier found the 500 of that clash)."""
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0, max_tokens=50, **extra,
+                       structured_outputs={"choice": ["done"]}), use_tqdm=False)[0]
+    assert out.error is None and out.outputs[0].text == "done" and out.outputs[0].finish_reason == "stop"
+    assert len(out.outputs[0].token_ids) < 20
 
 
 def test_a_resumed_request_continues_its_grammar(llm):
