@@ -81,6 +81,7 @@ def test_prompt_logprobs_match_hf(kind, request):
     prompts = [SHARED + list(range(500, 530)), list(range(3000, 3031)), [42, 43], [7]]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=3)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert llm.engine.stats().num_preemptions > 0, "the cache was meant to be too small for the batch at once"
     outs += llm.generate({"prompt_token_ids": prompts[0]}, dataclasses.replace(params, n=2, temperature=1.0, seed=3),
                          use_tqdm=False)
     for prompt, out in zip(prompts + [prompts[0]], outs, strict=True):
