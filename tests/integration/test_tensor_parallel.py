@@ -58,6 +58,28 @@ def test_four_ranks_replicate_kv_heads(tiny_llama_dir):
     _assert_matches_hf(tiny_llama_dir, outs)
 
 
+def test_two_ranks_score_prompts_and_hold_grammars_as_one(tiny_llama_dir):
+    """Prompt logprobs under tensor parallelism: each scored slice is a vocabulary gather every rank takes part in
+    (the targets travel with the step). Greedy structured outputs too. Both equal one process's."""
+    prompts = [{"prompt_token_ids": p} for p in (list(range(3000, 3031)), SHARED + [7, 8, 9], [42, 43])]
+    scored = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=2)
+    shaped = SamplingParams(temperature=0, max_tokens=12, structured_outputs={"regex": "[a-c]{2}-[0-9]{2}"})
+    results = []
+    for tp in (1, 2):
+        with LLM(str(tiny_llama_dir), block_size=4, num_kv_blocks=40, max_num_batched_tokens=16, max_model_len=128,
+                 tensor_parallel_size=tp) as llm:
+            results.append((llm.generate(prompts, scored, use_tqdm=False), llm.generate(prompts, shaped, use_tqdm=False)))
+    (one_scored, one_shaped), (two_scored, two_shaped) = results
+    for prompt, a, b in zip(prompts, one_scored, two_scored, strict=True):
+        assert a.prompt_logprobs[0] is b.prompt_logprobs[0] is None and len(b.prompt_logprobs) == len(a.prompt_logprobs)
+        for t, x, y, ra, rb in zip(prompt["prompt_token_ids"][1:], a.prompt_logprobs[1:], b.prompt_logprobs[1:],
+                                   a.prompt_logprob_ranks[1:], b.prompt_logprob_ranks[1:], strict=True):
+            assert abs(x[t] - y[t]) < 1e-3 and abs(max(x.values()) - max(y.values())) < 1e-3
+            assert abs(ra - rb) <= 2  # the same rank, up to float noise among near-equal logits
+    assert [o.outputs[0].text for o in one_shaped] == [o.outputs[0].text for o in two_shaped]
+    assert all(len(o.outputs[0].text) == 5 for o in two_shaped)
+
+
 def test_split_refused_before_any_process(tiny_llama_dir):
     with pytest.raises(ValueError, match="tensor_parallel_size 3 must divide the model's 4 attention heads"):
         LLM(str(tiny_llama_dir), tensor_parallel_size=3, num_kv_blocks=8)
