@@ -66,8 +66,10 @@ class _Penalties:
             _in_vocab([ids for _, ids in rep], vocab)
             self.rep_rows = torch.tensor(self.rep, dtype=torch.long, device=device)[:, None]  # [R, 1]
             self.rep_ids = _padded([ids for _, ids in rep], device)  # [R, L]
+            # [R, 1], at least float32's smallest normal: 5e-324 (accepted: > 0) would round to 0 in float32, and a
+            # masked (-inf) logit times 0 is NaN, which greedy argmax takes for the largest (a masked token chosen)
             self.penalty = torch.tensor([rows[i].params.repetition_penalty for i in self.rep],
-                                        device=device)[:, None]  # [R, 1]
+                                        device=device)[:, None].clamp_(min=torch.finfo(torch.float32).tiny)
         pf = [(i, Counter(r.output_token_ids)) for i, r in enumerate(rows)
               if (r.params.presence_penalty or r.params.frequency_penalty) and r.output_token_ids]
         self.pf = [i for i, _ in pf]

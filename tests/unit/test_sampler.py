@@ -226,3 +226,20 @@ def test_infinite_and_nan_logits_still_give_a_token_of_the_vocabulary(params):
     assert out[2] != 3
     if params.repetition_penalty == 1.0:  # (5e-324 makes every seen token with a positive logit infinite too)
         assert out[0] == 5
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_masked_token_stays_masked_under_the_smallest_repetition_penalty(temperature):
+    """A banned (min_tokens) or grammar-masked token is -inf; a repetition_penalty of 5e-324 is 0 in float32, and
+    -inf * 0 is NaN, which greedy argmax took for the largest: the banned token came out. The penalty is held at
+    float32's smallest normal instead, so -inf stays -inf."""
+    logits = torch.randn(2, V, generator=torch.Generator().manual_seed(3))
+    logits[:, 7] = -5.0
+    masked = [1, 2, 4]  # seen in the prompt, masked to -inf before the penalty
+    logits[:, masked] = float("-inf")
+    params = SamplingParams(temperature=temperature, repetition_penalty=5e-324, seed=1)
+    out = Sampler(seed=2)(logits.clone(), [row(params, prompt=masked + [7])] * 2).token_ids
+    assert all(t not in masked for t in out)
+    got = logits.clone()
+    apply_penalties(got, [row(params, prompt=masked + [7])] * 2)
+    assert bool(torch.isneginf(got[:, masked]).all()) and not bool(got.isnan().any())
