@@ -286,6 +286,8 @@ class LLMEngine:
             if seq.sample:
                 sampling.append(s)
         failed: dict[str, str] = {}  # group request id -> why it failed
+        invalid: set[str] = set()  # of those, the ones failed by their own input (a 400, not a 500)
+        complete: set[str] = set()  # sequences whose grammar is complete with no stop token left to sample
         sampled: dict[str, int] = {}
         logprobs: dict[str, dict[int, float] | None] = {}
         logits = None
@@ -299,8 +301,12 @@ class LLMEngine:
         if sampling and any(s.constraint is not None for s in sampling):
             for i, why in structured.mask(logits, [(i, s.constraint) for i, s in enumerate(sampling)
                                                    if s.constraint is not None]).items():
-                failed.setdefault(self._seq_owner[sampling[i].request.request_id][0].request_id,
-                                  f"structured outputs failed: {why}")
+                rid = sampling[i].request.request_id
+                if why is None:
+                    complete.add(rid)
+                else:
+                    failed.setdefault(self._seq_owner[rid][0].request_id, why)
+                    invalid.add(self._seq_owner[rid][0].request_id)
         if sampling:
             # min_tokens bans the stop ids while the output is short, but not under a grammar: when it is complete
             # its stop token is the only one it allows (the fuzz tier found the 500 of that clash)
@@ -309,19 +315,23 @@ class LLMEngine:
                                 and s.constraint is None else [], s.generator) for s in sampling]
             out, row_errors = isolation.sample(self.sampler, logits, rows)
             for i, (s, tok, lp) in enumerate(zip(sampling, out.token_ids, out.logprobs, strict=True)):
+                if s.request.request_id in complete:
+                    continue
                 if i in row_errors:
                     failed.setdefault(self._seq_owner[s.request.request_id][0].request_id,
                                       f"sampling failed: {row_errors[i]}")
                 else:
                     sampled[s.request.request_id] = tok
                     logprobs[s.request.request_id] = lp
-                    if s.constraint is not None:
+                    if s.constraint is not None and self._seq_owner[s.request.request_id][0].request_id not in failed:
                         try:
                             s.constraint.accept(tok)
                         except GrammarError as e:
                             failed.setdefault(self._seq_owner[s.request.request_id][0].request_id, str(e))
         for rid in failed:  # before update_from_output, which skips what is no longer running
             self._abort_seqs(self._groups[rid])
+        for rid in complete:
+            self.scheduler.finish_request(rid, "stop")
         finished = self.scheduler.update_from_output(sched, sampled)
         now = time.monotonic()
         touched: dict[str, _Group] = {}
@@ -356,7 +366,8 @@ class LLMEngine:
                     continue
                 except Exception as e:  # noqa: BLE001 (this request's output)
                     failed[group.request_id] = f"building its output failed: {isolation.describe(e)}"
-            outputs.append(self._fail(group, failed[group.request_id], now))
+            outputs.append(self._fail(group, failed[group.request_id], now,
+                                      "invalid_request" if group.request_id in invalid else "internal"))
         return outputs
 
     def _finish_step(self, group: _Group, now: float) -> RequestOutput:
@@ -376,8 +387,9 @@ class LLMEngine:
         for s in group.seqs:
             self._seq_owner.pop(s.request.request_id, None)
 
-    def _fail(self, group: _Group, error: str, now: float) -> RequestOutput:
-        """End a request whose own work failed: blocks freed, a final output with finish_reason "error"."""
+    def _fail(self, group: _Group, error: str, now: float, kind: str = "internal") -> RequestOutput:
+        """End a request whose own work failed: blocks freed, a final output with finish_reason "error". kind:
+        "invalid_request" when its input is at fault (a grammar with a dead end), else "internal"."""
         log.error("request %s failed: %s", group.request_id, error)
         self._abort_seqs(group)
         self._forget(group)
@@ -385,7 +397,7 @@ class LLMEngine:
         outs = [CompletionOutput(index=s.index, text="", token_ids=[], logprobs=None, finish_reason="error",
                                  cumulative_logprob=s.cumulative_logprob) for s in group.seqs]
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, True,
-                             dataclasses.replace(group.metrics), error=error)
+                             dataclasses.replace(group.metrics), error=error, error_kind=kind)
 
     def _record_prompt_logprobs(self) -> None:
         """The prompt logprobs the step's forwards scored, into their groups; a group with all of them stops

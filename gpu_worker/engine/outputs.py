@@ -50,6 +50,7 @@ class RequestOutput:
     finished: bool = False
     metrics: RequestMetrics | None = None
     error: str | None = None  # why the request failed (its samples' finish_reason is then "error")
+    error_kind: str = "internal"  # "invalid_request": its own input was at fault (HTTP 400, not 500)
     prompt_logprobs: list[dict[int, float] | None] | None = None  # as vLLM's: folded in by OutputAccumulator
     prompt_logprob_ranks: list[int | None] | None = None
 

@@ -108,18 +108,24 @@ class Constraint:
 
 
 @torch.inference_mode()
-def mask(logits: torch.Tensor, rows: list[tuple[int, Constraint]]) -> dict[int, str]:
+def mask(logits: torch.Tensor, rows: list[tuple[int, Constraint]]) -> dict[int, str | None]:
     """Set logits[row] to -inf where the row's grammar forbids the next token (in place; logits: [N, V] float32
-    on the CPU or a GPU). -> {row: why} of the rows whose grammar failed (left unmasked: the engine fails them)."""
+    on the CPU or a GPU). -> the rows that cannot take a token (left unmasked): None for a grammar that is complete
+    but has no stop token to end on (the engine ends it with "stop"), else why it cannot go on (the request's
+    error: a grammar with a dead end, or one that failed)."""
     import xgrammar as xgr
 
     bitmask = xgr.allocate_token_bitmask(len(logits), logits.shape[1])  # [N, ceil(V / 32)] int32, all allowed
-    failed: dict[int, str] = {}
+    failed: dict[int, str | None] = {}
     for row, c in rows:
         try:
             c.matcher.fill_next_token_bitmask(bitmask, row)
         except Exception as e:  # noqa: BLE001 (this request's grammar alone)
-            failed[row] = _clean(e)
+            failed[row] = f"structured_outputs: the grammar failed: {_clean(e)}"
+            continue
+        if not bool(bitmask[row].any()):  # nothing allowed: sampling would pick a token the grammar refuses
+            failed[row] = None if c.matcher.is_completed() else (
+                "structured_outputs: the grammar allows no token of this model's vocabulary here (a dead end)")
     if logits.device.type != "cpu":
         bitmask = bitmask.to(logits.device, non_blocking=True)
     xgr.apply_token_bitmask_inplace(logits, bitmask, indices=[row for row, _ in rows if row not in failed])

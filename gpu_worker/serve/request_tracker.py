@@ -131,7 +131,7 @@ class RequestTracker:
                                      prompt_logprob_ranks=comp.prompt_logprob_ranks))
         if output.finished:
             usage = self.usage(job, output)
-            error = None if output.error is None else ChunkError(kind="internal", message=output.error)
+            error = None if output.error is None else ChunkError(kind=output.error_kind, message=output.error)
             if chunks:
                 chunks[-1].final, chunks[-1].usage, chunks[-1].error = True, usage, error
             else:

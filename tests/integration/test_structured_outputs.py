@@ -99,3 +99,43 @@ def test_grammars_compile_once_for_two_threads(llm):
     assert all(g is not None for g in got)
     assert [k for k in grammars._cache if k == ("regex", spec["regex"])] == [("regex", spec["regex"])]
     assert grammars.compile(spec) is grammars.compile(spec) is grammars._cache[("regex", spec["regex"])]
+
+
+class _Stuck:
+    """A grammar matcher that allows nothing next (a dead end), complete or not."""
+
+    def __init__(self, completed: bool):
+        self.completed = completed
+
+    def fill_next_token_bitmask(self, bitmask, row):
+        bitmask[row] = 0
+
+    def is_completed(self):
+        return self.completed
+
+    def is_terminated(self):
+        return False
+
+
+@pytest.mark.parametrize("completed", [True, False])
+def test_a_grammar_that_allows_nothing_ends_or_fails_its_request_alone(llm, completed):
+    """No token allowed: sampling would pick one the grammar refuses (a 500 before). A complete grammar with no
+    stop token to end on ends the request with "stop"; a dead end fails it as its own input's fault (a 400,
+    error_kind invalid_request). The other request of the step carries on."""
+    engine = llm.engine
+    engine.add_request("stuck", [5, 6, 7], SamplingParams(temperature=0, max_tokens=8, structured_outputs={"regex": "a+"}))
+    engine.add_request("free", [5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    engine.step()  # the prefill: both take a first token
+    group = engine._groups["stuck"]
+    group.seqs[0].constraint.matcher = _Stuck(completed)
+    outs: dict[str, list] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+    last = outs["stuck"][-1]
+    if completed:
+        assert last.error is None and last.outputs[0].finish_reason == "stop"
+    else:
+        assert last.error_kind == "invalid_request" and "dead end" in last.error
+        assert last.outputs[0].finish_reason == "error"
+    assert outs["free"][-1].error is None and outs["free"][-1].outputs[0].finish_reason == "length"
