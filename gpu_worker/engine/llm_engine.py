@@ -299,14 +299,7 @@ class LLMEngine:
             if any(seq.prompt_logprob_targets for seq in sched.seqs):
                 self._record_prompt_logprobs()
         if sampling and any(s.constraint is not None for s in sampling):
-            for i, why in structured.mask(logits, [(i, s.constraint) for i, s in enumerate(sampling)
-                                                   if s.constraint is not None]).items():
-                rid = sampling[i].request.request_id
-                if why is None:
-                    complete.add(rid)
-                else:
-                    failed.setdefault(self._seq_owner[rid][0].request_id, why)
-                    invalid.add(self._seq_owner[rid][0].request_id)
+            complete = self._apply_grammars(sampling, logits, failed, invalid)
         if sampling:
             # min_tokens bans the stop ids while the output is short, but not under a grammar: when it is complete
             # its stop token is the only one it allows (the fuzz tier found the 500 of that clash)
@@ -398,6 +391,22 @@ class LLMEngine:
                                  cumulative_logprob=s.cumulative_logprob) for s in group.seqs]
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, True,
                              dataclasses.replace(group.metrics), error=error, error_kind=kind)
+
+    def _apply_grammars(self, sampling: list[_Sequence], logits: torch.Tensor, failed: dict[str, str],
+                        invalid: set[str]) -> set[str]:
+        """Mask each constrained row of `logits` by its grammar, before the sampler. -> the sequences whose grammar
+        is complete with no stop token left to sample (they end with "stop"); a dead end or a grammar that
+        failed goes into `failed` and `invalid` (the request's own input is at fault)."""
+        complete = set()
+        rows = [(i, s.constraint) for i, s in enumerate(sampling) if s.constraint is not None]
+        for i, why in structured.mask(logits, rows).items():
+            rid = sampling[i].request.request_id
+            if why is None:
+                complete.add(rid)
+            else:
+                failed.setdefault(self._seq_owner[rid][0].request_id, why)
+                invalid.add(self._seq_owner[rid][0].request_id)
+        return complete
 
     def _record_prompt_logprobs(self) -> None:
         """The prompt logprobs the step's forwards scored, into their groups; a group with all of them stops
