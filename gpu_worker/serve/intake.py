@@ -319,7 +319,7 @@ class Intake:
                               kind="invalid_request")
             return
         try:
-            request.params()
+            params = request.params()
         except (TypeError, ValueError) as e:
             self._dead_letter(job, f"invalid sampling_params: {e}", kind="invalid_request")
             return
@@ -343,7 +343,7 @@ class Intake:
         if room.total_blocks and need > room.total_blocks:
             self._forward(job, need)
             return
-        spec = request.params().structured_outputs
+        spec = params.structured_outputs
         if spec is not None and self.precompile is not None:
             try:
                 self.precompile.compile(spec)
