@@ -84,7 +84,6 @@ class _Group:
     metrics: RequestMetrics | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None  # by position (0: None); None: not asked
     prompt_logprob_ranks: list[int | None] | None = None  # the prompt tokens' ranks, by position
-    prompt_logprobs_missing: int = 0  # positions not scored yet
     prompt_logprobs_due: bool = False  # the next output with tokens carries them (once per request)
 
     @property
@@ -164,8 +163,7 @@ class LLMEngine:
             group.prompt_logprobs_due = True
             group.prompt_logprobs = [None] * len(prompt_token_ids)
             group.prompt_logprob_ranks = [None] * len(prompt_token_ids)
-            group.prompt_logprobs_missing = len(prompt_token_ids) - 1
-            if group.prompt_logprobs_missing:
+            if len(prompt_token_ids) > 1:  # a 1-token prompt has nothing to score
                 for s in group.seqs:  # any of them may compute the prompt (the leader, or one after a preemption)
                     s.request.prompt_logprobs = params.prompt_logprobs
         requests = [s.request for s in group.seqs]
@@ -418,10 +416,8 @@ class LLMEngine:
                 continue
             for position, (entry, rank) in enumerate(zip(scored.entries, scored.ranks, strict=True),
                                                      scored.first_position):
-                if group.prompt_logprobs[position] is None:
-                    group.prompt_logprobs_missing -= 1
                 group.prompt_logprobs[position], group.prompt_logprob_ranks[position] = entry, rank
-            if group.prompt_logprobs_missing == 0:
+            if all(entry is not None for entry in group.prompt_logprobs[1:]):
                 for s in group.seqs:
                     s.request.prompt_logprobs = None
 

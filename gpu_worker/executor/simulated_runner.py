@@ -75,9 +75,9 @@ class SimulatedRunner:
         entries, ranks = [], []
         for i, target in enumerate(targets):
             choice = self.token(request_id, first + i)
-            top = [choice] + [t for t in range(top_n) if t != choice][:max(0, top_n - 1)]
+            top = ([choice] + [t for t in range(top_n) if t != choice])[:top_n]
             entry = {target: (0.0 if target == choice else LOSER_LOGIT) - self._norm}
-            for t in top[:top_n]:
+            for t in top:
                 entry.setdefault(t, (0.0 if t == choice else LOSER_LOGIT) - self._norm)
             entries.append(entry)
             ranks.append(1 if target == choice else 2)  # ties: every other token is second
