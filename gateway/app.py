@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway import responses
+from gateway import responses, tool_calls
 from gateway.errors import APIError, install_handlers
 from gateway.fast_lane import FastLane, Lane
 from gateway.fleet_view import FleetViews
@@ -29,7 +29,7 @@ from gateway.relay import relay
 from gateway.router import POLICIES
 from gateway.sse import Disconnect, EventStream
 from gateway.state import GatewayState
-from gateway.tokenizer import Tokenizers
+from gateway.tokenizer import tokenizers_for
 from shared import streams, telemetry
 from shared.fleet_state import FleetSnapshot
 from shared.settings import Settings
@@ -44,7 +44,8 @@ def create_app(settings: Settings) -> Any:
     fast lane (gateway.fast_lane), then the FastAPI app."""
     if settings.routing not in POLICIES:
         raise ValueError(f"routing policy must be one of {POLICIES}, got {settings.routing!r}")
-    state = GatewayState(settings=settings, redis=None, tokenizers=Tokenizers(settings.tokenizer_threads),
+    tool_calls.check_settings(settings)
+    state = GatewayState(settings=settings, redis=None, tokenizers=tokenizers_for(settings),
                          leases=Leases(settings.lease_ttl_s, max_idle_s=settings.request_timeout_s + 60,
                                        read_out_ttl_s=settings.output_ttl_after_read_s),
                          views=FleetViews(settings.fleet_view_max_age_s))
@@ -143,6 +144,7 @@ def create_app(settings: Settings) -> Any:
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        body, tools = tool_calls.for_request(body, settings)
         target = await target_for(state, body.model)
         prepared = await state.tokenizers.run(prepare, target, body, inline=is_short(body))
         batch = await submit(state, target, prepared, id_prefix="chatcmpl")
@@ -150,11 +152,10 @@ def create_app(settings: Settings) -> Any:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             events = responses.chat_events(sub, relay(state, sub), top_logprobs=top,
-                                           include_usage=include_usage, tool_mode=body.tool_mode())
+                                           include_usage=include_usage, tools=tools)
             return EventStream(events, headers=headers | SSE_HEADERS)
         return await finish(request, responses.chat_body(sub, relay(state, sub), top_logprobs=top,
-                                                         prompt_top=body.prompt_logprobs, tool_mode=body.tool_mode()),
-                            headers)
+                                                         prompt_top=body.prompt_logprobs, tools=tools), headers)
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models() -> ModelList:

@@ -293,10 +293,11 @@ class Tool(BaseModel):
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 
-def tool_call_schema(tools: list[Tool], mode: str) -> dict[str, Any]:
-    """The JSON schema the answer is held to: a named function's parameters, or for "required" an array of calls."""
-    if mode != "required":
-        tool = next(t for t in tools if t.function.name == mode)
+def tool_call_schema(tools: list[Tool], name: str | None) -> dict[str, Any]:
+    """The JSON schema the answer is held to: the named function's parameters, or (name None: tool_choice
+    "required") an array of calls."""
+    if name is not None:
+        tool = next(t for t in tools if t.function.name == name)
         return tool.function.parameters or ANY_OBJECT
     calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
                                                "parameters": t.function.parameters or ANY_OBJECT},
@@ -322,33 +323,36 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="\"required\" or a named function: the answer is a call, its arguments held to the "
-                          "function's parameters schema (structured outputs); \"auto\" (free-form calls the model "
-                          "may or may not make) needs a model-specific parser, which kvfleet does not have")
+                          "function's parameters schema (structured outputs); \"auto\" (the default with tools): the "
+                          "model decides, and its calls are read out of its own format (a gateway started with "
+                          "--enable-auto-tool-choice --tool-call-parser NAME); \"none\": no call")
     parallel_tool_calls: bool | None = None
 
     def tool_mode(self) -> str | None:
-        """"required", a named function's name, or None (no tool call is asked for)."""
+        """"named" (tool_choice names a function), "required", "auto" (tools given, no other choice), or None (no
+        call: tool_choice "none", or no tools)."""
         choice = self.tool_choice
         if isinstance(choice, NamedToolChoice):
-            return choice.function.name
-        return "required" if choice == "required" else None
+            return "named"
+        if choice == "required":
+            return "required"
+        return "auto" if self.tools and choice in (None, "auto") else None
+
+    def named_tool(self) -> str | None:
+        return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
 
     def structured_spec(self) -> tuple[str, dict[str, Any]] | None:
-        mode = self.tool_mode()
-        if mode is None or not self.tools or mode not in ("required", *(t.function.name for t in self.tools)):
-            return super().structured_spec()  # no call asked for, or a wrong one (_tools_and_choice_agree says so)
-        return "tools", {"json": tool_call_schema(self.tools, mode)}
+        mode, names = self.tool_mode(), [t.function.name for t in self.tools or []]
+        if mode not in ("named", "required") or not names or (mode == "named" and self.named_tool() not in names):
+            return super().structured_spec()  # no call forced, or a wrong one (_tools_and_choice_agree says so)
+        return "tools", {"json": tool_call_schema(self.tools or [], self.named_tool())}
 
     @model_validator(mode="after")
     def _tools_and_choice_agree(self) -> ChatCompletionRequest:
         choice, names = self.tool_choice, [t.function.name for t in self.tools or []]
-        if self.tools and choice in (None, "auto"):
-            raise invalid("tool_choice", "must be \"none\", \"required\" or a named function when tools are given: "
-                                         "\"auto\" needs a parser of the model's own tool-call format, which this "
-                                         "server does not have (as vLLM without --enable-auto-tool-choice)")
-        if self.tool_mode() is not None:
+        if self.tool_mode() in ("named", "required"):
             if not self.tools:
-                raise invalid("tools", f"are required with tool_choice {self.tool_mode()!r}")
+                raise invalid("tools", f"are required with tool_choice {self.named_tool() or 'required'!r}")
             if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
                 raise invalid("tool_choice.function.name", f"{choice.function.name!r} is not one of the tools: "
                                                             f"{', '.join(names)}")

@@ -26,7 +26,7 @@ from gateway.openai_api import (
 )
 from gateway.placement import Submitted
 from gateway.relay import chunk_error
-from gateway.tool_calls import finish_reason, read_calls
+from gateway.tool_calls import ToolCalls
 from shared.messages import OutputChunk, Usage
 
 
@@ -152,22 +152,20 @@ async def _merged(streams: list[AsyncGenerator[OutputChunk, None]], n: int) -> A
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _message(text: str, model_finish: str | None, tool_mode: str | None) -> tuple[ChatMessageOut, str | None]:
-    """The assistant's message and finish_reason: its text, or with a tool call asked for, the calls in it
-    (gateway.tool_calls; a call cut short by max_tokens stays text)."""
-    calls = read_calls(text, tool_mode) if tool_mode is not None else None
-    if calls is None:
+def _message(text: str, model_finish: str | None, tools: ToolCalls | None) -> tuple[ChatMessageOut, str | None]:
+    """The assistant's message and finish_reason: its text, or the calls in it (gateway.tool_calls)."""
+    if tools is None:
         return ChatMessageOut(content=text), model_finish
-    return ChatMessageOut(content=None, tool_calls=calls), finish_reason(tool_mode, model_finish, calls)
+    return tools.message(text, model_finish)
 
 
 async def chat_body(sub: Submitted, chunks: AsyncIterator[OutputChunk], *, top_logprobs: int | None,
-                    prompt_top: int | None = None, tool_mode: str | None = None) -> ChatCompletionResponse:
+                    prompt_top: int | None = None, tools: ToolCalls | None = None) -> ChatCompletionResponse:
     """prompt_top: vLLM's prompt_logprobs as the request asked (over the templated prompt; None: not asked).
-    tool_mode: "required" or a function's name when the request asked for a tool call."""
+    tools: how the answer's tool calls are read (gateway.tool_calls.for_request); None: it is text."""
     choices, usage = await collect(chunks, sub.num_choices)
     tok, prompt = sub.target.tokenizer, sub.request.prompt_token_ids
-    messages = [_message("".join(c.text), c.finish_reason, tool_mode) for c in choices]
+    messages = [_message("".join(c.text), c.finish_reason, tools) for c in choices]
     return ChatCompletionResponse(id=sub.request_id, model=sub.target.model, usage=usage_info(usage), choices=[
         ChatChoice(index=i, message=messages[i][0], finish_reason=messages[i][1],
                    logprobs=chat_logprobs(tok, c.token_ids, c.logprobs, top_logprobs)
@@ -271,8 +269,9 @@ async def completion_events(sub: Any, chunks: AsyncIterator[OutputChunk], *, ech
 
 
 async def chat_events(sub: Submitted, chunks: AsyncIterator[OutputChunk], *, top_logprobs: int | None,
-                      include_usage: bool, tool_mode: str | None = None) -> AsyncIterator[str]:
-    """tool_mode: a tool call was asked for; each choice's call goes out whole, in one delta with its finish."""
+                      include_usage: bool, tools: ToolCalls | None = None) -> AsyncIterator[str]:
+    """tools: how each choice's tool calls are read (gateway.tool_calls): a forced call goes out whole in one
+    delta with its finish; "auto" streams the text and each call once complete (no logprobs in that mode)."""
     tok, model, rid = sub.target.tokenizer, sub.target.model, sub.request_id
     created = int(time.time())  # one for every chunk of the stream, as OpenAI's
     for i in range(sub.num_choices):
@@ -281,17 +280,17 @@ async def chat_events(sub: Submitted, chunks: AsyncIterator[OutputChunk], *, top
 
     text_event = TextEvents(lambda i, text: ChatCompletionChunk(id=rid, created=created, model=model, choices=[
         ChatChunkChoice(index=i, delta=ChatDelta(content=text))]))
-
-    held: dict[int, list[str]] = {}  # tool mode: each choice's text until it finishes
+    calls = [tools.stream() for _ in range(sub.num_choices)] if tools is not None else []
 
     def render(c: OutputChunk) -> str:
-        if tool_mode is not None:
-            held.setdefault(c.index, []).append(c.text)
+        if calls:
+            finish = None
             if c.finish_reason is None:
-                return ""
-            message, finish = _message("".join(held.pop(c.index)), c.finish_reason, tool_mode)
-            calls = [call.model_copy(update={"index": k}) for k, call in enumerate(message.tool_calls or [])]
-            delta = ChatDelta(content=message.content, tool_calls=calls or None)
+                delta = calls[c.index].feed(c.text)
+                if delta is None:
+                    return ""
+            else:
+                delta, finish = calls[c.index].close(c.text, c.finish_reason)
             return sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[ChatChunkChoice(
                 index=c.index, delta=delta, finish_reason=finish)]))
         if top_logprobs is None and c.finish_reason is None:

@@ -109,9 +109,11 @@ class Tokenizers:
     """model path -> tokenizer, each loaded once (concurrent callers share the load); and the threads that
     tokenize (`run`)."""
 
-    def __init__(self, threads: int = 4) -> None:
+    def __init__(self, threads: int = 4, chat_template: str = "") -> None:
+        """chat_template: Jinja text applied in place of each model's own (--chat-template); "": the model's."""
         if threads < 1:
             raise ValueError(f"tokenizer_threads must be at least 1, got {threads}")
+        self._chat_template = chat_template
         self._loads: dict[str, asyncio.Task] = {}
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvfleet-tokenize")
 
@@ -133,12 +135,26 @@ class Tokenizers:
         # alias; workers report their path)
         task = self._loads.get(key)
         if task is None or (task.done() and task.exception() is not None):
-            task = asyncio.get_running_loop().create_task(asyncio.to_thread(load_tokenizer, model))
+            task = asyncio.get_running_loop().create_task(asyncio.to_thread(self._load, model))
             self._loads[key] = task
         return task
 
+    def _load(self, model: str) -> Any:
+        tokenizer = load_tokenizer(model)
+        if self._chat_template:
+            tokenizer.chat_template = self._chat_template
+        return tokenizer
+
     async def get(self, model: str) -> Any:
         return await asyncio.shield(self._task(model))
+
+
+def tokenizers_for(settings: Any) -> Tokenizers:
+    """A gateway's (or a FleetCaller's) Tokenizers, with its --chat-template read (ValueError where it is wrong)."""
+    from shared.models import chat_template_text
+
+    template = chat_template_text(settings.chat_template) if settings.chat_template else ""
+    return Tokenizers(settings.tokenizer_threads, chat_template=template)
 
 
 def prompt_ids(tokenizer: Any, prompt: str) -> list[int]:

@@ -30,6 +30,7 @@ import docker.types  # binds `docker` too (docker.from_env)
 from docker.errors import DockerException, ImageNotFound, NotFound
 from docker.utils import kwargs_from_env
 
+from gateway.server import chat_flags
 from services.private_redis import DEFAULT_MAXMEMORY
 from shared.settings import redacted_url
 
@@ -84,10 +85,11 @@ def fleet_container_specs(*, workers: int = 2, model: str = "smollm2", port: int
                           num_kv_blocks: int | None = None, kv_cache_memory: str | None = None,
                           gpu_ids: Sequence[str] = ("0",), fleet: str = "kvfleet",
                           redis_maxmemory: str = DEFAULT_MAXMEMORY,
-                          redis_password: str | None = None) -> list[ContainerSpec]:
+                          redis_password: str | None = None, chat_flags: Sequence[str] = ()) -> list[ContainerSpec]:
     """The containers of one fleet, in start order: Redis (unless `redis_url` names one), gateway, workers.
     Worker i of a cuda fleet gets GPU gpu_ids[i % len(gpu_ids)]. The Redis started here gets `redis_password`,
-    or a random one when None."""
+    or a random one when None. `chat_flags`: the gateway's chat flags (gateway.server.chat_flags); a
+    --chat-template file is mounted into the gateway."""
     if workers < 1:
         raise ValueError(f"a fleet needs at least one worker; got workers={workers}")
     if device not in WORKER_IMAGES:
@@ -117,14 +119,22 @@ def fleet_container_specs(*, workers: int = 2, model: str = "smollm2", port: int
         model_arg = f"{MODEL_MOUNT}/{local.name}"
         volumes[str(local.resolve())] = {"bind": model_arg, "mode": "ro"}
 
+    gateway_volumes, chat = dict(volumes), list(chat_flags)
+    if "--chat-template" in chat:  # a template file on this machine: mounted where the gateway reads it
+        k = chat.index("--chat-template") + 1
+        template = Path(chat[k]).expanduser()
+        if "{" not in chat[k] and template.is_file():
+            chat[k] = f"/templates/{template.name}"
+            gateway_volumes[str(template.resolve())] = {"bind": chat[k], "mode": "ro"}
+
     env = {"KVFLEET_REDIS_URL": redis_url, "HF_HUB_OFFLINE": "1"}  # the URL, password included: never argv
     gateway_env = dict(env, OTEL_SERVICE_NAME="kvfleet-gateway")
     if api_keys:
         gateway_env["KVFLEET_API_KEYS"] = ",".join(api_keys)
     specs.append(ContainerSpec(
         name=f"{fleet}-gateway", image=GATEWAY_IMAGE, network=network, labels=labels, environment=gateway_env,
-        command=["kvfleet", "gateway", "--host", "0.0.0.0", "--port", str(GATEWAY_PORT), "--routing", routing],
-        ports={f"{GATEWAY_PORT}/tcp": ("127.0.0.1", port)}, volumes=volumes, stop_timeout=60))
+        command=["kvfleet", "gateway", "--host", "0.0.0.0", "--port", str(GATEWAY_PORT), "--routing", routing, *chat],
+        ports={f"{GATEWAY_PORT}/tcp": ("127.0.0.1", port)}, volumes=gateway_volumes, stop_timeout=60))
 
     for i in range(workers):
         command = ["kvfleet", "worker", "--model", model_arg,
@@ -163,7 +173,8 @@ def specs_from_args(args: argparse.Namespace) -> list[ContainerSpec]:
         drain_timeout=30 if drain_timeout is None else round(float(drain_timeout)),
         dtype=getattr(args, "dtype", None), num_kv_blocks=None if num_kv_blocks is None else int(num_kv_blocks),
         kv_cache_memory=getattr(args, "kv_cache_memory", None), gpu_ids=getattr(args, "gpu_ids", None) or ("0",),
-        redis_maxmemory=getattr(args, "redis_maxmemory", None) or DEFAULT_MAXMEMORY)
+        redis_maxmemory=getattr(args, "redis_maxmemory", None) or DEFAULT_MAXMEMORY,
+        chat_flags=chat_flags(args) if hasattr(args, "chat_template") else ())
 
 
 def start_docker_fleet(args: argparse.Namespace) -> int:

@@ -21,6 +21,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from gateway import tool_calls
 from gateway.errors import APIError
 from gateway.openai_api import ChatCompletionRequest, CompletionRequest, CompletionResponse
 from gateway.placement import (
@@ -37,7 +38,8 @@ from gateway.placement import (
 from gateway.prompts import is_short, part_ids, prepare, prompt_count
 from gateway.responses import chat_body, completion_body, merge_completions
 from gateway.state import GatewayState
-from gateway.tokenizer import Tokenizers
+from gateway.tokenizer import tokenizers_for
+from gateway.tool_calls import ToolCalls
 from services import job_record
 from services.call_errors import GenerationFailed, InvalidRequest, from_api_error, from_validation_error
 from services.job_record import Claim
@@ -62,7 +64,7 @@ class CallInfo:
     echo: bool = False
     logprobs: int | None = None  # completion: logprobs; chat: top_logprobs; None: off
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs (top N); None: off
-    tool_mode: str | None = None  # chat: "required" or a function's name when a tool call was asked for
+    tool_calls: dict[str, Any] | None = None  # chat: how its tool calls are read (gateway.tool_calls.ToolCalls)
     shard: int = 0  # where it was enqueued (shared.keys): its output stream is there
 
 
@@ -111,8 +113,8 @@ class FleetCaller:
         self.settings = settings
         self.redis = redis if redis is not None else streams.connect_async(settings.redis_url,
                                                                            health_check_interval=30)
-        self.gateway = GatewayState(settings=settings, redis=self.redis,
-                                    tokenizers=Tokenizers(settings.tokenizer_threads))
+        tool_calls.check_settings(settings)
+        self.gateway = GatewayState(settings=settings, redis=self.redis, tokenizers=tokenizers_for(settings))
 
     async def aclose(self) -> None:
         await self.redis.aclose()
@@ -177,8 +179,9 @@ class FleetCaller:
                 body = await completion_body(sub, chunks, echo=info.echo, logprobs=info.logprobs,
                                              prompt_top=info.prompt_logprobs)
             else:
+                tools = ToolCalls(**info.tool_calls) if info.tool_calls else None
                 body = await chat_body(sub, chunks, top_logprobs=info.logprobs, prompt_top=info.prompt_logprobs,
-                                       tool_mode=info.tool_mode)
+                                       tools=tools)
         except APIError as e:
             raise from_api_error(e) from None
         except streams.OutputTimeout:
@@ -205,6 +208,9 @@ class FleetCaller:
         """What the gateway's endpoints do before placing (gateway.prompts.prepare, then build_request), under
         the given request ids; and a function giving each planned request its CallInfo. `view`: the fleet as
         read already for this request, if it was."""
+        tools = None
+        if kind == "chat":
+            body, tools = tool_calls.for_request(body, self.settings)
         target = await target_for(self.gateway, body.model, view)
         prepared = await self.gateway.tokenizers.run(prepare, target, body, inline=is_short(body))
         planned = [build_request(self.settings, target, p, priority=prepared.priority, request_id=part)
@@ -215,7 +221,7 @@ class FleetCaller:
             return CallInfo(kind=kind, model=target.model, tokenizer=tokenizer,
                             request=p.request.model_dump(mode="json"), echo=prepared.echo,
                             logprobs=prepared.logprobs, prompt_logprobs=prepared.prompt_logprobs,
-                            tool_mode=body.tool_mode() if kind == "chat" else None)
+                            tool_calls=asdict(tools) if tools is not None else None)
 
         return planned, info
 

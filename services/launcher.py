@@ -23,6 +23,7 @@ import time
 from collections import deque
 from typing import IO
 
+from gateway import server as gateway_server
 from gpu_worker.serve.worker_cmd import cpu_list
 from services import private_redis
 from services.redis_cluster import RedisCluster
@@ -61,6 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="memory cap of the private Redis (noeviction: past it, new requests fail, none is dropped)")
     p.add_argument("--routing", help="gateway routing policy (free_blocks, prefix, least_loaded, round_robin)")
     p.add_argument("--api-key", action="append", dest="api_keys", help="require this bearer key (repeatable)")
+    gateway_server.add_chat_arguments(p)
     p.add_argument("--metrics-port-base", type=int, help="worker i serves /livez, /readyz, /metrics on BASE+i")
     p.add_argument("--docker", action="store_true", help="start the fleet as Docker containers instead")
     for flag, dest in WORKER_FLAGS:
@@ -91,6 +93,7 @@ def fleet_commands(args: argparse.Namespace, settings: Settings, private: bool) 
         gateway = cli + ["gateway", "--host", args.host, "--port", str(args.port + g), "--model", settings.model]
         if args.routing:
             gateway += ["--routing", args.routing]
+        gateway += gateway_server.chat_flags(args)
         cmds.append(("gateway" if g == 0 else f"gateway-{g}", gateway))
     shares = cpu_shares(args)
     for i in range(args.workers):
@@ -241,7 +244,11 @@ def run(args: argparse.Namespace) -> int:
     if shards is not None and shards < 1:
         raise SystemExit(f"--redis-shards must be >= 1, got {shards}")
     settings = Settings.from_env(redis_url=args.redis_url, model=args.model, api_keys=args.api_keys,
-                                 redis_shards=shards)
+                                 redis_shards=shards, **gateway_server.chat_overrides(args))
+    try:
+        gateway_server.check_chat_settings(settings)
+    except ValueError as e:
+        raise SystemExit(f"kvfleet up: {e}") from None
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
     signal.signal(signal.SIGINT, lambda *_: stopping.append(1))

@@ -96,3 +96,31 @@ def gguf_cache_name(gguf: Path) -> str:
             f.seek(max(0, size - SAMPLE_BYTES) * i // (SAMPLES - 1))
             digest.update(f.read(SAMPLE_BYTES))
     return f"{gguf.stem}-{digest.hexdigest()[:16]}"
+
+
+CHAT_TEMPLATES = Path(__file__).with_name("chat_templates")  # the templates kvfleet ships, by name
+
+
+def chat_template_text(value: str) -> str:
+    """What a --chat-template value names, as Jinja text: a template kvfleet ships ("chatml-tools"), a file, or a
+    template given inline (as vLLM's --chat-template). ValueError saying what is accepted, or where its Jinja is
+    wrong."""
+    shipped = CHAT_TEMPLATES / f"{value}.jinja"
+    if value and "/" not in value and shipped.is_file():
+        text = shipped.read_text()
+    elif "{{" in value or "{%" in value:
+        text = value
+    else:
+        try:
+            text = Path(value).expanduser().read_text()
+        except (OSError, RuntimeError, ValueError) as e:
+            names = ", ".join(sorted(p.stem for p in CHAT_TEMPLATES.glob("*.jinja")))
+            raise ValueError(f"chat template {value!r}: not a file ({type(e).__name__}), nor Jinja text, nor one "
+                             f"of the templates kvfleet ships: {names}") from None
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"chat template {value[:80]!r}: line {e.lineno}: {e.message}") from None
+    return text

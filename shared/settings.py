@@ -79,6 +79,14 @@ class Settings:
     # A CPU worker makes its whole KV cache resident in the background after it starts (first-touch page
     # faults then never land in a forward); 0: pages fault in on first use (memory grows only as it is used).
     kv_prefault: bool = True
+    # tool_choice "auto" (the default with tools): the gateway reads the model's calls out of its text with this
+    # parser (gateway.tool_parsers: hermes, mistral, llama3_json), as vLLM's --enable-auto-tool-choice
+    # --tool-call-parser; off, such a request is a 400.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str = ""
+    # The chat template the gateway applies in place of the model's own: a file, a Jinja text, or a template
+    # kvfleet ships (gateway/chat_templates: "chatml-tools" shows tools to ChatML models such as SmolLM2).
+    chat_template: str = ""
     metrics_host: str = "127.0.0.1"  # where a worker serves /livez, /readyz, /metrics (0.0.0.0 in pods)
     # With api_keys set, the gateway's /metrics needs the key like every route; this opens /metrics alone, for
     # scrapers that cannot send one (Prometheus by pod annotations). /docs, /openapi.json, /v1/fleet stay closed.

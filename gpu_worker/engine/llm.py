@@ -15,7 +15,7 @@ from gpu_worker.engine.outputs import OutputAccumulator, RequestOutput
 from shared.sampling_params import SamplingParams
 
 Prompt = str | dict[str, Any]  # text, or {"prompt_token_ids": [...]} (optionally with "prompt")
-Message = dict[str, str]
+Message = dict[str, Any]  # {"role", "content"}, and an assistant turn's "tool_calls", a tool's "tool_call_id"
 
 
 class LLM:
@@ -75,13 +75,20 @@ class LLM:
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"}) or a list of them, through the chat template."""
+             add_generation_prompt: bool = True, chat_template: str | None = None,
+             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"}) or a list of them, through the chat template: the
+        model's, or `chat_template` (Jinja text, a file, or one kvfleet ships: "chatml-tools"), shown `tools` (OpenAI
+        tool definitions) where the template shows them. The answers are text, as vLLM's LLM.chat."""
+        from shared.models import chat_template_text
+
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
+        template = chat_template_text(chat_template) if chat_template else None
         prompts = []
         for conv in conversations:
-            text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt)
+            text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                           chat_template=template, tools=tools)
             ids = tok(text, add_special_tokens=False)["input_ids"]
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)

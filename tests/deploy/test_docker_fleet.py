@@ -112,6 +112,21 @@ def test_up_docker_flags_reach_the_containers():
     assert "KVFLEET_API_KEYS" not in open_fleet[1].environment
 
 
+def test_up_docker_chat_flags_reach_the_gateway_and_a_template_file_is_mounted(tmp_path):
+    template = tmp_path / "mine.jinja"
+    template.write_text("{{ messages[0]['content'] }}")
+    args = build_parser().parse_args(["up", "--docker", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                                      "--chat-template", str(template)])
+    _redis, gateway, *workers = specs_from_args(args)
+    flags = flag_values(gateway.command)
+    assert "--enable-auto-tool-choice" in gateway.command and flags["--tool-call-parser"] == "hermes"
+    assert flags["--chat-template"] == "/templates/mine.jinja"
+    assert gateway.volumes[str(template.resolve())] == {"bind": "/templates/mine.jinja", "mode": "ro"}
+    assert all("--chat-template" not in w.command for w in workers)
+    shipped = specs_from_args(build_parser().parse_args(["up", "--docker", "--chat-template", "chatml-tools"]))
+    assert flag_values(shipped[1].command)["--chat-template"] == "chatml-tools" and not shipped[1].volumes
+
+
 def test_gpu_fleet_spreads_workers_over_gpus_and_external_redis():
     external = "redis://:ext-secret@cache:6379/2"
     specs = fleet_container_specs(workers=3, device="cuda", gpu_ids=("0", "1"), redis_url=external,

@@ -37,8 +37,12 @@ def test_kvfleet_up_answers_a_chat_in_english(tmp_path):
     log = tmp_path / "up.log"
     with open(log, "wb") as out:
         # a modest KV cache: these machines are shared
+        # as a vLLM user serves tools: the model's calls read in the Hermes format, shown by a ChatML template
+        # that lists the tools (SmolLM2's own does not; without tools it renders the same text)
         up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--workers", "1", "--port", str(port),
-                               "--kv-cache-memory", "256MiB", "--data-dir", str(tmp_path / "redis")], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                               "--kv-cache-memory", "256MiB", "--data-dir", str(tmp_path / "redis"),
+                               "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                               "--chat-template", "chatml-tools"], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
                               env=dict(os.environ, HF_HUB_OFFLINE="1"))
     try:
         deadline = time.monotonic() + 240
@@ -84,6 +88,7 @@ def test_kvfleet_up_answers_a_chat_in_english(tmp_path):
         (call,) = called.choices[0].message.tool_calls
         print(f"smollm2 calls: {call.function.name}({call.function.arguments})")
         assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city"}
+        _auto_tool_choice(client, weather)
     finally:
         if up.poll() is None:
             os.kill(up.pid, signal.SIGTERM)
@@ -91,3 +96,37 @@ def test_kvfleet_up_answers_a_chat_in_english(tmp_path):
     assert up.returncode == 0, log.read_text()[-3000:]
     assert "kvfleet: stopped" in log.read_text()
     assert not [p for p in pids if _alive(p)], "children left running"
+
+
+def _auto_tool_choice(client, weather):
+    """tool_choice "auto" (the default with tools): the model decides, the gateway reads its Hermes calls. A
+    135M model needs one earlier call in the conversation to follow the format; then it calls for the weather and
+    answers a joke in text, streamed or not."""
+    clock = {"type": "function", "function": {"name": "get_time", "description": "Current time in a timezone",
+             "parameters": {"type": "object", "properties": {"timezone": {"type": "string"}},
+                            "required": ["timezone"]}}}
+    shot = [{"role": "user", "content": "What is the weather in Rome?"},
+            {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                "name": "get_weather", "arguments": '{"city": "Rome"}'}}]}]
+    ask = shot + [{"role": "user", "content": "What is the weather in Paris?"}]
+    reply = client.chat.completions.create(model="smollm2", temperature=0, max_tokens=60, tools=[weather, clock],
+                                           messages=ask)
+    (call,) = reply.choices[0].message.tool_calls
+    print(f"smollm2 calls on its own: {call.function.name}({call.function.arguments})")
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    assert reply.choices[0].finish_reason == "tool_calls" and not reply.choices[0].message.content
+    events = list(client.chat.completions.create(model="smollm2", temperature=0, max_tokens=60,
+                                                 tools=[weather, clock], messages=ask, stream=True))
+    deltas = [t for e in events for c in e.choices for t in c.delta.tool_calls or []]
+    assert [(t.index, t.function.name, json.loads(t.function.arguments)) for t in deltas] == [
+        (0, "get_weather", {"city": "Paris"})]
+    assert deltas[0].id.startswith("call_") and not "".join(c.delta.content or "" for e in events for c in e.choices)
+    assert [c.finish_reason for e in events for c in e.choices if c.finish_reason] == ["tool_calls"]
+    joke = shot + [{"role": "user", "content": "Tell me a joke."}]
+    text = client.chat.completions.create(model="smollm2", temperature=0, max_tokens=40, tools=[weather, clock],
+                                          messages=joke)
+    assert text.choices[0].message.tool_calls is None and len(text.choices[0].message.content) > 10
+    streamed = list(client.chat.completions.create(model="smollm2", temperature=0, max_tokens=40,
+                                                   tools=[weather, clock], messages=joke, stream=True))
+    assert "".join(c.delta.content or "" for e in streamed for c in e.choices) == text.choices[0].message.content
+    assert not [c for e in streamed for c in e.choices if c.delta.tool_calls]

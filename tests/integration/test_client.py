@@ -4,6 +4,7 @@ Redis (with a password) and a real fleet worker on the tiny model, one for the m
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from fleet_harness import Fleet
@@ -12,6 +13,7 @@ from services.call_errors import InvalidRequest
 from services.client import FleetClient
 from shared import keys, streams
 from shared.messages import WorkerStatus
+from shared.settings import Settings
 
 pytestmark = pytest.mark.integration
 
@@ -57,6 +59,29 @@ def test_chat_messages(client):
     assert out["object"] == "chat.completion" and out["id"].startswith("chatcmpl-")
     tokens = out["choices"][0]["logprobs"]["content"]
     assert len(tokens) == out["usage"]["completion_tokens"] and all(len(t["top_logprobs"]) == 2 for t in tokens)
+
+
+ECHO = {"type": "function", "function": {"name": "echo", "parameters": {
+    "type": "object", "properties": {"word": {"type": "string", "maxLength": 8}}, "required": ["word"]}}}
+
+
+def test_tool_calls_as_the_gateway_makes_them(fleet, client):
+    """A forced call comes back in OpenAI's shape (kept in the job record, so any attempt renders it the same);
+    "auto" needs a parser, as on the gateway; with one, an answer without a call (random weights) is text."""
+    forced = client.submit(messages=[{"role": "user", "content": "Say hi"}], tools=[ECHO], max_tokens=40,
+                           tool_choice={"type": "function", "function": {"name": "echo"}}).result(timeout=120)
+    (call,) = forced["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "echo" and set(json.loads(call["function"]["arguments"])) == {"word"}
+    with pytest.raises(InvalidRequest) as exc:
+        client.submit(messages=[{"role": "user", "content": "Say hi"}], tools=[ECHO], max_tokens=4)
+    assert exc.value.param == "tool_choice" and "--enable-auto-tool-choice" in str(exc.value)
+    auto = Settings.from_env(redis_url=fleet.redis.url, enable_auto_tool_choice=True, tool_call_parser="hermes")
+    with FleetClient(settings=auto) as with_parser:
+        out = with_parser.submit(messages=[{"role": "user", "content": "Say hi"}], tools=[ECHO], max_tokens=6,
+                                 temperature=0, ignore_eos=True).result(timeout=120)
+    choice = out["choices"][0]
+    assert choice["message"]["content"] and "tool_calls" not in choice["message"]
+    assert choice["finish_reason"] == "length" and out["usage"]["completion_tokens"] == 6
 
 
 def test_async_and_sync_iteration_stream_each_chunk_once(client):

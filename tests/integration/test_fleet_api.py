@@ -423,8 +423,8 @@ def test_structured_outputs(client, model):
 
 def test_tool_calls_required_or_named(client, model):
     """tool_choice "required" or a named function: the answer is a call (or calls) whose arguments follow the
-    function's parameters schema, in OpenAI's tool_calls shape, streamed or not; "auto" is a 400 naming
-    tool_choice (it needs a parser of the model's own format)."""
+    function's parameters schema, in OpenAI's tool_calls shape, streamed or not; "auto" (the default with tools)
+    is a 400 naming tool_choice on a gateway started without --enable-auto-tool-choice (tests/e2e: with it)."""
     tools = [{"type": "function", "function": {"name": "set_light", "description": "Turn a light on or off",
               "parameters": {"type": "object", "properties": {"on": {"type": "boolean"},
                                                               "room": {"enum": ["kitchen", "hall"]}},

@@ -1,0 +1,156 @@
+"""Tool calls in a model's own format, read out of its text (tool_choice "auto", `--tool-call-parser NAME`), whole
+or as the text streams in: what vLLM's tool parsers do, for the formats below.
+
+- hermes: <tool_call>{"name": ..., "arguments": {...}}</tool_call>, any number, text around them (Hermes, Qwen
+  2.5+, SmolLM3; kvfleet's `chatml-tools` chat template teaches it to ChatML models such as SmolLM2);
+- mistral: [TOOL_CALLS] then a JSON array of {"name", "arguments"} to the end of the answer (Mistral's special
+  token, so the answer is detokenized with special tokens kept);
+- llama3_json: the answer is a JSON object {"name", "parameters" (or "arguments")}, or several separated by ";"
+  (Llama 3.1+'s JSON tool calling; its <|python_tag|> is a special token, skipped with the others).
+
+A call whose JSON does not read as one stays text, as it came: nothing the model wrote is dropped but the markers
+and the whitespace around calls.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Call:
+    name: str
+    arguments: str  # JSON text of an object
+
+
+@dataclass(frozen=True)
+class CallFormat:
+    name: str
+    start: str  # opens a call (or the calls)
+    end: str | None  # closes one call; None: the calls run to the end of the answer
+    at_start_only: bool = False  # calls only as the whole answer (after leading whitespace)
+    start_in_body: bool = False  # the start marker is the body's own first character (llama3_json's "{")
+    keeps_special_tokens: bool = False  # its markers are special tokens: detokenize without skipping them
+
+    def read(self, body: str) -> list[Call] | None:
+        """The calls in a body (what lies between the markers); None when it does not read as calls."""
+        try:
+            if self.name == "hermes":
+                return _calls([json.loads(body)])
+            if self.name == "mistral":
+                items = json.loads(body)
+                return _calls(items if isinstance(items, list) else [items])
+            decoder, items, pos = json.JSONDecoder(), [], 0  # llama3_json: objects separated by ";"
+            while pos < len(body):
+                item, pos = decoder.raw_decode(body, pos)
+                items.append(item)
+                rest = body[pos:].lstrip()
+                if rest and not rest.startswith(";"):
+                    return None
+                pos = len(body) - len(rest) + (1 if rest else 0)
+                while pos < len(body) and body[pos].isspace():
+                    pos += 1
+            return _calls(items)
+        except ValueError:
+            return None
+
+
+def _calls(items: list[Any]) -> list[Call] | None:
+    calls = []
+    for item in items:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not item["name"]:
+            return None
+        args = item.get("arguments", item.get("parameters", {}))
+        if isinstance(args, str):  # some models write the arguments as a JSON string
+            try:
+                args = json.loads(args)
+            except ValueError:
+                return None
+        if not isinstance(args, dict):
+            return None
+        calls.append(Call(item["name"], json.dumps(args, ensure_ascii=False)))
+    return calls or None
+
+
+FORMATS: dict[str, CallFormat] = {f.name: f for f in (
+    CallFormat("hermes", "<tool_call>", "</tool_call>"),
+    CallFormat("mistral", "[TOOL_CALLS]", None, keeps_special_tokens=True),
+    CallFormat("llama3_json", "{", None, at_start_only=True, start_in_body=True),
+)}
+
+
+def _held_back(text: str, marker: str) -> int:
+    """How many characters at the end of `text` could begin `marker` (kept until the next text says)."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-k:]):
+            return k
+    return 0
+
+
+class CallScanner:
+    """One answer's text as it streams in -> the text to show now and the calls completed now. Text that could
+    begin a call is held until it is known; so is whitespace, which is dropped where it only separates calls."""
+
+    def __init__(self, fmt: CallFormat):
+        self.fmt = fmt
+        self.calls = 0  # calls read so far
+        self._buf = ""
+        self._in_call = False
+        self._plain = False  # at_start_only: the answer began with text, so it holds no calls
+
+    def feed(self, text: str) -> tuple[str, list[Call]]:
+        self._buf += text
+        shown, calls = [], []
+        while True:
+            if self._in_call:
+                if self.fmt.end is None or (j := self._buf.find(self.fmt.end)) < 0:
+                    break
+                text, read = self._read(self._buf[:j], closed=True)
+                shown.append(text)
+                calls += read
+                self._buf = self._buf[j + len(self.fmt.end):]
+                self._in_call = False
+                continue
+            if self._plain:
+                shown.append(self._buf)
+                self._buf = ""
+                break
+            i = self._buf.find(self.fmt.start)
+            stripped = self._buf.lstrip()
+            if self.fmt.at_start_only and stripped and not stripped.startswith(self.fmt.start[:len(stripped)]):
+                self._plain = True
+                continue
+            if i >= 0 and (not self.fmt.at_start_only or not self._buf[:i].strip()):
+                if self._buf[:i].strip():
+                    shown.append(self._buf[:i].rstrip())
+                self._buf = self._buf[i if self.fmt.start_in_body else i + len(self.fmt.start):]
+                self._in_call = True
+                continue
+            keep = _held_back(self._buf, self.fmt.start)
+            while keep < len(self._buf) and self._buf[-keep - 1].isspace():
+                keep += 1
+            out = self._buf[:len(self._buf) - keep]
+            if out.strip() or (out and not self.calls):  # whitespace between calls is not text
+                shown.append(out)
+            self._buf = self._buf[len(self._buf) - keep:]
+            break
+        return "".join(shown), calls
+
+    def close(self) -> tuple[str, list[Call]]:
+        """The answer ended: what was held."""
+        rest, self._buf = self._buf, ""
+        if self._in_call:  # no end marker (cut by EOS or max_tokens): a body that reads whole still counts
+            self._in_call = False
+            return self._read(rest, closed=False)
+        return (rest if rest.strip() or not self.calls else ""), []
+
+    def _read(self, body: str, *, closed: bool) -> tuple[str, list[Call]]:
+        """A call's body -> its calls, or (when it does not read as calls) the text it came as."""
+        calls = self.fmt.read(body.strip())
+        if calls is None:
+            start = "" if self.fmt.start_in_body else self.fmt.start
+            return start + body + (self.fmt.end or "" if closed else ""), []
+        self.calls += len(calls)
+        return "", calls

@@ -1,0 +1,69 @@
+"""The models' own tool-call formats (gateway.tool_parsers): each read whole, and streamed in pieces of any size
+with the same result; text that is not a call passes through as it came."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.tool_parsers import FORMATS, CallScanner
+
+pytestmark = pytest.mark.unit
+
+
+def scan(fmt: str, text: str, cuts: list[int] | None = None) -> tuple[str, list[tuple[str, dict]]]:
+    """The text shown and the calls read, feeding `text` cut at `cuts` (None: whole)."""
+    scanner, shown, calls = CallScanner(FORMATS[fmt]), [], []
+    bounds = [0, *sorted(set(cuts or [])), len(text)]
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        out, read = scanner.feed(text[a:b])
+        shown.append(out)
+        calls += read
+    out, read = scanner.close()
+    return "".join(shown) + out, [(c.name, json.loads(c.arguments)) for c in calls + read]
+
+
+CASES = [
+    ("hermes", 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+               '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>\n',
+     "Let me check.", [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "UTC"})]),
+    ("hermes", '<tool_call>{"name": "f", "arguments": "{\\"a\\": [1, 2]}"}</tool_call>', "", [("f", {"a": [1, 2]})]),
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": {"a": 1}}', "", [("f", {"a": 1})]),  # no close: EOS
+    ("hermes", '<tool_call>\n{"name": "f", "argu', '<tool_call>\n{"name": "f", "argu', []),  # cut: text
+    ("hermes", '<tool_call>{"name": 3}</tool_call> and on', '<tool_call>{"name": 3}</tool_call> and on', []),
+    ("hermes", "a < b and <tool but no call  \n", "a < b and <tool but no call  \n", []),
+    ("mistral", 'Sure [TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {}}]', "Sure",
+     [("f", {"a": 1}), ("g", {})]),
+    ("mistral", "[TOOL_CALLS] not json", "[TOOL_CALLS] not json", []),
+    ("llama3_json", ' {"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {}}', "",
+     [("f", {"a": 1}), ("g", {})]),
+    ("llama3_json", 'Answer: {"name": "f", "parameters": {}}', 'Answer: {"name": "f", "parameters": {}}', []),
+    ("llama3_json", '{"answer": 42}', '{"answer": 42}', []),  # JSON that is not a call stays text
+]
+
+
+@pytest.mark.parametrize(("fmt", "text", "shown", "calls"), CASES)
+def test_each_format_read_whole_and_in_every_two_pieces(fmt, text, shown, calls):
+    assert scan(fmt, text) == (shown, calls)
+    for cut in range(1, len(text)):
+        assert scan(fmt, text, [cut]) == (shown, calls), cut
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(CASES), st.lists(st.integers(min_value=1, max_value=200), max_size=12))
+def test_any_cutting_of_the_stream_reads_the_same(case, cuts):
+    fmt, text, shown, calls = case
+    assert scan(fmt, text, [c for c in cuts if c < len(text)]) == (shown, calls)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(sorted(FORMATS)), st.text(alphabet=st.sampled_from(list("ab <>/{}[]\n\"tool_cal:")), max_size=60),
+       st.lists(st.integers(min_value=1, max_value=60), max_size=6))
+def test_text_without_a_whole_call_comes_out_as_it_went_in(fmt, text, cuts):
+    shown, calls = scan(fmt, text, [c for c in cuts if c < len(text)])
+    if not calls:
+        assert shown == text
+    assert (shown, calls) == scan(fmt, text)
