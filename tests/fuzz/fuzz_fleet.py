@@ -84,8 +84,8 @@ def revive(fleet: Fleet) -> None:
 
 
 def start_fleet(fleet: Fleet) -> Fleet:
-    """One worker on the tiny model and one gateway with the test API key."""
+    """One worker on the tiny model and one gateway with the test API key, reading "auto" tool calls (hermes)."""
     fleet.start_worker("w0", *WORKER_FLAGS)
-    fleet.start_gateway()
+    fleet.start_gateway("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--chat-template", "chatml-tools")
     fleet.wait_ready(workers=1)
     return fleet
