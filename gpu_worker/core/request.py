@@ -55,8 +55,10 @@ class Request:
     num_cached_tokens: int = 0  # prefix-cache hit (tokens) at first admission
     block_hashes: list[int] = field(default_factory=list, repr=False)  # chained hashes of its full blocks
     # Set by the engine while the prompt's logprobs are still to compute: top N of them. The scheduler then
-    # computes the whole prompt (no prefix-cache hit: a hit has no logits) and names each chunk's targets.
+    # names each chunk's targets, and takes a prefix-cache hit (which has no logits) only over positions whose
+    # logprobs are known already: the first scored_prompt_tokens (gpu_worker.engine.scored_prefixes).
     prompt_logprobs: int | None = None
+    scored_prompt_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -243,8 +243,10 @@ class Scheduler:
                 self.waiting.remove(request)
                 self._finish_in_schedule(request, "length")
                 continue
-            # a request scoring its prompt computes all of it: a prefix-cache hit has no logits
-            hit_blocks, num_hit = ([], 0) if request.prompt_logprobs is not None else kvm.get_computed_blocks(request)
+            hit_blocks, num_hit = kvm.get_computed_blocks(request)
+            if request.prompt_logprobs is not None:  # a hit has no logits: only over positions scored already
+                hit_blocks = hit_blocks[:max(0, request.scored_prompt_tokens - 1) // self.block_size]
+                num_hit = len(hit_blocks) * self.block_size
             limit = self._token_limit(request)
             if num_hit > limit:  # a resumed group leader: stop the hit at the shared prefix
                 hit_blocks = hit_blocks[: limit // self.block_size]

@@ -12,9 +12,11 @@ A request with n > 1 runs as n sequences with ids f"{request_id}-{i}" (one sched
 prompt's blocks) and comes back as one RequestOutput with n CompletionOutputs.
 
 Prompt logprobs (SamplingParams.prompt_logprobs): the runner scores the prompt's chunks as they are computed
-(the scheduler names the targets and skips the prefix cache for such a request until they are all scored). The
-request's first output with tokens carries the whole list once (in that sample's CompletionOutput), entry 0 None
-(the first token has no context); a request resumed with tokens sent had it sent already.
+(the scheduler names the targets). Prompts scored to the end leave their blocks' logprobs in ScoredPrefixes; a
+new request takes those of its leading blocks from there, and the scheduler gives it a prefix-cache hit over
+them (a hit has no logits). The request's first output with tokens carries the whole list once (in that
+sample's CompletionOutput), entry 0 None (the first token has no context); a request resumed with tokens sent
+had it sent already.
 
 A failure that belongs to one request fails that request alone: its output is final with finish_reason
 "error" and `error` set, its blocks are freed, and every other request of the step carries on as if nothing
@@ -34,6 +36,7 @@ from typing import Any
 import torch
 
 from gpu_worker.core.config import CacheConfig, SchedulerConfig
+from gpu_worker.core.kv_cache_manager import compute_block_hashes
 from gpu_worker.core.policies import SchedulingPolicy
 from gpu_worker.core.request import Request
 from gpu_worker.core.scheduler import RequestRejected, Scheduler, SchedulerStats
@@ -42,6 +45,7 @@ from gpu_worker.engine.detokenizer import IncrementalDetokenizer
 from gpu_worker.engine.isolation import EngineFault
 from gpu_worker.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from gpu_worker.engine.sampler import Sampler, SamplingRow, draw_uniform
+from gpu_worker.engine.scored_prefixes import ScoredPrefixes
 from gpu_worker.engine.structured import Constraint, GrammarError, Grammars
 from gpu_worker.executor.model_loader import checked_max_model_len, eos_token_ids, load_model_files
 from gpu_worker.executor.model_runner import ModelRunner
@@ -85,6 +89,7 @@ class _Group:
     prompt_logprobs: list[dict[int, float] | None] | None = None  # by position (0: None); None: not asked
     prompt_logprob_ranks: list[int | None] | None = None  # the prompt tokens' ranks, by position
     prompt_logprobs_due: bool = False  # the next output with tokens carries them (once per request)
+    prompt_block_hashes: list[int] = field(default_factory=list)  # of the prompt's full blocks, when scoring it
 
     @property
     def finished(self) -> bool:
@@ -106,6 +111,7 @@ class LLMEngine:
         self._groups: dict[str, _Group] = {}
         self._seq_owner: dict[str, tuple[_Group, _Sequence]] = {}  # scheduler request id -> its group
         self.grammars = Grammars(tokenizer, runner.vocab_size, eos_token_ids)
+        self.scored_prefixes = ScoredPrefixes(self.block_size) if cache_config.enable_prefix_caching else None
 
     @classmethod
     def from_model(cls, model: str, *, dtype: str = "float32", device: str = "cpu", block_size: int = 16,
@@ -163,9 +169,16 @@ class LLMEngine:
             group.prompt_logprobs_due = True
             group.prompt_logprobs = [None] * len(prompt_token_ids)
             group.prompt_logprob_ranks = [None] * len(prompt_token_ids)
-            if len(prompt_token_ids) > 1:  # a 1-token prompt has nothing to score
+            known = 0
+            if self.scored_prefixes is not None:
+                group.prompt_block_hashes = compute_block_hashes(prompt_token_ids, self.block_size)
+                known = self.scored_prefixes.fill(prompt_token_ids, group.prompt_block_hashes,
+                                                  params.prompt_logprobs, group.prompt_logprobs,
+                                                  group.prompt_logprob_ranks)
+            if known < len(prompt_token_ids):  # a 1-token prompt has nothing to score
                 for s in group.seqs:  # any of them may compute the prompt (the leader, or one after a preemption)
                     s.request.prompt_logprobs = params.prompt_logprobs
+                    s.request.scored_prompt_tokens = max(known, 1)
         requests = [s.request for s in group.seqs]
         if len(requests) == 1:
             self.scheduler.add_request(requests[0])
@@ -417,9 +430,17 @@ class LLMEngine:
             for position, (entry, rank) in enumerate(zip(scored.entries, scored.ranks, strict=True),
                                                      scored.first_position):
                 group.prompt_logprobs[position], group.prompt_logprob_ranks[position] = entry, rank
-            if all(entry is not None for entry in group.prompt_logprobs[1:]):
+            entries = group.prompt_logprobs
+            known = next((p for p in range(1, len(entries)) if entries[p] is None), len(entries))
+            for s in group.seqs:
+                s.request.scored_prompt_tokens = known  # a preempted one may take a hit up to there
+            if known == len(entries):
+                top_n = group.seqs[0].request.prompt_logprobs
                 for s in group.seqs:
                     s.request.prompt_logprobs = None
+                if self.scored_prefixes is not None and top_n is not None:
+                    self.scored_prefixes.keep(group.prompt_token_ids, group.prompt_block_hashes, top_n, entries,
+                                              group.prompt_logprob_ranks)
 
     def _process_new_tokens(self, s: _Sequence, logprob: dict[int, float] | None) -> None:
         request = s.request

@@ -100,3 +100,37 @@ def test_prompt_logprobs_match_hf(kind, request):
             # 1 + how many are likelier, up to float noise among near-equal logits
             v = want[i, target]
             assert int((want[i] > v + 1e-3).sum()) < ranks[i + 1] <= int((want[i] > v - 1e-3).sum()) + 1
+
+
+def test_a_scored_context_gives_the_next_scoring_requests_a_prefix_hit_and_the_same_logprobs(tiny_llama_dir):
+    """lm-eval's multiple choice: one context, a continuation per choice, one request after another. The first
+    scores the context; the next ones take a prefix-cache hit over its full blocks, their logprobs there from
+    ScoredPrefixes (gpu_worker/engine/scored_prefixes.py), and every list equals HF's. Another top N, or prefix
+    caching off, scores it all again."""
+    llm = LLM(str(tiny_llama_dir), block_size=4, num_kv_blocks=64, max_model_len=128)
+    context = list(range(2000, 2023))  # 23 tokens: 5 full blocks, then 3 tokens in the sixth
+    params = SamplingParams(max_tokens=1, prompt_logprobs=2)
+    prompts = [context + [5, 6], context + [7], context + [8, 9, 10]]
+    outs = [llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0] for p in prompts]
+    # positions 0-20 are known from the first: its blocks 0-4, and the token after them (the context's 2020,
+    # predicted by row 19), so the hit covers the 5 blocks
+    assert [o.metrics.num_cached_tokens for o in outs] == [0, 20, 20]
+    assert llm.engine.scored_prefixes.hits == 12
+    edgeless = llm.generate({"prompt_token_ids": context[:20] + [9]}, params, use_tqdm=False)[0]
+    assert edgeless.metrics.num_cached_tokens == 16  # 9 never followed those blocks: row 19 is computed again
+    other_n = llm.generate({"prompt_token_ids": context + [11]}, dataclasses.replace(params, prompt_logprobs=3),
+                           use_tqdm=False)[0]
+    assert other_n.metrics.num_cached_tokens == 0
+    for prompt, out, top_n in zip(prompts + [context[:20] + [9], context + [11]], outs + [edgeless, other_n],
+                                  [2, 2, 2, 2, 3], strict=True):
+        want = _hf_prompt_logprobs(tiny_llama_dir, prompt)
+        got = out.prompt_logprobs
+        assert got[0] is None and len(got) == len(prompt)
+        for i, entry in enumerate(got[1:]):
+            assert entry[prompt[i + 1]] == pytest.approx(want[i, prompt[i + 1]].item(), abs=1e-3)
+            assert set(want[i].topk(top_n)[1].tolist()) <= set(entry) and len(entry) <= top_n + 1
+    off = LLM(str(tiny_llama_dir), block_size=4, num_kv_blocks=64, max_model_len=128, enable_prefix_caching=False)
+    scored = [off.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0] for p in prompts[:2]]
+    assert off.engine.scored_prefixes is None and [o.metrics.num_cached_tokens for o in scored] == [0, 0]
+    for a, b in zip(scored[1].prompt_logprobs[1:], outs[1].prompt_logprobs[1:], strict=True):
+        assert set(a) == set(b) and all(a[k] == pytest.approx(b[k], abs=1e-4) for k in a)

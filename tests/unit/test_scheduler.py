@@ -367,26 +367,38 @@ def test_memory_log(caplog):
     assert "0 preemptions" in rec.getMessage()
 
 
-def test_prompt_logprobs_name_each_chunks_targets_and_skip_the_prefix_cache():
-    """A request scoring its prompt computes all of it (a cached prefix has no logits) and each chunk names
-    the prompt tokens its rows predict; once the engine has them all (it clears the field), hits count again."""
+def test_prompt_logprobs_name_each_chunks_targets_and_hit_the_cache_only_where_scored():
+    """A request scoring its prompt computes every position whose logprob is not known yet (a cached prefix has no
+    logits): the prefix-cache hit stops where scored_prompt_tokens (positions known from the start, set by the
+    engine from gpu_worker.engine.scored_prefixes) stops; each chunk names the prompt tokens its rows predict;
+    once the engine has them all (it clears the field), hits count in full again."""
     s = make(budget=6, block_size=4)
     prompt = list(range(100, 113))  # 13 tokens
     warm = req("warm", prompt, max_tokens=1)
     s.add_request(warm)
     while s.has_unfinished_requests():
         step(s)
-    scoring = req("a", prompt, max_tokens=2)
-    scoring.prompt_logprobs = 2
-    s.add_request(scoring)
-    chunks = []
-    while not scoring.output_token_ids:
-        out = s.schedule()
-        (seq,) = out.seqs
-        chunks.append((seq.start_pos, seq.prompt_logprob_targets, seq.num_prompt_logprobs))
-        s.update_from_output(out, {seq.request_id: 7} if seq.sample else {})
+
+    def chunks_of(request):
+        s.add_request(request)
+        chunks = []
+        while not request.output_token_ids:
+            out = s.schedule()
+            (seq,) = out.seqs
+            chunks.append((seq.start_pos, seq.prompt_logprob_targets, seq.num_prompt_logprobs))
+            s.update_from_output(out, {seq.request_id: 7} if seq.sample else {})
+        return chunks
+
+    scoring = req("a", prompt, max_tokens=1)
+    scoring.prompt_logprobs, scoring.scored_prompt_tokens = 2, 1  # nothing known but position 0 (no context)
+    assert chunks_of(scoring) == [(0, prompt[1:7], 2), (6, prompt[7:13], 2), (12, [], 2)]  # the last predicts none
     assert scoring.num_cached_tokens == 0
-    assert chunks == [(0, prompt[1:7], 2), (6, prompt[7:13], 2), (12, [], 2)]  # the last row predicts no prompt
+    partly = req("p", prompt, max_tokens=1)
+    partly.prompt_logprobs, partly.scored_prompt_tokens = 2, 9  # positions 0-8 known: a hit of 2 blocks
+    assert chunks_of(partly) == [(8, prompt[9:13], 2)] and partly.num_cached_tokens == 8
+    whole = req("w", prompt, max_tokens=1)
+    whole.prompt_logprobs, whole.scored_prompt_tokens = 2, 8  # position 8 is not known: row 7 must be computed
+    assert chunks_of(whole)[0] == (4, prompt[5:11], 2) and whole.num_cached_tokens == 4
     again = req("b", prompt, max_tokens=1)
     again.prompt_logprobs = None
     s.add_request(again)
