@@ -305,6 +305,12 @@ def tool_call_schema(tools: list[Tool], name: str | None) -> dict[str, Any]:
     return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
 
 
+# what the gateway itself passes to apply_chat_template: not chat_template_kwargs' to set
+TEMPLATE_ARGUMENTS = frozenset({"messages", "conversation", "tools", "documents", "add_generation_prompt",
+                                "continue_final_message", "tokenize", "chat_template", "return_dict", "padding",
+                                "truncation", "max_length", "return_tensors", "return_assistant_tokens_mask"})
+
+
 class NamedFunction(BaseModel):
     name: str
 
@@ -327,6 +333,18 @@ class ChatCompletionRequest(_SamplingFields):
                           "model decides, and its calls are read out of its own format (a gateway started with "
                           "--enable-auto-tool-choice --tool-call-parser NAME); \"none\": no call")
     parallel_tool_calls: bool | None = None
+    # vLLM's chat template controls
+    add_generation_prompt: bool = Field(True, description="open the assistant's turn after the messages")
+    continue_final_message: bool = Field(False, description="the last message (usually an assistant's) is left "
+                                                            "open, and the answer continues it; needs "
+                                                            "add_generation_prompt false")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="more variables for the chat template (e.g. {\"enable_thinking\": false})")
+
+    def template_options(self) -> dict[str, Any]:
+        """What the chat template is rendered with, besides the messages and the tools."""
+        return {**(self.chat_template_kwargs or {}), "add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message}
 
     def tool_mode(self) -> str | None:
         """"named" (tool_choice names a function), "required", "auto" (tools given, no other choice), or None (no
@@ -346,6 +364,17 @@ class ChatCompletionRequest(_SamplingFields):
         if mode not in ("named", "required") or not names or (mode == "named" and self.named_tool() not in names):
             return super().structured_spec()  # no call forced, or a wrong one (_tools_and_choice_agree says so)
         return "tools", {"json": tool_call_schema(self.tools or [], self.named_tool())}
+
+    @model_validator(mode="after")
+    def _template_options_agree(self) -> ChatCompletionRequest:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise invalid("continue_final_message", "needs add_generation_prompt false: the answer either "
+                                                    "continues the last message or opens a new turn")
+        taken = sorted(set(self.chat_template_kwargs or {}) & TEMPLATE_ARGUMENTS)
+        if taken:
+            raise invalid(f"chat_template_kwargs.{taken[0]}", "is set by the request itself (messages, tools, "
+                                                              "add_generation_prompt, continue_final_message)")
+        return self
 
     @model_validator(mode="after")
     def _tools_and_choice_agree(self) -> ChatCompletionRequest:

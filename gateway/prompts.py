@@ -138,7 +138,7 @@ def prepare(target: Any, body: CompletionRequest | ChatCompletionRequest) -> Pre
     if isinstance(body, ChatCompletionRequest):
         try:
             tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-            ids = chat_ids(tok, [m.as_template_input() for m in body.messages], tools)
+            ids = chat_ids(tok, [m.as_template_input() for m in body.messages], tools, body.template_options())
         except ValueError as e:
             raise bad_request(str(e), "messages") from None
         inputs: list[tuple[list[int], str | None]] = [(ids, None)]

@@ -185,15 +185,17 @@ def _direct_encoder(tokenizer: Any) -> Callable[[str], Any] | None:
     return backend.encode if same else None
 
 
-def chat_ids(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+def chat_ids(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+             options: dict[str, Any] | None = None) -> list[int]:
     """The tokenizer's chat template with the assistant's turn opened (and the tools, for a template that shows
-    them)."""
+    them). options: add_generation_prompt, continue_final_message and the template's own variables
+    (ChatCompletionRequest.template_options); default: the turn opened."""
     from jinja2 import TemplateError
 
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template: use /v1/completions")
     try:
-        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+        out = tokenizer.apply_chat_template(messages, tokenize=True, **(options or {"add_generation_prompt": True}),
                                             **({"tools": tools} if tools else {}))
     except TemplateError as e:  # the template's own checks ("roles must alternate ...")
         raise ValueError(f"the model's chat template refused these messages: {e}") from None

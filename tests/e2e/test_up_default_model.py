@@ -68,6 +68,13 @@ def test_kvfleet_up_answers_a_chat_in_english(tmp_path):
         words = re.findall(r"[A-Za-z]+", answer)
         assert len(words) >= 3 and {"the", "is", "of"} & {w.lower() for w in words}
         assert reply.usage.completion_tokens <= 40 and reply.choices[0].finish_reason in ("stop", "length")
+        continued = client.chat.completions.create(  # vLLM's continue_final_message: the answer goes on from it
+            model="smollm2", temperature=0, max_tokens=8,
+            messages=[{"role": "user", "content": "What is the capital of France?"},
+                      {"role": "assistant", "content": "The capital of France is"}],
+            extra_body={"add_generation_prompt": False, "continue_final_message": True})
+        print(f"smollm2 goes on: {continued.choices[0].message.content!r}")
+        assert continued.choices[0].message.content.startswith(" Paris")
         schema = {"type": "object", "properties": {"country": {"type": "string"}, "capital": {"type": "string"}},
                   "required": ["country", "capital"], "additionalProperties": False}
         shaped = client.chat.completions.create(

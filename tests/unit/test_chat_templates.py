@@ -1,12 +1,16 @@
 """Chat templates (shared.models.chat_template_text, shared/chat_templates): what --chat-template accepts, and the
 `chatml-tools` template kvfleet ships: SmolLM2's own ChatML when no tools are given, the tools and the earlier
-calls and their results in the Hermes format when they are."""
+calls and their results in the Hermes format when they are. And a request's template options (vLLM's
+add_generation_prompt, continue_final_message, chat_template_kwargs)."""
 
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 from transformers.utils.chat_template_utils import render_jinja_template
 
+from gateway.errors import validation_error
+from gateway.openai_api import ChatCompletionRequest
 from shared.models import chat_template_text
 
 pytestmark = pytest.mark.unit
@@ -65,3 +69,26 @@ def test_chatml_tools_shows_the_tools_the_calls_and_their_results():
                     "<|im_start|>user\n<tool_response>\n21 C\n</tool_response>\n"
                     "<tool_response>\n3 C\n</tool_response><|im_end|>\n"
                     "<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize(("body", "param", "words"), [
+    ({"continue_final_message": True}, "continue_final_message", "add_generation_prompt false"),
+    ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs.tools", "set by the request"),
+    ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs.add_generation_prompt",
+     "set by the request"),
+])
+def test_chat_template_options_that_cannot_work_name_the_field(body, param, words):
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x"}]} | body)
+    got_param, message = validation_error(e.value)
+    assert got_param == param and words in message, (got_param, message)
+
+
+def test_chat_template_options_reach_the_template():
+    body = ChatCompletionRequest.model_validate({
+        "model": "m", "messages": [{"role": "assistant", "content": "Once"}], "add_generation_prompt": False,
+        "continue_final_message": True, "chat_template_kwargs": {"enable_thinking": False}})
+    assert body.template_options() == {"enable_thinking": False, "add_generation_prompt": False,
+                                       "continue_final_message": True}
+    plain = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x"}]})
+    assert plain.template_options() == {"add_generation_prompt": True, "continue_final_message": False}

@@ -125,3 +125,4 @@ def test_tool_choice_none_leaves_the_answer_free():
     body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], tools=[ADD],
                                  tool_choice="none")
     assert body.tool_mode() is None and body.sampling_params(8, None).structured_outputs is None
+
