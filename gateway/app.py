@@ -15,14 +15,23 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway import responses, tool_calls
+from gateway import prompts, responses, tool_calls
 from gateway.errors import APIError, install_handlers
 from gateway.fast_lane import FastLane, Lane
 from gateway.fleet_view import FleetViews
 from gateway.inbox import Inbox, gateway_id
 from gateway.leases import Leases
 from gateway.middleware import BodyLimit, Instrumentation
-from gateway.openai_api import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from gateway.openai_api import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from gateway.placement import routing_header, submit, target_for
 from gateway.prompts import is_short, prepare
 from gateway.relay import relay
@@ -156,6 +165,18 @@ def create_app(settings: Settings) -> Any:
             return EventStream(events, headers=headers | SSE_HEADERS)
         return await finish(request, responses.chat_body(sub, relay(state, sub), top_logprobs=top,
                                                          prompt_top=body.prompt_logprobs, tools=tools), headers)
+
+    @app.post("/tokenize", dependencies=[Depends(authorized)])
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        """vLLM's: the token ids of a prompt, or of chat messages through the chat template."""
+        target = await target_for(state, body.model)
+        return await state.tokenizers.run(prompts.tokenize, target, body)
+
+    @app.post("/detokenize", dependencies=[Depends(authorized)])
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        """vLLM's: the text of token ids."""
+        target = await target_for(state, body.model)
+        return await state.tokenizers.run(prompts.detokenize, target, body)
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models() -> ModelList:

@@ -311,6 +311,25 @@ TEMPLATE_ARGUMENTS = frozenset({"messages", "conversation", "tools", "documents"
                                 "truncation", "max_length", "return_tensors", "return_assistant_tokens_mask"})
 
 
+def template_options(body: Any) -> dict[str, Any]:
+    """What a chat request (or a /tokenize of messages) renders the chat template with, besides the messages and the
+    tools."""
+    return {**(body.chat_template_kwargs or {}), "add_generation_prompt": body.add_generation_prompt,
+            "continue_final_message": body.continue_final_message}
+
+
+def check_template_options(body: Any) -> None:
+    """add_generation_prompt, continue_final_message and chat_template_kwargs can work together (a chat request, a
+    /tokenize of messages)."""
+    if body.continue_final_message and body.add_generation_prompt:
+        raise invalid("continue_final_message", "needs add_generation_prompt false: the answer either continues the "
+                                                "last message or opens a new turn")
+    taken = sorted(set(body.chat_template_kwargs or {}) & TEMPLATE_ARGUMENTS)
+    if taken:
+        raise invalid(f"chat_template_kwargs.{taken[0]}", "is set by the request itself (messages, tools, "
+                                                          "add_generation_prompt, continue_final_message)")
+
+
 class NamedFunction(BaseModel):
     name: str
 
@@ -341,11 +360,6 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="more variables for the chat template (e.g. {\"enable_thinking\": false})")
 
-    def template_options(self) -> dict[str, Any]:
-        """What the chat template is rendered with, besides the messages and the tools."""
-        return {**(self.chat_template_kwargs or {}), "add_generation_prompt": self.add_generation_prompt,
-                "continue_final_message": self.continue_final_message}
-
     def tool_mode(self) -> str | None:
         """"named" (tool_choice names a function), "required", "auto" (tools given, no other choice), or None (no
         call: tool_choice "none", or no tools)."""
@@ -367,13 +381,7 @@ class ChatCompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _template_options_agree(self) -> ChatCompletionRequest:
-        if self.continue_final_message and self.add_generation_prompt:
-            raise invalid("continue_final_message", "needs add_generation_prompt false: the answer either "
-                                                    "continues the last message or opens a new turn")
-        taken = sorted(set(self.chat_template_kwargs or {}) & TEMPLATE_ARGUMENTS)
-        if taken:
-            raise invalid(f"chat_template_kwargs.{taken[0]}", "is set by the request itself (messages, tools, "
-                                                              "add_generation_prompt, continue_final_message)")
+        check_template_options(self)
         return self
 
     @model_validator(mode="after")
@@ -509,6 +517,49 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's POST /tokenize: a prompt's token ids, or chat messages' through the chat template, as
+    /v1/completions and /v1/chat/completions would run them."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = Field(None, description="default: true for a prompt, false for messages "
+                                                              "(the chat template holds them)")
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = Field(None, max_length=128)
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise invalid("prompt", "give either prompt (text) or messages (a chat), not both or neither")
+        check_template_options(self)
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = Field(None, exclude_if=_absent)
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    tokens: list[TokenId] = Field(max_length=1 << 20)
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ModelCard(BaseModel):

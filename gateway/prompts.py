@@ -12,7 +12,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.errors import bad_request, param_of
-from gateway.openai_api import ChatCompletionRequest, CompletionRequest
+from gateway.openai_api import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    template_options,
+)
 from gateway.tokenizer import chat_ids, prompt_ids
 from shared.sampling_params import SamplingParams
 
@@ -138,7 +146,7 @@ def prepare(target: Any, body: CompletionRequest | ChatCompletionRequest) -> Pre
     if isinstance(body, ChatCompletionRequest):
         try:
             tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-            ids = chat_ids(tok, [m.as_template_input() for m in body.messages], tools, body.template_options())
+            ids = chat_ids(tok, [m.as_template_input() for m in body.messages], tools, template_options(body))
         except ValueError as e:
             raise bad_request(str(e), "messages") from None
         inputs: list[tuple[list[int], str | None]] = [(ids, None)]
@@ -159,3 +167,33 @@ def prepare(target: Any, body: CompletionRequest | ChatCompletionRequest) -> Pre
         prompts.append(Prompt(ids, text, make_params(
             lambda m=max_tokens: body.sampling_params(m, logprobs, prompt_logprobs))))
     return Prepared(prompts, logprobs, echo, body.priority, body.prompt_logprobs)
+
+
+def tokenize(target: Any, body: TokenizeRequest) -> TokenizeResponse:
+    """vLLM's /tokenize: the token ids a prompt or chat messages become (what /v1/completions and
+    /v1/chat/completions would run), and the model's window. It tokenizes (see `prepare`)."""
+    tok = target.tokenizer
+    if body.messages is None:
+        ids = (prompt_ids(tok, body.prompt) if body.add_special_tokens is not False
+               else tok(body.prompt, add_special_tokens=False)["input_ids"])
+    else:
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        try:
+            ids = chat_ids(tok, [m.as_template_input() for m in body.messages], tools, template_options(body))
+        except ValueError as e:
+            raise bad_request(str(e), "messages") from None
+        if body.add_special_tokens:  # the rendered text tokenized again, with the tokenizer's own special tokens
+            ids = tok(tok.decode(ids), add_special_tokens=True)["input_ids"]
+    ids = list(ids)
+    strs = tok.convert_ids_to_tokens(ids) if body.return_token_strs else None
+    return TokenizeResponse(count=len(ids), max_model_len=target.max_model_len, tokens=ids, token_strs=strs)
+
+
+def detokenize(target: Any, body: DetokenizeRequest) -> DetokenizeResponse:
+    """vLLM's /detokenize: token ids (each in the vocabulary: a 400 naming the first that is not) to text."""
+    vocab = len(target.tokenizer)
+    for i, t in enumerate(body.tokens):
+        if t >= vocab:
+            raise bad_request(f"tokens[{i}]: token ids must be in [0, {vocab}) (the model's vocabulary), got {t}",
+                              f"tokens[{i}]", "invalid_value")
+    return DetokenizeResponse(prompt=target.tokenizer.decode(body.tokens))

@@ -35,6 +35,8 @@ pytestmark = [pytest.mark.fuzz, pytest.mark.slow]
 EXAMPLES = int(os.environ.get("KVFLEET_FUZZ_EXAMPLES", "150"))
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 GENERATIONS = ("/v1/completions", "/v1/chat/completions")
+TOKENIZING = ("/tokenize", "/detokenize")  # vLLM's
+POSTS = GENERATIONS + TOKENIZING
 READS = ("/v1/models", "/v1/fleet", "/health", "/readyz", "/livez", "/metrics")
 OUTPUT_CAP = 4  # output tokens of a case that fits the schema: cheap to run, whatever max_tokens said
 CAPS = {"max_tokens": OUTPUT_CAP, "max_completion_tokens": OUTPUT_CAP, "n": 2, "best_of": 2}
@@ -46,7 +48,7 @@ FLOAT_EXTREMES = (1e308, -1e308, 5e-324, -0.0)  # NaN and Infinity: tests/fuzz/t
 @pytest.fixture(scope="module")
 def api_schema(fuzz_fleet):
     schema = schemathesis.openapi.from_url(fuzz_fleet.url() + "/openapi.json", headers=AUTH, timeout=30)
-    for path in GENERATIONS + READS:
+    for path in POSTS + READS:
         assert schema[path], f"{path} is missing from the gateway's OpenAPI schema"
     return schema
 
@@ -93,7 +95,7 @@ def steer(body: dict, model: str, vocab: int) -> None:
         body["model"] = model
     if body.get("prompt") in ("", []):  # the schema allows it; the gateway's "the prompt is empty" 400 stops it
         body["prompt"] = "hi"
-    for key in ("prompt", "stop_token_ids"):
+    for key in ("prompt", "stop_token_ids", "tokens"):
         if key in body:
             body[key] = into_vocab(body[key], vocab)
     bias = body.get("logit_bias")
@@ -161,11 +163,11 @@ def report(operation, kind: str, statuses: Counter[int]) -> None:
     print(f"{operation.method.upper()} {operation.path} {kind}: HTTP status -> cases {dict(statuses)}")
 
 
-@pytest.mark.parametrize("path", GENERATIONS + READS)
+@pytest.mark.parametrize("path", POSTS + READS)
 def test_coverage_cases(fleet, api_schema, path):
     """Schemathesis's coverage phase: each field at and past its bounds, wrong types, missing required fields,
     other methods and media types, enumerated rather than drawn."""
-    operation = api_schema[path]["POST" if path in GENERATIONS else "GET"]
+    operation = api_schema[path]["POST" if path in POSTS else "GET"]
     config = api_schema.config.generation_for(operation=operation)
     vocab, statuses = vocab_size(fleet), Counter()
     for case in api_schema.iter_coverage_cases(operation, generation_config=config,
@@ -199,7 +201,7 @@ def test_extreme_numbers(fleet, api_schema, path):
 
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=str)
-@pytest.mark.parametrize("path", GENERATIONS)
+@pytest.mark.parametrize("path", POSTS)
 def test_generated_cases(fleet, api_schema, path, mode):
     """KVFLEET_FUZZ_EXAMPLES drawn cases; those that fit the schema are made cheap, 9 in 10 steered, 1 in 4 given
     an extreme number."""

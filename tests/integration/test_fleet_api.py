@@ -456,6 +456,31 @@ def test_tool_calls_required_or_named(client, model):
         client.chat.completions.create(model=model, messages=messages, tools=tools, max_tokens=5)
     assert e.value.body["param"] == "tool_choice" and "auto" in e.value.body["message"]
 
+def test_tokenize_and_detokenize_as_vllm(fleet, client, model):
+    """vLLM's /tokenize and /detokenize: the ids a prompt or chat messages become are the ones the generation
+    endpoints count (usage.prompt_tokens), and come back to the text; bad input is a 400 naming the field."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    messages = [{"role": "user", "content": "Count the tokens of this chat"}]
+    chat = httpx.post(fleet.url() + "/tokenize", headers=headers, json={"model": model, "messages": messages}).json()
+    reply = client.chat.completions.create(model=model, messages=messages, max_tokens=1)
+    assert chat["count"] == len(chat["tokens"]) == reply.usage.prompt_tokens and chat["max_model_len"] == 1024
+    prompt = "The quick brown fox"
+    text = httpx.post(fleet.url() + "/tokenize", headers=headers,
+                      json={"model": model, "prompt": prompt, "return_token_strs": True}).json()
+    done = client.completions.create(model=model, prompt=prompt, max_tokens=1)
+    assert text["count"] == done.usage.prompt_tokens and len(text["token_strs"]) == text["count"]
+    back = httpx.post(fleet.url() + "/detokenize", headers=headers, json={"model": model, "tokens": text["tokens"]})
+    assert prompt in back.json()["prompt"]
+    for path, body, param in [("/tokenize", {"model": model}, "prompt"),
+                              ("/tokenize", {"model": model, "messages": messages, "continue_final_message": True},
+                               "continue_final_message"),
+                              ("/detokenize", {"model": model, "tokens": [1, 10**7]}, "tokens[1]"),
+                              ("/detokenize", {"model": model, "tokens": [-1]}, "tokens[0]")]:
+        bad = httpx.post(fleet.url() + path, headers=headers, json=body)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, (path, body, bad.text)
+    assert httpx.post(fleet.url() + "/tokenize", json={"model": model, "prompt": "x"}).status_code == 401
+
+
 def test_no_live_worker_then_no_redis_answer_503(fleet, client, model):  # last: it stops the fleet
     """Last in the module: it stops the fleet's workers, then its Redis."""
     for wid in ("w0", "w1"):
