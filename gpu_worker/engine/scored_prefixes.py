@@ -19,13 +19,16 @@ from collections.abc import Sequence
 
 Entry = dict[int, float] | None
 
-DEFAULT_BLOCKS = 16384  # entries: blocks, and tokens after them (a few KiB of Python objects per block at top N 1)
+# What it holds at most, in logprobs (a token id and its logprob; an entry at top N holds N or N + 1): about 100
+# bytes of Python objects each, so ~50 MB. At top N 1 (lm-eval's), ~15,000 blocks of 16.
+DEFAULT_CAPACITY = 500_000
 
 
 class ScoredPrefixes:
-    def __init__(self, block_size: int, capacity_blocks: int = DEFAULT_BLOCKS):
+    def __init__(self, block_size: int, capacity: int = DEFAULT_CAPACITY):
         self.block_size = block_size
-        self.capacity = capacity_blocks
+        self.capacity = capacity  # logprobs (see DEFAULT_CAPACITY)
+        self.size = 0  # logprobs held
         # (block hash, top N): the block's entries; (block hash, top N, next token): the one after it
         self._blocks: OrderedDict[tuple[int, ...], tuple[tuple[Entry, ...], tuple[int | None, ...]]] = OrderedDict()
         self.hits = 0  # blocks and tokens-after found (for the tests)
@@ -63,8 +66,9 @@ class ScoredPrefixes:
             after = (b + 1) * bs
             if after < len(prompt):
                 self._put((block_hash, top_n, prompt[after]), entries[after:after + 1], ranks[after:after + 1])
-        while len(self._blocks) > self.capacity:
-            self._blocks.popitem(last=False)
+        while self.size > self.capacity:
+            _, (entries, _) = self._blocks.popitem(last=False)
+            self.size -= _size(entries)
 
     def _get(self, key: tuple[int, ...]) -> tuple[tuple[Entry, ...], tuple[int | None, ...]] | None:
         found = self._blocks.get(key)
@@ -78,3 +82,8 @@ class ScoredPrefixes:
             self._blocks.move_to_end(key)
         else:
             self._blocks[key] = (tuple(entries), tuple(ranks))
+            self.size += _size(entries)
+
+
+def _size(entries: Sequence[Entry]) -> int:
+    return sum(len(e) for e in entries if e is not None) or 1

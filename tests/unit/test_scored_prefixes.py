@@ -36,12 +36,13 @@ def test_leading_blocks_and_the_token_after_them_come_back_for_the_same_prefix_o
 
 
 def test_the_least_recently_used_entries_go_first():
-    cache = ScoredPrefixes(block_size=4, capacity_blocks=4)
-    a, b = list(range(100, 109)), list(range(200, 209))  # 2 blocks + the token after each: 4 entries apiece
+    a, b = list(range(100, 109)), list(range(200, 209))  # 2 blocks + the token after each: 4 entries apiece,
+    cache = ScoredPrefixes(block_size=4, capacity=10)  # holding 3 + 4 + 1 + 1 = 9 logprobs
     cache.keep(a, compute_block_hashes(a, 4), 1, *scored(a))
-    assert len(cache) == 4 and fill(cache, a)[0] == 9
+    assert (len(cache), cache.size) == (4, 9) and fill(cache, a)[0] == 9
     cache.keep(b, compute_block_hashes(b, 4), 1, *scored(b))
-    assert len(cache) == 4 and fill(cache, a)[0] == 0 and fill(cache, b)[0] == 9
-    off = ScoredPrefixes(block_size=4, capacity_blocks=0)
+    # a's oldest go until 10 are left: its blocks, not the token after its last block (1 logprob)
+    assert (len(cache), cache.size) == (5, 10) and fill(cache, a)[0] == 0 and fill(cache, b)[0] == 9
+    off = ScoredPrefixes(block_size=4, capacity=0)
     off.keep(a, compute_block_hashes(a, 4), 1, *scored(a))
     assert len(off) == 0 and fill(off, a)[0] == 0
