@@ -136,7 +136,9 @@ def create_app(settings: Settings) -> Any:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             chunks = responses.merge_chunks([relay(state, s) for s in batch.subs], batch.n)
             events = responses.completion_events(batch, chunks, echo=body.echo, logprobs=body.logprobs,
-                                                 include_usage=include_usage)
+                                                 include_usage=include_usage,
+                                                 continuous_usage=bool(body.stream_options
+                                                                       and body.stream_options.continuous()))
             return EventStream(events, headers=headers | SSE_HEADERS)
 
         async def whole() -> Any:
@@ -160,8 +162,9 @@ def create_app(settings: Settings) -> Any:
         sub, top, headers = batch.subs[0], prepared.logprobs, routing_header(batch)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = responses.chat_events(sub, relay(state, sub), top_logprobs=top,
-                                           include_usage=include_usage, tools=tools)
+            events = responses.chat_events(sub, relay(state, sub), top_logprobs=top, include_usage=include_usage,
+                                           tools=tools, continuous_usage=bool(body.stream_options
+                                                                              and body.stream_options.continuous()))
             return EventStream(events, headers=headers | SSE_HEADERS)
         return await finish(request, responses.chat_body(sub, relay(state, sub), top_logprobs=top,
                                                          prompt_top=body.prompt_logprobs, tools=tools), headers)

@@ -58,6 +58,11 @@ def lone_surrogate_path(value: Any) -> str | None:
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="vLLM's: with include_usage, every chunk carries its "
+                                                            "choice's usage so far")
+
+    def continuous(self) -> bool:
+        return self.include_usage and self.continuous_usage_stats
 
 
 class JsonSchemaFormat(BaseModel):

@@ -174,6 +174,19 @@ async def chat_body(sub: Submitted, chunks: AsyncIterator[OutputChunk], *, top_l
         for i, c in enumerate(choices)])
 
 
+class RunningUsage:
+    """vLLM's stream_options.continuous_usage_stats: each streamed chunk carries its choice's usage so far."""
+
+    def __init__(self, sub: Any):
+        self._sub = sub  # a Submitted or a Batch (prompt_ids_of)
+        self._generated = [0] * sub.num_choices
+
+    def __call__(self, c: OutputChunk) -> UsageInfo:
+        self._generated[c.index] += len(c.token_ids)
+        prompt, done = len(self._sub.prompt_ids_of(c.index)), self._generated[c.index]
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=done, total_tokens=prompt + done)
+
+
 def sse(obj: Any) -> str:
     payload = obj.model_dump_json(exclude_none=False) if hasattr(obj, "model_dump_json") else json.dumps(obj)
     return f"data: {payload}\n\n"
@@ -225,8 +238,10 @@ async def _events(chunks: AsyncIterator[OutputChunk], render: Any, usage_event: 
 
 
 async def completion_events(sub: Any, chunks: AsyncIterator[OutputChunk], *, echo: bool,
-                            logprobs: int | None, include_usage: bool) -> AsyncIterator[str]:
-    """`sub`: a Submitted, or a Batch whose prompts' chunks `chunks` merges (merge_chunks)."""
+                            logprobs: int | None, include_usage: bool,
+                            continuous_usage: bool = False) -> AsyncIterator[str]:
+    """`sub`: a Submitted, or a Batch whose prompts' chunks `chunks` merges (merge_chunks). continuous_usage:
+    every chunk carries its choice's usage so far (vLLM's continuous_usage_stats)."""
     tok, model, rid = sub.target.tokenizer, sub.target.model, sub.request_id
     created = int(time.time())  # one for every chunk of the stream, as OpenAI's
     offsets = [len(sub.prompt_of(i) or "") if echo else 0 for i in range(sub.num_choices)]
@@ -250,8 +265,10 @@ async def completion_events(sub: Any, chunks: AsyncIterator[OutputChunk], *, ech
     text_event = TextEvents(lambda i, text: CompletionResponse(id=rid, created=created, model=model, choices=[
         CompletionChoice(index=i, text=text)]))
 
+    running = RunningUsage(sub) if continuous_usage else None
+
     def render(c: OutputChunk) -> str:
-        if logprobs is None and c.finish_reason is None:
+        if logprobs is None and c.finish_reason is None and running is None:
             return text_event(c.index, c.text)
         head = echo_event(c) if c.index in echo_later else ""
         lp = None
@@ -259,7 +276,8 @@ async def completion_events(sub: Any, chunks: AsyncIterator[OutputChunk], *, ech
             lp = completion_logprobs(tok, c.token_ids, c.logprobs or [], offsets[c.index])
             offsets[c.index] += sum(len(s) for s in lp.tokens)
         return head + sse(CompletionResponse(id=rid, created=created, model=model, choices=[
-            CompletionChoice(index=c.index, text=c.text, logprobs=lp, finish_reason=c.finish_reason)]))
+            CompletionChoice(index=c.index, text=c.text, logprobs=lp, finish_reason=c.finish_reason)],
+            usage=running(c) if running is not None else None))
 
     def usage_event(usage: Usage | None) -> str:
         return sse(CompletionResponse(id=rid, created=created, model=model, choices=[], usage=usage_info(usage)))
@@ -269,20 +287,26 @@ async def completion_events(sub: Any, chunks: AsyncIterator[OutputChunk], *, ech
 
 
 async def chat_events(sub: Submitted, chunks: AsyncIterator[OutputChunk], *, top_logprobs: int | None,
-                      include_usage: bool, tools: ToolCalls | None = None) -> AsyncIterator[str]:
+                      include_usage: bool, tools: ToolCalls | None = None,
+                      continuous_usage: bool = False) -> AsyncIterator[str]:
     """tools: how each choice's tool calls are read (gateway.tool_calls): a forced call goes out whole in one
-    delta with its finish; "auto" streams the text and each call once complete (no logprobs in that mode)."""
+    delta with its finish; "auto" streams the text and each call once complete (no logprobs in that mode).
+    continuous_usage: every chunk carries its choice's usage so far (vLLM's continuous_usage_stats)."""
     tok, model, rid = sub.target.tokenizer, sub.target.model, sub.request_id
     created = int(time.time())  # one for every chunk of the stream, as OpenAI's
+    prompt = len(sub.request.prompt_token_ids)
     for i in range(sub.num_choices):
         yield sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[
-            ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))]))
+            ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))],
+            usage=UsageInfo(prompt_tokens=prompt, total_tokens=prompt) if continuous_usage else None))
 
     text_event = TextEvents(lambda i, text: ChatCompletionChunk(id=rid, created=created, model=model, choices=[
         ChatChunkChoice(index=i, delta=ChatDelta(content=text))]))
     calls = [tools.stream() for _ in range(sub.num_choices)] if tools is not None else []
+    running = RunningUsage(sub) if continuous_usage else None
 
     def render(c: OutputChunk) -> str:
+        usage = running(c) if running is not None else None  # counted on every chunk, shown where one goes out
         if calls:
             finish = None
             if c.finish_reason is None:
@@ -292,12 +316,13 @@ async def chat_events(sub: Submitted, chunks: AsyncIterator[OutputChunk], *, top
             else:
                 delta, finish = calls[c.index].close(c.text, c.finish_reason)
             return sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[ChatChunkChoice(
-                index=c.index, delta=delta, finish_reason=finish)]))
-        if top_logprobs is None and c.finish_reason is None:
+                index=c.index, delta=delta, finish_reason=finish)], usage=usage))
+        if top_logprobs is None and c.finish_reason is None and usage is None:
             return text_event(c.index, c.text)
         lp = chat_logprobs(tok, c.token_ids, c.logprobs or [], top_logprobs) if top_logprobs is not None else None
         return sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[ChatChunkChoice(
-            index=c.index, delta=ChatDelta(content=c.text), logprobs=lp, finish_reason=c.finish_reason)]))
+            index=c.index, delta=ChatDelta(content=c.text), logprobs=lp, finish_reason=c.finish_reason)],
+            usage=usage))
 
     def usage_event(usage: Usage | None) -> str:
         return sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=usage_info(usage)))

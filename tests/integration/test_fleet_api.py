@@ -456,6 +456,34 @@ def test_tool_calls_required_or_named(client, model):
         client.chat.completions.create(model=model, messages=messages, tools=tools, max_tokens=5)
     assert e.value.body["param"] == "tool_choice" and "auto" in e.value.body["message"]
 
+def test_continuous_usage_stats_count_each_choice_as_it_streams(client, model):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries its choice's usage so far, and the last
+    (include_usage) the request's."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    batch = list(client.completions.create(model=model, prompt=["One two", "Three four five"], n=2, max_tokens=5,
+                                           stream=True, stream_options=options, extra_body={"ignore_eos": True}))
+    chat = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], n=2,
+                                               max_tokens=5, stream=True, stream_options=options,
+                                               extra_body={"ignore_eos": True}))
+    for events, choices in ((batch, 4), (chat, 2)):  # a batch's choice i * n + j: prompt i's sample j
+        counted: dict[int, list[int]] = {}
+        prompts: dict[int, int] = {}
+        for e in events[:-1]:
+            if not e.choices:
+                continue
+            (c,) = e.choices
+            counted.setdefault(c.index, []).append(e.usage.completion_tokens)
+            prompts[c.index] = e.usage.prompt_tokens
+            assert e.usage.total_tokens == e.usage.prompt_tokens + e.usage.completion_tokens
+        assert sorted(counted) == list(range(choices))
+        assert all(seq == sorted(seq) and seq[-1] == 5 for seq in counted.values()), counted
+        final = events[-1].usage  # each prompt counted once, as in a response that is not streamed
+        assert final.completion_tokens == 5 * choices and 2 * final.prompt_tokens == sum(prompts.values())
+    plain = list(client.completions.create(model=model, prompt="x", max_tokens=3, stream=True,
+                                           stream_options={"include_usage": True}))
+    assert all(e.usage is None for e in plain[:-1]) and plain[-1].usage.completion_tokens == 3
+
+
 def test_tokenize_and_detokenize_as_vllm(fleet, client, model):
     """vLLM's /tokenize and /detokenize: the ids a prompt or chat messages become are the ones the generation
     endpoints count (usage.prompt_tokens), and come back to the text; bad input is a 400 naming the field."""
