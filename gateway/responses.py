@@ -294,8 +294,8 @@ async def chat_events(sub: Submitted, chunks: AsyncIterator[OutputChunk], *, top
     continuous_usage: every chunk carries its choice's usage so far (vLLM's continuous_usage_stats)."""
     tok, model, rid = sub.target.tokenizer, sub.target.model, sub.request_id
     created = int(time.time())  # one for every chunk of the stream, as OpenAI's
-    prompt = len(sub.request.prompt_token_ids)
     for i in range(sub.num_choices):
+        prompt = len(sub.prompt_ids_of(i)) if continuous_usage else 0
         yield sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[
             ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))],
             usage=UsageInfo(prompt_tokens=prompt, total_tokens=prompt) if continuous_usage else None))
