@@ -57,6 +57,10 @@ def test_each_numeric_field_has_bounds(field, value, limit):
      "string"),
     ({"messages": [{"role": "user", "content": ["hi"]}]}, "messages[0].content[0]", "object"),
     ({"messages": [{"role": "user", "content": "a \ud800 b"}]}, "messages[0].content", "surrogate"),
+    ({"continue_final_message": True}, "continue_final_message", "add_generation_prompt false"),
+    ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs.tools", "set by the request"),
+    ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs.add_generation_prompt",
+     "set by the request"),
 ])
 def test_chat_fields_and_content_parts(body, param, words):
     got, message = refused(body, chat=True)
