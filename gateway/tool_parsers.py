@@ -107,8 +107,8 @@ class CallScanner:
             if self._in_call:
                 if self.fmt.end is None or (j := self._buf.find(self.fmt.end)) < 0:
                     break
-                text, read = self._read(self._buf[:j], closed=True)
-                shown.append(text)
+                unread, read = self._read(self._buf[:j], closed=True)
+                shown.append(unread)
                 calls += read
                 self._buf = self._buf[j + len(self.fmt.end):]
                 self._in_call = False

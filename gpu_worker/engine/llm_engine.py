@@ -169,16 +169,16 @@ class LLMEngine:
             group.prompt_logprobs_due = True
             group.prompt_logprobs = [None] * len(prompt_token_ids)
             group.prompt_logprob_ranks = [None] * len(prompt_token_ids)
-            known = 0
+            known = 1  # positions whose logprobs are known from the start: the first has none (no context)
             if self.scored_prefixes is not None:
                 group.prompt_block_hashes = compute_block_hashes(prompt_token_ids, self.block_size)
-                known = self.scored_prefixes.fill(prompt_token_ids, group.prompt_block_hashes,
-                                                  params.prompt_logprobs, group.prompt_logprobs,
-                                                  group.prompt_logprob_ranks)
+                known = max(known, self.scored_prefixes.fill(prompt_token_ids, group.prompt_block_hashes,
+                                                             params.prompt_logprobs, group.prompt_logprobs,
+                                                             group.prompt_logprob_ranks))
             if known < len(prompt_token_ids):  # a 1-token prompt has nothing to score
                 for s in group.seqs:  # any of them may compute the prompt (the leader, or one after a preemption)
                     s.request.prompt_logprobs = params.prompt_logprobs
-                    s.request.scored_prompt_tokens = max(known, 1)
+                    s.request.scored_prompt_tokens = known
         requests = [s.request for s in group.seqs]
         if len(requests) == 1:
             self.scheduler.add_request(requests[0])
