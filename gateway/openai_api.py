@@ -468,14 +468,14 @@ class ChatLogprobs(BaseModel):
 
 
 class FunctionCall(BaseModel):
-    name: str | None = None
-    arguments: str = ""  # JSON text
+    name: str | None = Field(None, exclude_if=_absent)  # absent from a streamed call's later deltas
+    arguments: str = ""  # JSON text (a streamed call's: a piece of it per delta)
 
 
 class ToolCall(BaseModel):
     index: int | None = Field(None, exclude_if=_absent)  # in a streamed delta
-    id: str | None = None
-    type: Literal["function"] = "function"
+    id: str | None = Field(None, exclude_if=_absent)  # absent from a streamed call's later deltas
+    type: Literal["function"] | None = Field("function", exclude_if=_absent)
     function: FunctionCall
 
 

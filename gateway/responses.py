@@ -290,7 +290,7 @@ async def chat_events(sub: Submitted, chunks: AsyncIterator[OutputChunk], *, top
                       include_usage: bool, tools: ToolCalls | None = None,
                       continuous_usage: bool = False) -> AsyncIterator[str]:
     """tools: how each choice's tool calls are read (gateway.tool_calls): a forced call goes out whole in one
-    delta with its finish; "auto" streams the text and each call once complete (no logprobs in that mode).
+    delta with its finish; "auto" streams the text and the calls as they are read (no logprobs in that mode).
     continuous_usage: every chunk carries its choice's usage so far (vLLM's continuous_usage_stats)."""
     tok, model, rid = sub.target.tokenizer, sub.target.model, sub.request_id
     created = int(time.time())  # one for every chunk of the stream, as OpenAI's

@@ -11,7 +11,8 @@
   it made any. Without a parser such a request is a 400, as in vLLM.
 
 A forced call cut short (max_tokens) stays text. Streamed, a forced answer goes out whole with its finish; an
-"auto" one streams its text and each call in one delta as soon as it is complete.
+"auto" one streams its text, and its calls as the parser gives them (gateway.tool_parsers): a hermes call its
+name, then its arguments in pieces; others whole once read.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 from gateway.errors import bad_request
 from gateway.openai_api import ChatCompletionRequest, ChatDelta, ChatMessageOut, FunctionCall, ToolCall
-from gateway.tool_parsers import FORMATS, Call, CallScanner
+from gateway.tool_parsers import FORMATS, Call, CallScanner, Piece
 from shared.settings import Settings
 
 
@@ -51,12 +52,11 @@ class ToolCalls:
                 return ChatMessageOut(content=text), model_finish
             finish = model_finish if model_finish != "stop" else ("stop" if self.kind == "named" else "tool_calls")
             return ChatMessageOut(content=None, tool_calls=[_tool_call(c) for c in calls]), finish
-        stream = self.stream()
-        delta, finish = stream.close(text, model_finish)
-        if not delta.tool_calls:
+        delta, finish = self.stream().close(text, model_finish)
+        calls = merged(delta.tool_calls or [])
+        if not calls:
             return ChatMessageOut(content=delta.content or ""), finish
-        return ChatMessageOut(content=(delta.content or "").strip() or None,
-                              tool_calls=[c.model_copy(update={"index": None}) for c in delta.tool_calls]), finish
+        return ChatMessageOut(content=(delta.content or "").strip() or None, tool_calls=calls), finish
 
     def stream(self) -> ChoiceStream:
         return ChoiceStream(self)
@@ -64,13 +64,15 @@ class ToolCalls:
 
 class ChoiceStream:
     """One choice's streamed text -> the deltas to send: a forced call's text is held to its end; an "auto"
-    answer's text goes out as it comes, less what may begin a call, and each call whole once it is read."""
+    answer's text goes out as it comes, less what may begin a call, and each call as the parser gives it (a call's
+    first delta has its index, id and name; the next ones, its index and a piece of its arguments)."""
 
     def __init__(self, calls: ToolCalls):
         self._calls = calls
         self._scanner = CallScanner(FORMATS[calls.parser]) if calls.kind == "auto" else None
         self._held: list[str] = []
         self._made = 0
+        self._piece_index: int | None = None  # the streaming call's index (None: dropped by one_call)
 
     def feed(self, text: str) -> ChatDelta | None:
         if self._scanner is None:
@@ -89,14 +91,40 @@ class ChoiceStream:
         delta = self._delta(shown + more_text, calls + more_calls) or ChatDelta(content="")
         return delta, ("tool_calls" if self._made and model_finish == "stop" else model_finish)
 
-    def _delta(self, shown: str, calls: list[Call]) -> ChatDelta | None:
-        if self._calls.one_call:
-            calls = calls[:max(0, 1 - self._made)]
-        out = [_tool_call(c, self._made + k) for k, c in enumerate(calls)]
-        self._made += len(out)
+    def _delta(self, shown: str, calls: list[Call | Piece]) -> ChatDelta | None:
+        out = []
+        for c in calls:
+            if isinstance(c, Piece) and c.name is None:  # more of the streaming call's arguments
+                if self._piece_index is not None:
+                    out.append(ToolCall(index=self._piece_index, type=None,
+                                        function=FunctionCall(arguments=c.arguments)))
+                continue
+            if self._calls.one_call and self._made >= 1:
+                self._piece_index = None
+                continue
+            if isinstance(c, Piece):  # a call begins: its id and name
+                self._piece_index = self._made
+                out.append(ToolCall(index=self._made, id=_call_id(), function=FunctionCall(name=c.name, arguments="")))
+            else:
+                out.append(_tool_call(c, self._made))
+            self._made += 1
         if not shown and not out:
             return None
         return ChatDelta(content=shown or None, tool_calls=out or None)
+
+
+def merged(deltas: list[ToolCall]) -> list[ToolCall]:
+    """Streamed call deltas -> whole calls (as a client accumulates them), without their index."""
+    calls: dict[int, ToolCall] = {}
+    for d in deltas:
+        k = d.index if d.index is not None else len(calls)
+        if k not in calls:
+            calls[k] = d.model_copy(update={"index": None, "type": "function"})
+        else:
+            whole = calls[k]
+            calls[k] = whole.model_copy(update={"function": FunctionCall(
+                name=whole.function.name, arguments=whole.function.arguments + d.function.arguments)})
+    return list(calls.values())
 
 
 def read_forced(text: str, name: str | None) -> list[Call] | None:

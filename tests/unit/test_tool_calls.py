@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from gateway.errors import APIError, validation_error
 from gateway.openai_api import ChatCompletionRequest, Tool, tool_call_schema
-from gateway.tool_calls import ToolCalls, check_settings, for_request, read_forced
+from gateway.tool_calls import ToolCalls, check_settings, for_request, merged, read_forced
 from shared.settings import Settings
 
 pytestmark = pytest.mark.unit
@@ -66,14 +66,25 @@ def test_auto_calls_are_read_out_of_the_models_format_with_the_text_around_them(
     assert len(message.tool_calls) == 2 and finish == "length"  # the model was cut after its calls
 
 
-def test_auto_calls_stream_their_text_then_each_call_whole_with_an_index():
+def test_auto_calls_stream_their_text_then_each_call_with_an_index():
+    """Each call's first delta has its index, id and name; the next ones (index only) its arguments' pieces."""
     stream = ToolCalls("auto", parser="hermes").stream()
     deltas = [stream.feed(HERMES[i:i + 5]) for i in range(0, len(HERMES) - 5, 5)]
     last, finish = stream.close(HERMES[len(deltas) * 5:], "stop")
     deltas = [d for d in deltas + [last] if d is not None]
     assert "".join(d.content or "" for d in deltas) == "I will look."
-    calls = [c for d in deltas for c in d.tool_calls or []]
-    assert [(c.index, c.function.name) for c in calls] == [(0, "add"), (1, "ping")] and finish == "tool_calls"
+    pieces = [c for d in deltas for c in d.tool_calls or []]
+    firsts = [c for c in pieces if c.id is not None]
+    assert [(c.index, c.function.name, c.function.arguments) for c in firsts] == [(0, "add", ""), (1, "ping", "")]
+    assert len([c for c in pieces if c.index == 0]) > 2  # the arguments came in pieces
+    assert all(c.function.name is None and c.type is None for c in pieces if c.id is None)
+    calls = merged(pieces)
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("add", {"a": 1, "b": 2}),
+                                                                                   ("ping", {})]
+    assert finish == "tool_calls" and all(c.index is None and c.type == "function" for c in calls)
+    one = ToolCalls("auto", parser="hermes", one_call=True).stream()
+    kept = [c for i in range(0, len(HERMES), 3) if (d := one.feed(HERMES[i:i + 3])) for c in d.tool_calls or []]
+    assert {c.index for c in kept} == {0}  # parallel_tool_calls false: the second call's pieces are dropped
     forced = ToolCalls("named", name="add").stream()
     assert forced.feed('{"a": 1,') is None  # a forced call is held to its end
     delta, finish = forced.close(' "b": 2}', "stop")

@@ -9,21 +9,41 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.tool_parsers import FORMATS, CallScanner
+from gateway.tool_parsers import FORMATS, Call, CallScanner, Piece
 
 pytestmark = pytest.mark.unit
 
 
 def scan(fmt: str, text: str, cuts: list[int] | None = None) -> tuple[str, list[tuple[str, dict]]]:
-    """The text shown and the calls read, feeding `text` cut at `cuts` (None: whole)."""
-    scanner, shown, calls = CallScanner(FORMATS[fmt]), [], []
+    """The text shown and the calls read (a streamed call's pieces put together), feeding `text` cut at `cuts`
+    (None: whole)."""
+    scanner, shown, events = CallScanner(FORMATS[fmt]), [], []
     bounds = [0, *sorted(set(cuts or [])), len(text)]
     for a, b in zip(bounds, bounds[1:], strict=False):
         out, read = scanner.feed(text[a:b])
         shown.append(out)
-        calls += read
+        events += read
     out, read = scanner.close()
-    return "".join(shown) + out, [(c.name, json.loads(c.arguments)) for c in calls + read]
+    calls: list[list[str]] = []
+    for e in events + read:
+        if isinstance(e, Call):
+            calls.append([e.name, e.arguments])
+        elif e.name is not None:  # a streamed call begins
+            calls.append([e.name, e.arguments])
+        else:
+            calls[-1][1] += e.arguments
+    return "".join(shown) + out, [(name, json.loads(args)) for name, args in calls]
+
+
+def test_a_hermes_call_streams_its_name_then_its_arguments_as_they_come():
+    scanner = CallScanner(FORMATS["hermes"])
+    assert scanner.feed('Sure. <tool_call>\n{"name": "get_weather", "argu') == ("Sure.", [])
+    assert scanner.feed('ments": {"city": "Pa') == ("", [Piece("get_weather", ""), Piece(None, '{"city": "Pa')])
+    assert scanner.feed('ris"}}\n</tool') == ("", [Piece(None, 'ris"}')])
+    assert scanner.feed("_call>") == ("", []) and scanner.close() == ("", [])
+    other = CallScanner(FORMATS["hermes"])  # the arguments before the name: the call goes out whole, once read
+    assert other.feed('<tool_call>{"arguments": {"x": 1}, "name": "f"}') == ("", [])
+    assert other.feed("</tool_call>") == ("", [Call("f", '{"x": 1}')])
 
 
 CASES = [
@@ -35,6 +55,10 @@ CASES = [
     ("hermes", '<tool_call>\n{"name": "f", "argu', '<tool_call>\n{"name": "f", "argu', []),  # cut: text
     ("hermes", '<tool_call>{"name": 3}</tool_call> and on', '<tool_call>{"name": 3}</tool_call> and on', []),
     ("hermes", "a < b and <tool but no call  \n", "a < b and <tool but no call  \n", []),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"s": "}{\\"", "n": [1, {"m": 2}]}}</tool_call>', "",
+     [("f", {"s": '}{"', "n": [1, {"m": 2}]})]),  # braces and quotes inside strings do not end the arguments
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": 1}, oops</tool_call>', "", [("f", {"a": 1})]),  # streamed
+    ("hermes", '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', "", [("f", {"a": 1})]),
     ("mistral", 'Sure [TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {}}]', "Sure",
      [("f", {"a": 1}), ("g", {})]),
     ("mistral", "[TOOL_CALLS] not json", "[TOOL_CALLS] not json", []),
