@@ -172,6 +172,7 @@ class CallScanner:
         self._in_call = False
         self._plain = False  # at_start_only: the answer began with text, so it holds no calls
         self._streaming: _ArgumentStream | None = None  # the call being read, when its format streams arguments
+        self._gap = ""  # the whitespace before the call being read
 
     def feed(self, text: str) -> tuple[str, list[Call | Piece]]:
         """The text to show now, and the calls read (whole) or going out (pieces) now."""
@@ -181,8 +182,9 @@ class CallScanner:
         while True:
             if self._in_call:
                 j = self._buf.find(self.fmt.end) if self.fmt.end is not None else -1
-                if self._streaming is not None:
-                    calls += self._streaming.pieces(self._buf if j < 0 else self._buf[:j])
+                if self._streaming is not None:  # not what may begin the end marker
+                    seen = self._buf[:j] if j >= 0 else self._buf[:len(self._buf) - _held_back(self._buf, self.fmt.end)]
+                    calls += self._streaming.pieces(seen)
                 if j < 0:
                     break
                 unread, read = self._read(self._buf[:j], closed=True)
@@ -201,8 +203,10 @@ class CallScanner:
                 self._plain = True
                 continue
             if i >= 0 and (not self.fmt.at_start_only or not self._buf[:i].strip()):
-                if self._buf[:i].strip():
-                    shown.append(self._buf[:i].rstrip())
+                before = self._buf[:i]
+                if before.strip():
+                    shown.append(before.rstrip())
+                self._gap = before[len(before.rstrip()):]  # shown after all if the call does not read
                 self._buf = self._buf[i if self.fmt.start_in_body else i + len(self.fmt.start):]
                 self._in_call = True
                 self._streaming = _ArgumentStream() if self.fmt.streams_arguments else None
@@ -237,6 +241,6 @@ class CallScanner:
         calls = self.fmt.read(body.strip())
         if calls is None:
             start = "" if self.fmt.start_in_body else self.fmt.start
-            return start + body + (self.fmt.end or "" if closed else ""), []
+            return self._gap + start + body + (self.fmt.end or "" if closed else ""), []
         self.calls += len(calls)
         return "", list(calls)
