@@ -109,7 +109,7 @@ class _ArgumentStream:
         self.started = False
         self.sent = 0  # characters of the arguments sent
         self._start = 0  # where the arguments begin in the body
-        self._end = None  # where they end (once seen)
+        self._end: int | None = None  # where they end (once seen)
         self._depth, self._in_string, self._escaped, self._scanned = 0, False, False, 0
 
     def pieces(self, body: str) -> list[Piece]:
