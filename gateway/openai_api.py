@@ -316,23 +316,36 @@ TEMPLATE_ARGUMENTS = frozenset({"messages", "conversation", "tools", "documents"
                                 "truncation", "max_length", "return_tensors", "return_assistant_tokens_mask"})
 
 
-def template_options(body: Any) -> dict[str, Any]:
-    """What a chat request (or a /tokenize of messages) renders the chat template with, besides the messages and the
-    tools."""
-    return {**(body.chat_template_kwargs or {}), "add_generation_prompt": body.add_generation_prompt,
-            "continue_final_message": body.continue_final_message}
+class _ChatTemplateFields(BaseModel):
+    """What renders a chat through the template besides its messages (a chat request, a /tokenize of messages):
+    the tools, and vLLM's template controls."""
 
+    tools: list[Tool] | None = Field(None, max_length=128)
+    add_generation_prompt: bool = Field(True, description="open the assistant's turn after the messages")
+    continue_final_message: bool = Field(False, description="the last message (usually an assistant's) is left "
+                                                            "open, and the answer continues it; needs "
+                                                            "add_generation_prompt false")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="more variables for the chat template (e.g. {\"enable_thinking\": false})")
 
-def check_template_options(body: Any) -> None:
-    """add_generation_prompt, continue_final_message and chat_template_kwargs can work together (a chat request, a
-    /tokenize of messages)."""
-    if body.continue_final_message and body.add_generation_prompt:
-        raise invalid("continue_final_message", "needs add_generation_prompt false: the answer either continues the "
-                                                "last message or opens a new turn")
-    taken = sorted(set(body.chat_template_kwargs or {}) & TEMPLATE_ARGUMENTS)
-    if taken:
-        raise invalid(f"chat_template_kwargs.{taken[0]}", "is set by the request itself (messages, tools, "
-                                                          "add_generation_prompt, continue_final_message)")
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def template_options(self) -> dict[str, Any]:
+        """The template's arguments besides the messages and the tools."""
+        return {**(self.chat_template_kwargs or {}), "add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message}
+
+    @model_validator(mode="after")
+    def _template_options_agree(self) -> Any:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise invalid("continue_final_message", "needs add_generation_prompt false: the answer either continues "
+                                                    "the last message or opens a new turn")
+        taken = sorted(set(self.chat_template_kwargs or {}) & TEMPLATE_ARGUMENTS)
+        if taken:
+            raise invalid(f"chat_template_kwargs.{taken[0]}", "is set by the request itself (messages, tools, "
+                                                              "add_generation_prompt, continue_final_message)")
+        return self
 
 
 class NamedFunction(BaseModel):
@@ -344,26 +357,18 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="\"required\" or a named function: the answer is a call, its arguments held to the "
                           "function's parameters schema (structured outputs); \"auto\" (the default with tools): the "
                           "model decides, and its calls are read out of its own format (a gateway started with "
                           "--enable-auto-tool-choice --tool-call-parser NAME); \"none\": no call")
     parallel_tool_calls: bool | None = None
-    # vLLM's chat template controls
-    add_generation_prompt: bool = Field(True, description="open the assistant's turn after the messages")
-    continue_final_message: bool = Field(False, description="the last message (usually an assistant's) is left "
-                                                            "open, and the answer continues it; needs "
-                                                            "add_generation_prompt false")
-    chat_template_kwargs: dict[str, Any] | None = Field(
-        None, description="more variables for the chat template (e.g. {\"enable_thinking\": false})")
 
     def tool_mode(self) -> str | None:
         """"named" (tool_choice names a function), "required", "auto" (tools given, no other choice), or None (no
@@ -383,11 +388,6 @@ class ChatCompletionRequest(_SamplingFields):
         if mode not in ("named", "required") or not names or (mode == "named" and self.named_tool() not in names):
             return super().structured_spec()  # no call forced, or a wrong one (_tools_and_choice_agree says so)
         return "tools", {"json": tool_call_schema(self.tools or [], self.named_tool())}
-
-    @model_validator(mode="after")
-    def _template_options_agree(self) -> ChatCompletionRequest:
-        check_template_options(self)
-        return self
 
     @model_validator(mode="after")
     def _tools_and_choice_agree(self) -> ChatCompletionRequest:
@@ -524,7 +524,7 @@ class ChatCompletionChunk(BaseModel):
     usage: UsageInfo | None = None
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_ChatTemplateFields):
     """vLLM's POST /tokenize: a prompt's token ids, or chat messages' through the chat template, as
     /v1/completions and /v1/chat/completions would run them."""
 
@@ -535,17 +535,12 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool | None = Field(None, description="default: true for a prompt, false for messages "
                                                               "(the chat template holds them)")
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[Tool] | None = Field(None, max_length=128)
     return_token_strs: bool = False
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise invalid("prompt", "give either prompt (text) or messages (a chat), not both or neither")
-        check_template_options(self)
         return self
 
 

@@ -19,7 +19,6 @@ from gateway.openai_api import (
     DetokenizeResponse,
     TokenizeRequest,
     TokenizeResponse,
-    template_options,
 )
 from gateway.tokenizer import chat_ids, prompt_ids
 from shared.sampling_params import SamplingParams
@@ -144,11 +143,7 @@ def prepare(target: Any, body: CompletionRequest | ChatCompletionRequest) -> Pre
     tok = target.tokenizer
     check_vocab(body, len(tok))
     if isinstance(body, ChatCompletionRequest):
-        try:
-            tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-            ids = chat_ids(tok, [m.as_template_input() for m in body.messages], tools, template_options(body))
-        except ValueError as e:
-            raise bad_request(str(e), "messages") from None
+        ids = _chat_ids(tok, body)
         inputs: list[tuple[list[int], str | None]] = [(ids, None)]
         wanted, param, echo = body.max_completion_tokens or body.max_tokens, "messages", False
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -169,6 +164,16 @@ def prepare(target: Any, body: CompletionRequest | ChatCompletionRequest) -> Pre
     return Prepared(prompts, logprobs, echo, body.priority, body.prompt_logprobs)
 
 
+def _chat_ids(tok: Any, body: ChatCompletionRequest | TokenizeRequest) -> list[int]:
+    """A chat's messages through the chat template, with its tools and template options; 400 naming messages when
+    the template cannot render them."""
+    try:
+        return chat_ids(tok, [m.as_template_input() for m in body.messages], body.template_tools(),
+                        body.template_options())
+    except ValueError as e:
+        raise bad_request(str(e), "messages") from None
+
+
 def tokenize(target: Any, body: TokenizeRequest) -> TokenizeResponse:
     """vLLM's /tokenize: the token ids a prompt or chat messages become (what /v1/completions and
     /v1/chat/completions would run), and the model's window. It tokenizes (see `prepare`)."""
@@ -177,11 +182,7 @@ def tokenize(target: Any, body: TokenizeRequest) -> TokenizeResponse:
         ids = (prompt_ids(tok, body.prompt) if body.add_special_tokens is not False
                else tok(body.prompt, add_special_tokens=False)["input_ids"])
     else:
-        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-        try:
-            ids = chat_ids(tok, [m.as_template_input() for m in body.messages], tools, template_options(body))
-        except ValueError as e:
-            raise bad_request(str(e), "messages") from None
+        ids = _chat_ids(tok, body)
         if body.add_special_tokens:  # the rendered text tokenized again, with the tokenizer's own special tokens
             ids = tok(tok.decode(ids), add_special_tokens=True)["input_ids"]
     ids = list(ids)

@@ -55,7 +55,8 @@ def chat_overrides(args: argparse.Namespace) -> dict[str, object]:
 
 
 def check_chat_settings(settings: Settings) -> None:
-    """ValueError naming the flag when the chat settings cannot work (before anything starts)."""
+    """ValueError naming the flag when the chat settings cannot work: `kvfleet up` asks before it starts anything
+    (a gateway itself checks them in create_app)."""
     from gateway.tool_calls import check_settings
     from shared.models import chat_template_text
 
@@ -89,7 +90,6 @@ def run(args: argparse.Namespace) -> int:
                                  **chat_overrides(args))
     telemetry.setup_tracing("kvfleet-gateway")
     try:
-        check_chat_settings(settings)
         app = create_app(settings)
     except ValueError as e:  # a setting that cannot work (a chat template, the tool-call parser)
         print(f"kvfleet gateway: {e}", file=sys.stderr)

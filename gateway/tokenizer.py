@@ -189,7 +189,7 @@ def chat_ids(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[st
              options: dict[str, Any] | None = None) -> list[int]:
     """The tokenizer's chat template with the assistant's turn opened (and the tools, for a template that shows
     them). options: add_generation_prompt, continue_final_message and the template's own variables
-    (gateway.openai_api.template_options); default: the turn opened."""
+    (ChatCompletionRequest.template_options); default: the turn opened."""
     from jinja2 import TemplateError
 
     if not getattr(tokenizer, "chat_template", None):

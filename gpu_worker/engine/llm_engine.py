@@ -89,7 +89,6 @@ class _Group:
     prompt_logprobs: list[dict[int, float] | None] | None = None  # by position (0: None); None: not asked
     prompt_logprob_ranks: list[int | None] | None = None  # the prompt tokens' ranks, by position
     prompt_logprobs_due: bool = False  # the next output with tokens carries them (once per request)
-    prompt_block_hashes: list[int] = field(default_factory=list)  # of the prompt's full blocks, when scoring it
 
     @property
     def finished(self) -> bool:
@@ -171,10 +170,11 @@ class LLMEngine:
             group.prompt_logprob_ranks = [None] * len(prompt_token_ids)
             known = 1  # positions whose logprobs are known from the start: the first has none (no context)
             if self.scored_prefixes is not None:
-                group.prompt_block_hashes = compute_block_hashes(prompt_token_ids, self.block_size)
-                known = max(known, self.scored_prefixes.fill(prompt_token_ids, group.prompt_block_hashes,
-                                                             params.prompt_logprobs, group.prompt_logprobs,
-                                                             group.prompt_logprob_ranks))
+                hashes = compute_block_hashes(prompt_token_ids, self.block_size)
+                for s in group.seqs:  # the KV cache manager's prefix lookup extends these: hashed once
+                    s.request.block_hashes = list(hashes)
+                known = max(known, self.scored_prefixes.fill(prompt_token_ids, hashes, params.prompt_logprobs,
+                                                             group.prompt_logprobs, group.prompt_logprob_ranks))
             if known < len(prompt_token_ids):  # a 1-token prompt has nothing to score
                 for s in group.seqs:  # any of them may compute the prompt (the leader, or one after a preemption)
                     s.request.prompt_logprobs = params.prompt_logprobs
@@ -430,16 +430,19 @@ class LLMEngine:
             for position, (entry, rank) in enumerate(zip(scored.entries, scored.ranks, strict=True),
                                                      scored.first_position):
                 group.prompt_logprobs[position], group.prompt_logprob_ranks[position] = entry, rank
-            entries = group.prompt_logprobs
-            known = next((p for p in range(1, len(entries)) if entries[p] is None), len(entries))
+            entries, lead = group.prompt_logprobs, group.seqs[0].request
+            known = max(1, lead.scored_prompt_tokens)  # positions before it are known already: go on from there
+            while known < len(entries) and entries[known] is not None:
+                known += 1
             for s in group.seqs:
                 s.request.scored_prompt_tokens = known  # a preempted one may take a hit up to there
             if known == len(entries):
-                top_n = group.seqs[0].request.prompt_logprobs
+                top_n = lead.prompt_logprobs
                 for s in group.seqs:
                     s.request.prompt_logprobs = None
                 if self.scored_prefixes is not None and top_n is not None:
-                    self.scored_prefixes.keep(group.prompt_token_ids, group.prompt_block_hashes, top_n, entries,
+                    full = len(group.prompt_token_ids) // self.block_size  # the prompt's blocks, not the output's
+                    self.scored_prefixes.keep(group.prompt_token_ids, lead.block_hashes[:full], top_n, entries,
                                               group.prompt_logprob_ranks)
 
     def _process_new_tokens(self, s: _Sequence, logprob: dict[int, float] | None) -> None:

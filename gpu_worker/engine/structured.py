@@ -6,8 +6,9 @@ sequence gets a Constraint (a grammar matcher): before a step's sampling, `mask`
 the grammar forbids next to -inf; after it, the sampled token is accepted. A matcher follows the sequence's
 tokens, not its KV cache: preemption changes nothing, and a resumed sequence replays the tokens it already
 had. When the grammar is complete only the stop tokens are allowed, so the sequence ends with "stop" (with
-ignore_eos, the engine ends it there; min_tokens does not hold it open). JSON comes compact (no whitespace between tokens of the syntax): a
-model may otherwise emit whitespace until max_tokens, as vLLM's disable_any_whitespace avoids.
+ignore_eos, the engine ends it there; min_tokens does not hold it open). JSON comes compact (no whitespace
+between tokens of the syntax): a model may otherwise emit whitespace until max_tokens, as vLLM's
+disable_any_whitespace avoids.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from gateway.openai_api import ChatCompletionRequest, template_options
+from gateway.openai_api import ChatCompletionRequest
 from shared.models import chat_template_text
 
 pytestmark = pytest.mark.unit
@@ -73,7 +73,7 @@ def test_chat_template_options_reach_the_template():
     body = ChatCompletionRequest.model_validate({
         "model": "m", "messages": [{"role": "assistant", "content": "Once"}], "add_generation_prompt": False,
         "continue_final_message": True, "chat_template_kwargs": {"enable_thinking": False}})
-    assert template_options(body) == {"enable_thinking": False, "add_generation_prompt": False,
+    assert body.template_options() == {"enable_thinking": False, "add_generation_prompt": False,
                                        "continue_final_message": True}
     plain = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x"}]})
-    assert template_options(plain) == {"add_generation_prompt": True, "continue_final_message": False}
+    assert plain.template_options() == {"add_generation_prompt": True, "continue_final_message": False}
