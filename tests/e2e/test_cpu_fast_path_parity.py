@@ -17,10 +17,11 @@ pytestmark = pytest.mark.e2e
 MAX_TOKENS = 12
 
 
-@pytest.mark.parametrize("mode", ["as_calibrated", "always_split"])
+@pytest.mark.parametrize("mode", ["as_calibrated", "always_split", "one_forward_for_decode"])
 def test_split_steps_match_hf(two_torch_threads, mode, monkeypatch):
-    if mode == "always_split":
-        monkeypatch.setattr(cpu_linear.LinearPlan, "splits_columns", lambda self, num_rows: False)
+    if mode != "as_calibrated":
+        one_below = 0 if mode == "always_split" else cpu_linear.CALIBRATION_ROWS // 2
+        monkeypatch.setattr(cpu_linear.LinearPlan, "splits_columns", lambda self, num_rows: num_rows < one_below)
     prompts = [r.prompt_token_ids[:96] for r in load_workload("peer64", vocab_size=49152).requests[:6]]
     llm = LLM("smollm2", block_size=16, num_kv_blocks=64, max_num_batched_tokens=128, max_num_seqs=8,
               max_model_len=256)

@@ -65,11 +65,44 @@ def test_nothing_packed_off_cpu_float_weights():
     assert cpu_linear.LinearPlan("onednn", None, False).pack(torch.randn(8, 8, dtype=torch.float16)) is None
 
 
-def test_one_forward_only_for_few_rows_through_the_panel_gemm():
-    plan = cpu_linear.LinearPlan("panel", 256, False)
+def test_one_forward_only_for_the_rows_calibrate_measured_it_for():
+    plan = cpu_linear.LinearPlan("panel", 256, False, one_forward_below=256)
     assert plan.splits_columns(64)
     assert not plan.splits_columns(256)
-    plan = cpu_linear.LinearPlan("panel", None, False)
-    assert plan.splits_columns(64)
-    assert not plan.splits_columns(cpu_linear.CALIBRATION_ROWS // 2)
-    assert not cpu_linear.LinearPlan("onednn", 256, False).splits_columns(64)  # oneDNN: split as before
+    assert not cpu_linear.LinearPlan("onednn", 256, False).splits_columns(1)  # not measured: P forwards
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_calibrate_decides_one_forward_only_with_threads_to_split(threads):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        plan = cpu_linear.calibrate(torch.randn(256, 128))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.get_num_threads() == before
+    if threads == 1:
+        assert plan.one_forward_below == 0
+    else:
+        assert plan.one_forward_below in (0, cpu_linear.CALIBRATION_ROWS // 2)
+        assert plan.one_forward_below <= (plan.aten_from_rows or cpu_linear.CALIBRATION_ROWS)
+
+
+def test_the_one_call_measurement_runs_both_ways(monkeypatch):
+    """_one_call_wins times P concurrent single-threaded calls against one call on P threads, over copies of
+    the weight: whichever is faster wins, whatever the CPU."""
+    w = torch.randn(64, 32)
+    packed = cpu_linear._pack(w, "onednn", upcast=False)
+    seen = []
+    real_run = cpu_linear._run
+    monkeypatch.setattr(cpu_linear, "_run", lambda x, p, b: seen.append((x.shape[0], torch.get_num_threads()))
+                        or real_run(x, p, b))
+    monkeypatch.setattr(cpu_linear, "STREAMED_BYTES", 4 * packed.data.nbytes)
+    monkeypatch.setattr(cpu_linear, "_fastest", lambda cases, rounds=4: {
+        name: (fn(), 1.0 if name == "one" else 2.0)[1] for name, fn in cases.items()})
+    assert cpu_linear._one_call_wins(packed, w, threads=2)
+    assert (2 * cpu_linear.DECODE_ROWS, torch.get_num_threads()) in seen  # the one call, on the caller's threads
+    assert seen.count((cpu_linear.DECODE_ROWS, 1)) == 2 * 4  # two single-threaded calls per copy, 4 copies
+    monkeypatch.setattr(cpu_linear, "_fastest", lambda cases, rounds=4: {
+        name: 2.0 if name == "one" else 1.0 for name in cases})
+    assert not cpu_linear._one_call_wins(packed, w, threads=2)

@@ -11,6 +11,11 @@ one thread, as each of the model runner's forward threads runs:
 - many rows (prefill chunks): F.linear (MKL's sgemm for float32) where it beats the few-rows path at
   CALIBRATION_ROWS (Zen 3: MKL ~7% over the panel GEMM, ~12% over oneDNN; Zen 4: oneDNN ~2x MKL, so it must
   be measured).
+With P > 1 threads it also measures how a decode step should use them (`one_forward_below`): P concurrent
+single-threaded calls, each with its share of the rows and each streaming the whole weight, or one call on
+all P threads, which split the output columns, so that each streams 1 / P of it. 2-core machines, the
+model's 30 layers streaming, a step of 64 rows: Zen 5 one call 52 against 62 ms (bfloat16 28 against 36);
+Zen 4 level; Zen 3 (panel GEMM) 160 against 175.
 bfloat16 weights: oneDNN's bf16 GEMM where the CPU has one (AVX-512 BF16 / AMX); elsewhere neither oneDNN nor
 aten has a fast bf16 GEMM, and a float32 copy of each weight gives the same result (bf16 x bf16 products are
 exact in float32, summed in float32 as a bf16 GEMM does) at float32 speed, for twice the weights' memory.
@@ -21,6 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +38,7 @@ log = logging.getLogger(__name__)
 
 DECODE_ROWS = 32  # a forward thread's share of a decode batch of 64 sequences
 CALIBRATION_ROWS = 512  # a forward thread's share of a prefill chunk; F.linear from half this many rows
+STREAMED_BYTES = 64 << 20  # copies of the calibration weight to stream, more than a last-level cache holds
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,7 @@ class LinearPlan:
     few_rows: str  # "onednn" | "panel": the packed layout, used below aten_from_rows
     aten_from_rows: int | None  # float32 inputs of this many rows or more take F.linear; None: never
     bf16_gemm: bool  # oneDNN multiplies bfloat16 natively here (else bf16 weights get a float32 form)
+    one_forward_below: int = 0  # steps of fewer rows run as one forward on all threads (see splits_columns)
 
     def pack(self, weight: torch.Tensor) -> PackedWeight | None:
         """weight [N, K] packed for this plan (made once at load); None where F.linear is the way (CUDA,
@@ -74,12 +82,12 @@ class LinearPlan:
         return f"{name} for any number of rows"
 
     def splits_columns(self, num_rows: int) -> bool:
-        """Does a matmul of num_rows rows split its output columns across torch's threads? The panel GEMM
-        does (each thread streams 1 / P of the weight, for all the rows), so for few rows one multi-threaded
-        forward beats the model runner's P single-threaded ones (2-core Zen 3, a decode step of 64
-        sequences: 160 against 175 ms; a prefill step of 2048 tokens through MKL: 3.15 against 3.0 s, the
-        other way)."""
-        return self.few_rows == "panel" and num_rows < (self.aten_from_rows or CALIBRATION_ROWS // 2)
+        """Does a step of num_rows rows run as one forward on all threads, each matmul splitting its output
+        columns across them (each thread streams 1 / P of the weight, for all the rows), rather than as the
+        model runner's P concurrent single-threaded forwards? Measured by `calibrate` for decode-sized steps;
+        never for prefill chunks (2-core Zen 5, 2,048 rows through oneDNN: 1.38 against 1.33 s, the other
+        way)."""
+        return num_rows < self.one_forward_below
 
 
 def _has_bf16_gemm(weight: torch.Tensor) -> bool:
@@ -126,6 +134,31 @@ def _packable(weight: torch.Tensor) -> bool:
             and torch.backends.mkldnn.is_available())
 
 
+def _one_call_wins(packed: PackedWeight, weight: torch.Tensor, threads: int) -> bool:
+    """Is one call of threads * DECODE_ROWS rows on `threads` threads faster than `threads` concurrent
+    single-threaded calls of DECODE_ROWS rows each? Over copies of the weight that no cache holds, as a
+    forward streams its layers' weights. The caller's thread runs on `threads` threads."""
+    num_copies = min(16, -(-STREAMED_BYTES // packed.data.nbytes))
+    copies = [packed] + [_pack(weight, packed.kind, packed.upcast) for _ in range(num_copies - 1)]
+    rows = [torch.randn(DECODE_ROWS, weight.shape[1]).to(weight.dtype) for _ in range(threads)]
+    both = torch.cat(rows)
+
+    def each(x: torch.Tensor) -> None:
+        with torch.inference_mode():
+            for p in copies:
+                _run(x, p, None)
+
+    with ThreadPoolExecutor(threads, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+        def concurrent() -> None:
+            for f in [pool.submit(each, x) for x in rows]:
+                f.result()
+
+        best = _fastest({"concurrent": concurrent, "one": lambda: each(both)})
+    log.debug("decode-sized steps (%d x %d rows): one call %.2f ms, %d concurrent %.2f ms", threads,
+              DECODE_ROWS, best["one"] * 1e3, threads, best["concurrent"] * 1e3)
+    return best["one"] < best["concurrent"]
+
+
 def calibrate(weight: torch.Tensor) -> LinearPlan | None:
     """Measure the paths on `weight` (a decoder layer's gate|up, [N, K]): the plan to pack this model's
     weights by. None where nothing is packed (not a CPU float32 / bfloat16 weight)."""
@@ -152,7 +185,10 @@ def calibrate(weight: torch.Tensor) -> LinearPlan | None:
                 aten_from = CALIBRATION_ROWS // 2 if best["aten"] < best["packed"] else None
     finally:
         torch.set_num_threads(threads)
-    return LinearPlan(choice, aten_from, bf16_gemm)
+    one_below = 0
+    if threads > 1 and _one_call_wins(few[choice], weight, threads):
+        one_below = min(aten_from or CALIBRATION_ROWS // 2, CALIBRATION_ROWS // 2)
+    return LinearPlan(choice, aten_from, bf16_gemm, one_below)
 
 
 def linear(
