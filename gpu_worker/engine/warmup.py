@@ -6,7 +6,9 @@ Three small rounds through the real engine API (scheduler, KV cache, runner, sam
 prefill of the engine's largest step (max_num_batched_tokens tokens, capped by the context window and half the
 KV cache), so that the first full step of real load finds its activations' memory already mapped (2-core Zen 5,
 default model, float32: the first 2,048-token step after a 512-token warm-up took 1.57 s, the next ones
-1.28-1.41 s: that 0.2-0.3 s was on every first token of the load), with greedy decoding; a batch
+1.28-1.41 s: that 0.2-0.3 s was on every first token of the load), with greedy decoding, once as one prompt
+(a one-sequence step runs on the caller's thread) and once as one prompt per concurrent forward (the model
+runner's forward threads: each thread's allocator arena grows in its own first large step); a batch
 of short requests decoding together with seeded sampling, top-p/top-k, penalties and logprobs; and n=2 (a
 forked prompt, copy-on-write) scoring its prompt (prompt logprobs); then a JSON-constrained request (structured
 outputs: the grammar library's import and this tokenizer's tables, ~0.5 s the first time; a tokenizer it cannot
@@ -63,8 +65,11 @@ def warm_up(engine: LLMEngine, *, seed: int = 0) -> Warmup:
                              logprobs=2, repetition_penalty=1.1, presence_penalty=0.1)
     forked = SamplingParams(n=2, temperature=0.7, seed=seed, max_tokens=3, ignore_eos=True, prompt_logprobs=1)
     shaped = SamplingParams(temperature=0.0, max_tokens=4, structured_outputs={"json_object": True})
-    rounds = [[(ids(long_len), greedy)],
-              [(ids(short_len), sampled) for _ in range(WARMUP_BATCH)]]
+    rounds = [[(ids(long_len), greedy)]]
+    parts = min(getattr(engine.runner, "num_parts", 1), engine.scheduler.config.max_num_seqs)
+    if parts > 1:  # the same step as `parts` prompts: each concurrent forward thread runs its share
+        rounds.append([(ids(max(1, long_len // parts)), greedy) for _ in range(parts)])
+    rounds.append([(ids(short_len), sampled) for _ in range(WARMUP_BATCH)])
     if engine.scheduler.config.max_num_seqs >= forked.n:
         rounds.append([(ids(short_len), forked)])
     start, steps, requests, prompt_tokens, output_tokens = time.perf_counter(), 0, 0, 0, 0

@@ -55,3 +55,14 @@ def test_warm_up_of_a_one_sequence_engine_skips_n2(tiny_llama_dir):
                              max_num_batched_tokens=64, max_model_len=96)
     report = warm_up(e)
     assert report.requests == 1 + WARMUP_BATCH + 1 and 1 <= report.output_tokens - (4 + WARMUP_BATCH * 4) <= 4
+
+
+def test_warm_up_runs_the_full_step_on_every_forward_thread(tiny_llama_dir, two_torch_threads):
+    """With 2 torch threads the runner splits a step into 2 concurrent forwards: the full-budget prefill runs once
+    as one prompt (one forward on the caller's thread) and once as 2 prompts (one per forward thread)."""
+    e = engine(tiny_llama_dir)
+    assert e.runner.num_parts == 2
+    report = warm_up(e)
+    assert report.requests == 1 + 2 + WARMUP_BATCH + 1 + 1
+    assert report.prompt_tokens == 64 + 2 * 32 + (WARMUP_BATCH + 2) * 24
+    assert not e.has_unfinished_requests() and e.stats().free_blocks == e.stats().total_blocks
