@@ -100,10 +100,10 @@ class CostProfile:
 
     @classmethod
     def load(cls, name_or_path: str | Path) -> CostProfile:
-        """A profile by file path, or by name from profiles/ (e.g. "smollm2-cpu")."""
+        """A profile by file path, or by name from profiles/ ("smollm2-cpu" or "smollm2-cpu.json")."""
         path = Path(name_or_path)
-        if not path.is_file() and path.suffix != ".json":  # a name: "llama3.1-8b-h100-bf16" has a dot too
-            path = PROFILE_DIR / f"{name_or_path}.json"
+        if not path.is_file() and len(path.parts) == 1:  # a name: "llama3.1-8b-h100-bf16" has a dot too
+            path = PROFILE_DIR / (path.name if path.name.endswith(".json") else f"{path.name}.json")
         if not path.is_file():
             known = sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
             raise ValueError(f"no cost profile {str(name_or_path)!r}: give a .json path or one of {known} "

@@ -130,8 +130,11 @@ def test_every_shipped_profile_loads_and_says_where_it_comes_from():
         assert min(prof.a_s, prof.b_s_per_prefill_token, prof.c_s_per_decode_seq, prof.d_s_per_context_token) >= 0
         # every step costs something, but in the zero profile (the gateway's benchmark: no step costs anything)
         assert (prof.step_seconds(StepShape(0, 1, 100)) > 0) == (name != "zero")
+        assert CostProfile.load(f"{name}.json") == prof  # the file's name in profiles/ names it too
     with pytest.raises(ValueError, match="smollm2-cpu"):
         CostProfile.load("no-such-profile")
+    with pytest.raises(ValueError, match="smollm2-cpu"):
+        CostProfile.load("some/dir/zero.json")  # a path is a path: not looked up in profiles/
 
 
 def test_the_fit_recovers_known_coefficients():
