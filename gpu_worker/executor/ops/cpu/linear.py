@@ -185,9 +185,8 @@ def calibrate(weight: torch.Tensor) -> LinearPlan | None:
                 aten_from = CALIBRATION_ROWS // 2 if best["aten"] < best["packed"] else None
     finally:
         torch.set_num_threads(threads)
-    one_below = 0
-    if threads > 1 and _one_call_wins(few[choice], weight, threads):
-        one_below = min(aten_from or CALIBRATION_ROWS // 2, CALIBRATION_ROWS // 2)
+    # decode-sized steps: below the rows where F.linear may take over (aten_from is None or this same bound)
+    one_below = CALIBRATION_ROWS // 2 if threads > 1 and _one_call_wins(few[choice], weight, threads) else 0
     return LinearPlan(choice, aten_from, bf16_gemm, one_below)
 
 
