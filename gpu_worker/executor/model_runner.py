@@ -27,6 +27,7 @@ import torch
 from gpu_worker.core.config import num_blocks_for_memory, parse_memory_size
 from gpu_worker.core.sched_output import ScheduledSeq, SchedulerOutput
 from gpu_worker.executor.batch_split import split_batch
+from gpu_worker.executor.host_malloc import keep_freed_memory
 from gpu_worker.executor.kv_prefault import KVPrefault
 from gpu_worker.executor.model_loader import ModelFiles
 from gpu_worker.executor.models.llama import LlamaForCausalLM
@@ -104,6 +105,8 @@ class ModelRunner:
                  prefault_kv: bool = True):
         self.device, self.dtype, self.block_size = device, dtype, block_size
         self.tp = tp or TPGroup(rank=0, size=1)
+        # CPU: a step's activations come from malloc; what one step frees stays for the next (host_malloc)
+        self.allocator = keep_freed_memory() if device.type == "cpu" else None
         self.model = LlamaForCausalLM(files.config, max_positions=max_model_len, dtype=dtype, device=device,
                                       use_triton=use_triton, tp=self.tp)
         self.model.load_weights(files.weights())
@@ -172,7 +175,8 @@ class ModelRunner:
                     f"{self.num_parts} concurrent, 1 thread each" + (
                         f"; one on all threads for steps under {self.linear_plan.one_forward_below} tokens"
                         " (their matmuls split the columns: measured faster here)"
-                        if self.linear_plan is not None and self.linear_plan.splits_columns(1) else ""))}
+                        if self.linear_plan is not None and self.linear_plan.splits_columns(1) else "")),
+                **({"allocator": self.allocator} if self.allocator is not None else {})}
 
     def fault(self) -> str | None:
         """Why this runner cannot go on (a tensor-parallel runner's dead rank); a single process: never."""
