@@ -557,9 +557,9 @@ inline __m512 round16(__m512 v, const uint16_t*) {
 inline __m512 silu16(__m512 g) {
   const __m512 e = exp16(_mm512_min_ps(g, _mm512_sub_ps(_mm512_setzero_ps(), g)));  // exp(-|g|)
   const __m512 one = _mm512_set1_ps(1.0f), den = _mm512_add_ps(one, e);
-  const __m512 sig = _mm512_mask_div_ps(_mm512_div_ps(one, den), _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ),
-                                        e, den);
-  return _mm512_mul_ps(g, sig);
+  // sigmoid: e / (1 + e) where g < 0, else 1 / (1 + e): one division, of the numerator chosen first
+  const __m512 num = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ), one, e);
+  return _mm512_mul_ps(g, _mm512_div_ps(num, den));
 }
 constexpr int64_t kVec = 16;
 #else
