@@ -19,6 +19,7 @@ between steps stays resident, as with tcmalloc.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import platform
 
@@ -28,16 +29,12 @@ M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3  # glibc's <malloc.h>
 SETTINGS = ((M_MMAP_THRESHOLD, 32 << 20), (M_TRIM_THRESHOLD, 1 << 30), (M_TOP_PAD, 64 << 20))
 KEPT = "glibc malloc keeps freed memory (mmap threshold 32 MiB, trim threshold 1 GiB)"
 
-_applied: str | None = None
 
-
+@functools.cache
 def keep_freed_memory() -> str:
     """Set glibc's thresholds (SETTINGS) once per process; -> what the allocator does now, for the start log.
     Another C library (musl), or a malloc without mallopt, is left as it is."""
-    global _applied
-    if _applied is None:
-        _applied = _apply()
-    return _applied
+    return _apply()
 
 
 def _apply() -> str:
