@@ -167,6 +167,16 @@ class BlockPool:
         self.cached[block_hash] = block
         return True
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash, so that no later request hits what ran before (benchmark rounds, or
+        after new weights). Only while no block is referenced; False (and nothing changed) otherwise."""
+        if self.num_used_blocks:
+            return False
+        for block in self.cached.values():
+            block.block_hash = None
+        self.cached.clear()
+        return True
+
     def check_invariants(self) -> None:
         """Assert the pool's invariants (tests and debugging; O(num_blocks))."""
         in_queue = {b.block_id for b in self.free_queue}

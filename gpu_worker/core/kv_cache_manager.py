@@ -185,6 +185,10 @@ class KVCacheManager:
         if freed and self._pending_copies:
             self._pending_copies = [(s, d) for s, d in self._pending_copies if d not in freed]
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache (BlockPool.reset_prefix_cache): False while a request holds blocks."""
+        return self.block_pool.reset_prefix_cache()
+
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """The copy-on-write (src, dst) pairs since the last call; the runner applies them before its forward."""
         out, self._pending_copies = self._pending_copies, []

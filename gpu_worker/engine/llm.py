@@ -35,6 +35,10 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache, as vLLM's `LLM.reset_prefix_cache` (LLMEngine.reset_prefix_cache)."""
+        return self.engine.reset_prefix_cache()
+
     def close(self) -> None:
         """Stop the engine's executor processes (tensor_parallel_size > 1) and threads now rather than at exit."""
         self.engine.close()

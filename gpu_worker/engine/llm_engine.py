@@ -272,6 +272,16 @@ class LLMEngine:
         prefault.wait()
         return time.perf_counter() - start
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache (and the prompt logprobs kept by prefix block), as vLLM's
+        `LLM.reset_prefix_cache`: no later request hits what ran before. Only between requests: False, and
+        nothing forgotten, while a request is unfinished."""
+        if self.has_unfinished_requests() or not self.scheduler.kv_cache_manager.reset_prefix_cache():
+            return False
+        if self.scored_prefixes is not None:
+            self.scored_prefixes = ScoredPrefixes(self.block_size, self.scored_prefixes.capacity)
+        return True
+
     def close(self) -> None:
         """Stop the runner's threads and processes (a tensor-parallel runner's executors). Idempotent."""
         self.runner.close()

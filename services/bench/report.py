@@ -11,8 +11,10 @@ from services.bench.workload import Workload
 LABELS = {"kvfleet": "kvfleet", "hf": "HF generate", "vllm": "vLLM CPU"}
 
 
-def summarize(workload: Workload, args: argparse.Namespace, results: dict[str, dict], probe) -> dict:
-    """results: system key ("kvfleet", "hf", "vllm") -> what its runner returned; probe: ProbeResult|None."""
+def summarize(workload: Workload, args: argparse.Namespace, results: dict[str, dict], probe,
+              interleaved: dict | None = None) -> dict:
+    """results: system key ("kvfleet", "hf", "vllm") -> what its runner returned; probe: ProbeResult|None;
+    interleaved: the rounds of --rounds (services.bench.interleave), whose median ratio is kvfleet/vllm's."""
     ours = results["kvfleet"]
     ratios = {}
     for key, res in results.items():
@@ -21,6 +23,8 @@ def summarize(workload: Workload, args: argparse.Namespace, results: dict[str, d
                 "output_tok_per_s": ours["output_tok_per_s"] / res["output_tok_per_s"],
                 "total_tok_per_s": ours["total_tok_per_s"] / res["total_tok_per_s"],
             }
+    if interleaved is not None:
+        ratios["kvfleet/vllm"]["output_tok_per_s"] = interleaved["ratio_median"]  # paired rounds, not medians
     flops = {"achieved_flops": ours["achieved_flops"], "model_flops": ours["model_flops"]}
     if probe is not None:
         flops.update(best_matmul_flops=probe.best_flops, best_matmul_path=probe.best_path,
@@ -33,7 +37,7 @@ def summarize(workload: Workload, args: argparse.Namespace, results: dict[str, d
         "workload": {"name": workload.name, "path": str(workload.path), "num_requests": len(workload.requests),
                      "prompt_tokens": workload.prompt_tokens, "output_tokens": workload.output_tokens},
         "dtype": args.dtype, "threads": args.threads, "sampling": sampling_args(args), "results": results, "ratios": ratios, "flops": flops,
-    }
+    } | ({"interleaved": interleaved} if interleaved is not None else {})
 
 
 def _gib(n: float) -> str:
@@ -70,6 +74,14 @@ def format_table(summary: dict) -> str:
         other = LABELS.get(name.split("/")[1], name)
         lines.append(f"kvfleet / {other}: {r['output_tok_per_s']:.2f}x output tok/s, "
                      f"{r['total_tok_per_s']:.2f}x total tok/s")
+    if (inter := summary.get("interleaved")) is not None:
+        lines.append(f"kvfleet and vLLM loaded side by side, {len(inter['rounds'])} rounds each, alternating "
+                     f"(the rows above: each system's median round; the kvfleet / vLLM CPU output ratio: the median "
+                     f"of the rounds' ratios, {inter['ratio_min']:.2f}-{inter['ratio_max']:.2f}x):")
+        for r in inter["rounds"]:
+            lines.append(f"  round {r['round']} ({' then '.join(r['order'])}): kvfleet {r['kvfleet']:.1f}, vLLM "
+                         f"{r['vllm']:.1f} output tok/s, {r['ratio']:.2f}x; the idle one's CPU meanwhile: vLLM "
+                         f"{r['vllm_cpu_s_while_kvfleet_ran']:.2f} s, kvfleet {r['kvfleet_cpu_s_while_vllm_ran']:.2f} s")
     ours = results["kvfleet"]
     if "profile" in ours:
         from services.bench.op_profile import format_profile

@@ -134,3 +134,21 @@ def test_a_scored_context_gives_the_next_scoring_requests_a_prefix_hit_and_the_s
     assert off.engine.scored_prefixes is None and [o.metrics.num_cached_tokens for o in scored] == [0, 0]
     for a, b in zip(scored[1].prompt_logprobs[1:], outs[1].prompt_logprobs[1:], strict=True):
         assert set(a) == set(b) and all(a[k] == pytest.approx(b[k], abs=1e-4) for k in a)
+
+
+def test_reset_prefix_cache_ends_the_hits_and_changes_no_token(tiny_llama_dir):
+    """The same prompt again hits the prefix cache; after LLM.reset_prefix_cache it is computed again, with
+    the same greedy tokens. While a request is unfinished the reset refuses and forgets nothing."""
+    llm = LLM(str(tiny_llama_dir), block_size=4, num_kv_blocks=32, max_model_len=128)
+    prompt = {"prompt_token_ids": list(range(300, 317))}  # 17 tokens: 4 full blocks
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    first, again = (llm.generate(prompt, params, use_tqdm=False)[0] for _ in range(2))
+    assert [first.metrics.num_cached_tokens, again.metrics.num_cached_tokens] == [0, 16]
+    llm.engine.add_request("pending", prompt["prompt_token_ids"], params)
+    assert not llm.reset_prefix_cache()
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert llm.reset_prefix_cache()
+    after = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert after.metrics.num_cached_tokens == 0
+    assert after.outputs[0].token_ids == first.outputs[0].token_ids == again.outputs[0].token_ids

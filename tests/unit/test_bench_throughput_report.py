@@ -44,3 +44,23 @@ def test_sampled_runs_name_their_parameters_and_bad_ones_name_the_flag():
         sampling_args(argparse.Namespace(temperature=1.0, top_p=1.5, top_k=0))
     with pytest.raises(ValueError, match=r"^--top-k must be"):
         sampling_args(argparse.Namespace(temperature=1.0, top_p=1.0, top_k=-3))
+
+
+def test_interleaved_rounds_give_the_median_of_the_rounds_ratios_and_list_every_round():
+    ours = _result(120.0, max_num_seqs=256, max_num_batched_tokens=2048, num_kv_blocks=100, kv_peak_used_blocks=10,
+                   block_size=16, preemptions=0, kv_waste=0.02, kv_peak_waste=0.03, kv_waste_samples=5)
+    rows = [{"round": i + 1, "order": order, "kvfleet": k, "vllm": v, "ratio": k / v,
+             "vllm_cpu_s_while_kvfleet_ran": 0.1, "kvfleet_cpu_s_while_vllm_ran": 0.02}
+            for i, (order, k, v) in enumerate([(["kvfleet", "vllm"], 120.0, 100.0), (["vllm", "kvfleet"], 110.0, 110.0),
+                                               (["kvfleet", "vllm"], 130.0, 100.0)])]
+    inter = {"rounds": rows, "ratio_median": 1.2, "ratio_min": 1.0, "ratio_max": 1.3}
+    # the medians of each system (120 / 100) would say 1.2 too; the rounds' ratio is what the table reports
+    s = summarize(Workload(name="w", path="w.json", requests=[]), argparse.Namespace(dtype="float32", threads=2),
+                  {"kvfleet": ours, "vllm": _result(105.0, vllm="0.32.0", max_num_seqs=256, threads_bind="0-1")},
+                  None, inter)
+    assert s["ratios"]["kvfleet/vllm"]["output_tok_per_s"] == 1.2
+    assert s["interleaved"] is inter
+    table = format_table(s)
+    assert "kvfleet / vLLM CPU: 1.20x output tok/s" in table
+    assert "3 rounds each, alternating" in table and "1.00-1.30x" in table
+    assert "round 2 (vllm then kvfleet): kvfleet 110.0, vLLM 110.0 output tok/s, 1.00x" in table

@@ -91,6 +91,22 @@ def test_duplicate_content_is_not_cached_twice_and_touch_shares():
     pool.check_invariants()
 
 
+def test_reset_prefix_cache_forgets_every_hash_only_when_no_block_is_referenced():
+    pool = BlockPool(4)
+    a = pool.get_new_blocks(2)
+    assert pool.cache_block(a[0], 111) and pool.cache_block(a[1], 222)
+    assert not pool.reset_prefix_cache()  # referenced: nothing changes
+    assert pool.get_cached_block(111) is a[0] and a[1].block_hash == 222
+    pool.free_blocks(reversed(a))
+    assert pool.reset_prefix_cache()
+    assert pool.num_cached_blocks == 0 and pool.get_cached_block(111) is None
+    assert a[0].block_hash is None and a[1].block_hash is None
+    assert pool.num_free_blocks == 4
+    pool.check_invariants()
+    b = pool.get_new_blocks(1)  # the pool goes on as before
+    assert pool.cache_block(b[0], 111) and pool.get_cached_block(111) is b[0]
+
+
 def test_caching_disabled_never_hits():
     pool = BlockPool(2, enable_caching=False)
     (b,) = pool.get_new_blocks(1)
