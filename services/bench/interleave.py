@@ -5,13 +5,18 @@ time: on a shared 2-core VM the same system moves 10-15% from one minute to the 
 Here both stay loaded (vLLM in its child process, waiting on its stdin; kvfleet's engine in this process) and
 take turns on the same workload: round i runs kvfleet then vLLM, round i+1 vLLM then kvfleet (so a drift in
 the machine's speed favours neither), each from an empty prefix cache. A round's ratio compares two runs a few
-seconds apart; the summary gives every round's ratio and their median. While one system runs, the other's CPU
-time is measured too, to show that it waited idle.
+seconds apart; the summary gives every round's ratio and their median. While kvfleet runs, vLLM's processes are
+stopped (SIGSTOP, then SIGCONT before its own round): idle, its engine still polls and took 0.2-1.0 CPU-seconds
+of a 21 s kvfleet round. kvfleet's engine, in this process, only waits on vLLM's pipe meanwhile. Both idle
+systems' CPU time is measured and shown.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -19,7 +24,7 @@ import threading
 from pathlib import Path
 
 from services.bench.engine import EngineBench
-from services.bench.metrics import ModelShape, cpu_seconds
+from services.bench.metrics import ModelShape, cpu_seconds, process_tree
 from services.bench.peers import REPO_ROOT, PeerFailed, heartbeat, parse_result, vllm_command
 from services.bench.workload import Workload
 
@@ -67,9 +72,24 @@ class VllmRounds:
             raise PeerFailed(f"vLLM failed at its end (exit code {self.proc.returncode})\n{rest[-2000:]}")
         return result
 
+    @contextlib.contextmanager
+    def stopped(self):
+        """vLLM's processes stopped (SIGSTOP, each by its PID) for the block, continued after it."""
+        pids = process_tree(self.proc.pid)
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+
     def kill(self) -> None:
         if self.proc.poll() is None:
-            self.proc.kill()  # by its own handle (PID), never by name
+            for pid in reversed(process_tree(self.proc.pid)):  # by PID, never by name; its engine process too
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             self.proc.wait()
         if not self._log.closed:
             self._log.close()
@@ -107,7 +127,8 @@ def run_interleaved(model_dir: Path, workload: Workload, shape: ModelShape, requ
             for who in order:
                 if who == "kvfleet":
                     idle0 = cpu_seconds(vllm.proc.pid, children=True)
-                    kv = ours.round(label=f"kvfleet, round {i + 1}")
+                    with vllm.stopped():
+                        kv = ours.round(label=f"kvfleet, round {i + 1}")
                     row["kvfleet"] = kv["output_tok_per_s"]
                     row["vllm_cpu_s_while_kvfleet_ran"] = round(cpu_seconds(vllm.proc.pid, children=True) - idle0, 2)
                     kv_rounds.append(kv)

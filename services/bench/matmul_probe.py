@@ -4,6 +4,11 @@ For each way torch offers to run a linear layer on CPU (aten's F.linear: MKL for
 bfloat16; oneDNN with a weight packed ahead of time; MKL's packed GEMM for float32) and a few token counts,
 time one decoder layer's matmuls (qkv, o, gate|up, down) back to back. Rounds interleave the candidates and
 each keeps its fastest round, so a neighbour's burst on a shared machine costs the probe little.
+
+One layer's weights fit in the last-level cache; a decode step's do not (every layer's, then the lm_head, each
+read once a step). So the probe also times the best path at decode's row count over every layer's own weights
+and the lm_head, one pass a call (`streamed_flops`): the bound of a decode step's linear layers, weights
+streamed from memory as the engine streams them.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ class ProbeResult:
     layer_flops: dict[str, float] = field(default_factory=dict)  # "path@tokens" -> FLOP/s
     lm_head_flops: dict[str, float] = field(default_factory=dict)  # "path@tokens" -> FLOP/s
     unavailable: dict[str, str] = field(default_factory=dict)  # path -> why torch refused it on this CPU
+    # "path@tokens" -> FLOP/s over all layers' own weights and the lm_head (a decode step's linear layers)
+    streamed_flops: dict[str, float] = field(default_factory=dict)
 
 
 def _linear_paths(dtype) -> dict[str, Callable]:
@@ -64,7 +71,8 @@ def _time(fn: Callable[[], object], min_s: float) -> float:
 
 
 def probe_matmul(shape: ModelShape, dtype_name: str, *, tokens: tuple[int, ...] = PROBE_TOKENS,
-                 rounds: int = 5, min_s: float = 0.03, include_lm_head: bool = True) -> ProbeResult:
+                 rounds: int = 5, min_s: float = 0.03, include_lm_head: bool = True,
+                 streamed_tokens: int | None = 64) -> ProbeResult:
     import torch
 
     dtype = getattr(torch, dtype_name)
@@ -108,6 +116,36 @@ def probe_matmul(shape: ModelShape, dtype_name: str, *, tokens: tuple[int, ...] 
     head_flops = {k: flops / best_time[f"head:{k}"] for k, (_, flops) in head_cases.items()}
     best_key = max(layer_flops, key=layer_flops.__getitem__)
     path, tokens_text = best_key.split("@")
+    del layer_cases, head_cases, weights
+    streamed = {}
+    if streamed_tokens:
+        streamed[f"{path}@{streamed_tokens}"] = _streamed(shape, dtype, _linear_paths(dtype)[path], streamed_tokens,
+                                                         lm_weight, rounds, 4 * min_s, gen)
     return ProbeResult(dtype=dtype_name, best_flops=layer_flops[best_key], best_path=path,
                        best_tokens=int(tokens_text), layer_flops=layer_flops, lm_head_flops=head_flops,
-                       unavailable=unavailable)
+                       unavailable=unavailable, streamed_flops=streamed)
+
+
+def _streamed(shape: ModelShape, dtype, make: Callable, m: int, lm_weight, rounds: int, min_s: float,
+              gen) -> float:
+    """FLOP/s of m rows through every layer's own matmuls, then the lm_head: weights read from memory."""
+    import torch
+
+    layer = [(k, n) for _, k, n in shape.linear_shapes()]
+    fns, xs = [], []
+    for _ in range(shape.num_layers):
+        for k, n in layer:
+            fns.append(make(torch.randn(n, k, generator=gen).mul_(0.02).to(dtype), m))
+            xs.append(torch.randn(m, k, generator=gen).to(dtype))
+    fns.append(make(lm_weight, m))
+    xs.append(torch.randn(m, shape.hidden_size, generator=gen).to(dtype))
+    flops = 2 * m * (shape.num_layers * sum(k * n for k, n in layer) + lm_weight.numel())
+
+    def run_model():
+        for f, x in zip(fns, xs, strict=True):
+            f(x)
+
+    with torch.inference_mode():
+        run_model()
+        best = min(_time(run_model, min_s) for _ in range(rounds))
+    return flops / best

@@ -77,7 +77,8 @@ def format_table(summary: dict) -> str:
     if (inter := summary.get("interleaved")) is not None:
         lines.append(f"kvfleet and vLLM loaded side by side, {len(inter['rounds'])} rounds each, alternating "
                      f"(the rows above: each system's median round; the kvfleet / vLLM CPU output ratio: the median "
-                     f"of the rounds' ratios, {inter['ratio_min']:.2f}-{inter['ratio_max']:.2f}x):")
+                     f"of the rounds' ratios, {inter['ratio_min']:.2f}-{inter['ratio_max']:.2f}x; vLLM stopped by SIGSTOP while "
+                     f"kvfleet runs):")
         for r in inter["rounds"]:
             lines.append(f"  round {r['round']} ({' then '.join(r['order'])}): kvfleet {r['kvfleet']:.1f}, vLLM "
                          f"{r['vllm']:.1f} output tok/s, {r['ratio']:.2f}x; the idle one's CPU meanwhile: vLLM "
@@ -98,6 +99,10 @@ def format_table(summary: dict) -> str:
         text += (f" = {100 * f['fraction_of_best']:.0f}% of the best matmul here, "
                  f"{f['best_matmul_flops'] / 1e9:.1f} GFLOP/s ({f['best_matmul_path']}, "
                  f"{f['best_matmul_tokens']} tokens x one layer's matmuls, {summary['dtype']})")
+        for key, value in f["probe"].get("streamed_flops", {}).items():
+            path, rows = key.split("@")
+            text += (f"; a decode step's linear layers can reach {value / 1e9:.1f} GFLOP/s ({path}, {rows} rows over "
+                     f"every layer's own weights and the lm_head, read from memory)")
         if unavailable := f["probe"].get("unavailable"):
             text += "; not on this CPU: " + "; ".join(f"{k} ({v})" for k, v in unavailable.items())
     lines.append(text)

@@ -22,10 +22,15 @@ from services.bench.workload import BenchRequest, Workload
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_torch_thread")]
 
 # What services.bench.peer_vllm --rounds N says, from a process that generates nothing: each round sleeps
-# 0.3 s (idle) and reports 100 output tokens/s.
+# 0.3 s and reports 100 output tokens/s (+1 a round). Between rounds it spins, as an idle engine that polls would:
+# unless it is stopped while kvfleet runs, its CPU time grows meanwhile.
 STAND_IN = r'''
-import json, sys, time
+import json, sys, threading, time
 rounds = int(sys.argv[sys.argv.index("--rounds") + 1])
+def spin():
+    while True:
+        pass
+threading.Thread(target=spin, daemon=True).start()
 print("loading", flush=True)
 print("READY", flush=True)
 done = []
@@ -85,8 +90,11 @@ def test_rounds_alternate_with_the_peer_and_the_ratio_is_the_median_of_the_round
     _fake_venv(tmp_path)
     shape = ModelShape.from_config(AutoConfig.from_pretrained(tiny_llama_dir))
     requests_json = tmp_path / "requests.json"
-    requests_json.write_text(json.dumps(_workload().to_peer_json(tiny_llama_dir)))
-    ours, peer, inter = run_interleaved(tiny_llama_dir, _workload(), shape, requests_json, _args(tmp_path, 3),
+    # kvfleet's rounds long enough (~0.5 s) for a spinning peer to show
+    workload = Workload(name="tiny x40", path="tiny.json",
+                        requests=[BenchRequest(i, [1000 + i, *range(400, 420)], 60) for i in range(40)])
+    requests_json.write_text(json.dumps(workload.to_peer_json(tiny_llama_dir)))
+    ours, peer, inter = run_interleaved(tiny_llama_dir, workload, shape, requests_json, _args(tmp_path, 3),
                                         progress=False)
     assert [r["order"] for r in inter["rounds"]] == [["kvfleet", "vllm"], ["vllm", "kvfleet"], ["kvfleet", "vllm"]]
     assert [r["vllm"] for r in inter["rounds"]] == [100.0, 101.0, 102.0]
@@ -97,8 +105,11 @@ def test_rounds_alternate_with_the_peer_and_the_ratio_is_the_median_of_the_round
     assert peer["rounds"] and len(peer["rounds"]) == 3
     kv = sorted(r["output_tok_per_s"] for r in ours["rounds"])
     assert len(kv) == 3 and ours["output_tok_per_s"] == kv[1]  # the median round's result
-    # the stand-in sleeps through its rounds, and this process waits on its pipe meanwhile
-    assert all(r["kvfleet_cpu_s_while_vllm_ran"] < 0.25 for r in inter["rounds"])
+    # the stand-in spins between its rounds: stopped while kvfleet runs, it uses no CPU then
+    assert min(r["wall_s"] for r in ours["rounds"]) > 0.2, "kvfleet's rounds are too short to tell"
+    assert all(r["vllm_cpu_s_while_kvfleet_ran"] <= 0.02 for r in inter["rounds"])
+    # and this process waits on the stand-in's pipe while it runs (which sleeps, but its spinner runs)
+    assert all(r["kvfleet_cpu_s_while_vllm_ran"] < 0.2 for r in inter["rounds"])
 
 
 def test_a_peer_that_dies_before_ready_is_reported_with_what_it_said(tmp_path):

@@ -25,6 +25,10 @@ def test_every_path_is_timed_or_reported_unavailable(dtype):
     assert timed | set(res.unavailable) == paths and not timed & set(res.unavailable)
     assert "aten" in timed and res.best_flops > 0 and res.best_path in timed
     assert set(res.lm_head_flops) == set(res.layer_flops)
+    # decode's rows over every layer's own weights, on the best path
+    assert list(res.streamed_flops) == [f"{res.best_path}@64"] and res.streamed_flops[f"{res.best_path}@64"] > 0
+    assert matmul_probe.probe_matmul(TINY, dtype, tokens=(8,), rounds=1, min_s=0.001,
+                                     streamed_tokens=None).streamed_flops == {}
 
 
 def test_a_path_torch_refuses_is_skipped_with_its_reason(monkeypatch):
