@@ -30,6 +30,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", default=DEFAULT_WORKLOAD,
                    help="a peer .json or workload .jsonl path, or a name in ../shared/{peers,workloads}")
     p.add_argument("--num-requests", type=int, default=None, help="only the first N requests")
+    p.add_argument("--output-len", type=int, default=None,
+                   help="every request generates exactly this many tokens instead of the workload's (1: prefill only)")
+    p.add_argument("--prompt-len", type=int, default=None,
+                   help="every prompt cut to its first N tokens (with a long --output-len: a decode-heavy load)")
     p.add_argument("--seed", type=int, default=0, help="RNG seed of .jsonl workloads' prompt ids")
     p.add_argument("--model", default="smollm2", help="alias, Hugging Face directory or .gguf file")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help='weights and KV cache dtype for kvfleet and the baselines')
@@ -112,8 +116,12 @@ def throughput(args: argparse.Namespace) -> int:
         return 2
     files = load_model_files(args.model)  # a GGUF is de-quantized once into ~/.cache/kvfleet
     shape = ModelShape.from_config(files.config)
-    workload = load_workload(args.workload, vocab_size=shape.vocab_size, num_requests=args.num_requests,
-                             seed=args.seed)
+    try:
+        workload = load_workload(args.workload, vocab_size=shape.vocab_size, num_requests=args.num_requests,
+                                 seed=args.seed).with_lengths(args.output_len, args.prompt_len)
+    except ValueError as e:
+        print(f"kvfleet bench throughput: error: {e}", file=sys.stderr)
+        return 2
     progress = not args.no_progress
     _note(f"workload {workload.name}: {len(workload.requests)} requests, {workload.prompt_tokens} prompt + "
           f"{workload.output_tokens} output tokens; model {files.weights_dir}; {args.dtype}")

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import json
 import math
 import os
@@ -231,12 +230,10 @@ def run(args: argparse.Namespace) -> int:
     cpu = cpu_info()
     vocab = _vocab_size(args.model)
     workload = load_workload(args.workload, vocab_size=vocab, num_requests=args.num_requests, seed=args.seed)
-    if args.output_len is not None:
-        if args.output_len < 1:
-            raise SystemExit(f"--output-len must be >= 1, got {args.output_len}")
-        workload = dataclasses.replace(workload, name=f"{workload.name}, {args.output_len} output tokens each",
-                                       requests=[dataclasses.replace(r, output_len=args.output_len)
-                                                 for r in workload.requests])
+    try:
+        workload = workload.with_lengths(output_len=args.output_len)
+    except ValueError as e:
+        raise SystemExit(f"kvfleet bench serve: error: {e}") from None
     starts = args.url is None or args.peer is not None
     log_dir = Path(tempfile.mkdtemp(prefix="kvfleet-bench-serve-")) if starts else None  # the servers' logs
     _note(f"workload {workload.name}: {len(workload.requests)} requests, {workload.prompt_tokens} prompt + "

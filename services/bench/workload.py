@@ -11,6 +11,7 @@ repository was cloned elsewhere, in the copies bundled with this package (servic
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from dataclasses import dataclass
@@ -42,6 +43,21 @@ class Workload:
     @property
     def output_tokens(self) -> int:
         return sum(r.output_len for r in self.requests)
+
+    def with_lengths(self, output_len: int | None = None, prompt_len: int | None = None) -> Workload:
+        """Every request generating exactly output_len tokens, and/or its prompt cut to its first prompt_len
+        tokens (None: as it is). Both at least 1: ValueError naming the flag."""
+        for flag, value in (("--output-len", output_len), ("--prompt-len", prompt_len)):
+            if value is not None and value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        name, requests = self.name, self.requests
+        if prompt_len is not None:
+            name += f", prompts cut to {prompt_len} tokens"
+            requests = [dataclasses.replace(r, prompt_token_ids=r.prompt_token_ids[:prompt_len]) for r in requests]
+        if output_len is not None:
+            name += f", {output_len} output tokens each"
+            requests = [dataclasses.replace(r, output_len=output_len) for r in requests]
+        return dataclasses.replace(self, name=name, requests=requests)
 
     def to_peer_json(self, model_dir: str | Path) -> dict:
         """The peer-file form the baseline subprocesses read, with "model" set to a local directory."""

@@ -1,6 +1,7 @@
 """The benchmark's workload reading, FLOP counting and KV-waste math (no model, no torch)."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -9,6 +10,8 @@ from services.bench.workload import (
     BUNDLED_DIR,
     SEARCH_DIRS,
     SHARED_DIR,
+    BenchRequest,
+    Workload,
     load_workload,
     prompt_ids_for,
     resolve_workload_path,
@@ -115,3 +118,19 @@ def test_flops_match_a_direct_count():
     direct = sum(s.layer_linear_flops + 4 * 9 * 64 * 30 * (pos + 1) for pos in range(cached, prompt + out - 1))
     assert s.request_flops(prompt, out, cached) == direct + out * s.lm_head_flops
 
+
+
+def test_with_lengths_sets_every_output_and_cuts_every_prompt_and_names_a_bad_flag():
+    wl = Workload(name="w", path=Path("w.json"),
+                  requests=[BenchRequest(0, [1, 2, 3, 4], 8), BenchRequest(1, [5, 6], 16)])
+    prefill_only = wl.with_lengths(output_len=1)
+    assert [r.output_len for r in prefill_only.requests] == [1, 1] and prefill_only.prompt_tokens == 6
+    assert prefill_only.name == "w, 1 output tokens each"
+    decode_heavy = wl.with_lengths(output_len=256, prompt_len=3)
+    assert [r.prompt_token_ids for r in decode_heavy.requests] == [[1, 2, 3], [5, 6]]
+    assert decode_heavy.output_tokens == 512 and "prompts cut to 3 tokens" in decode_heavy.name
+    assert wl.with_lengths() == wl and wl.requests[0].prompt_token_ids == [1, 2, 3, 4]  # the original is kept
+    with pytest.raises(ValueError, match=r"^--output-len must be >= 1, got 0"):
+        wl.with_lengths(output_len=0)
+    with pytest.raises(ValueError, match=r"^--prompt-len must be >= 1, got -2"):
+        wl.with_lengths(prompt_len=-2)
