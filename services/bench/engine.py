@@ -35,12 +35,16 @@ class EngineBench:
         self.workload, self.shape, self.args, self.progress = workload, shape, args, progress
         self.tp = getattr(args, "tensor_parallel_size", 1)
         self.sampling = sampling_args(args)
-        self.rss = PeakRssSampler(children=self.tp > 1).__enter__()  # with the executors' memory
+        self.rss = PeakRssSampler(children=self.tp > 1).__enter__()  # with the executors' memory; ends in close()
         t0 = time.perf_counter()
-        self.engine = engine = LLMEngine.from_model(
-            str(model_dir), dtype=args.dtype, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            enable_prefix_caching=not args.no_prefix_caching, seed=0, tensor_parallel_size=self.tp)
+        try:
+            self.engine = engine = LLMEngine.from_model(
+                str(model_dir), dtype=args.dtype, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                enable_prefix_caching=not args.no_prefix_caching, seed=0, tensor_parallel_size=self.tp)
+        except BaseException:
+            self.rss.__exit__(None, None, None)
+            raise
         self.load_s = time.perf_counter() - t0
         for i, r in enumerate(workload.requests[:2]):  # warm-up on reversed prompts: no prefix-cache hits later
             engine.add_request(f"warmup-{i}", r.prompt_token_ids[::-1], _params(4, self.sampling))
