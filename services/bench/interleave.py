@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import statistics
@@ -38,7 +39,11 @@ class VllmRounds:
         self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self._log, text=True)
         self._stdout: list[str] = []
-        self._expect("READY")
+        try:
+            self._expect("READY")
+        except BaseException:
+            self.kill()
+            raise
 
     def _expect(self, word: str) -> str:
         """The next stdout line starting with `word` (other lines kept for the error message)."""
@@ -53,8 +58,6 @@ class VllmRounds:
                          f"\n{tail}")
 
     def round(self) -> dict:
-        import json
-
         assert self.proc.stdin is not None
         self.proc.stdin.write("go\n")
         self.proc.stdin.flush()
