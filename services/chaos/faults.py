@@ -19,6 +19,10 @@ from shared import streams
 
 KINDS = ("worker_sigkill", "worker_sigterm", "worker_sigstop", "gateway_sigkill", "redis_restart",
          "redis_client_kill", "poison")
+# kinds after which a request in flight may be resumed by another worker from the tokens it had sent: the new
+# worker computes their keys and values in one prefill, not token by token, so its logits can differ in the
+# last bits, and a seeded sampled continuation may take another token where two were near-equal
+HANDOVER = ("worker_sigkill", "worker_sigterm", "worker_sigstop", "redis_restart")
 TAKE_NOTHING_AWAY = ("redis_client_kill", "poison")  # kinds that need no whole fleet to hit
 WHOLE_TIMEOUT_S = 180.0  # a fleet not whole again by then: the next fault comes anyway (and the checks tell)
 REDIS_AFTERMATH_S = 20.0  # 503s this long after Redis is back are still the outage's (readers' backoff)
@@ -32,6 +36,11 @@ class FaultLog:
 
     def in_redis_outage(self, t0: float, t1: float) -> bool:
         return any(t0 <= end and t1 >= start for start, end in self.redis_windows)
+
+    def handover_during(self, t0: float, t1: float) -> str | None:
+        """The first fault in [t0, t1] after which another worker may resume a request from its output so far
+        (a worker killed, drained or stopped; Redis restarted), or None."""
+        return next((kind for t, kind, _ in self.events if kind in HANDOVER and t0 <= t <= t1), None)
 
 
 class Injector:

@@ -179,3 +179,25 @@ def test_checks_fail_on_an_answer_that_does_not_follow_the_schema():
                 2**20, 2**20, {})
     assert "schema-held answers follow the schema" in rep.failed() and "1 of 1 not" in rep.table()
     assert any(s.shaped for s in catalogue(0)) and any(s.shaped and s.seed is None for s in catalogue(0))
+
+
+def test_a_seeded_answer_may_diverge_only_over_a_handover_and_a_greedy_one_never():
+    """A seeded sampled answer whose request was in flight over a worker fault (or a Redis restart) may have been
+    resumed elsewhere, its sent tokens' keys and values computed again in one prefill: it may diverge, and is
+    listed, not failed. Without such a fault, or greedy, or a duplicate, it fails as before."""
+    seeded = [Spec(chat=False, stream=False, prompt="p", seed=5)]
+    ref = [["hello world"]]
+    over_sigterm = FaultLog(events=[(1.5, "worker_sigterm", "w0")])
+    rep = check(seeded, ref, [_rec("whole", "ok", ["hello there"])], over_sigterm, _fleet(), 2**20, 2**20, {})
+    assert rep.passed, rep.table()
+    assert len(rep.resumed_diverged) == 1 and "over a worker_sigterm" in rep.resumed_diverged[0]
+    assert "1 differ" not in rep.table() and "(+1 resumed)" in rep.table()
+    # the fault outside the request's time, or one that resumes nothing (a gateway), or greedy: a failure
+    for log, specs in [(FaultLog(events=[(3.0, "worker_sigkill", "w1")]), seeded),
+                       (FaultLog(events=[(1.5, "gateway_sigkill", "g0")]), seeded),
+                       (over_sigterm, [Spec(chat=False, stream=False, prompt="p")])]:
+        rep = check(specs, ref, [_rec("whole", "ok", ["hello there"])], log, _fleet(), 2**20, 2**20, {})
+        assert not rep.passed and not rep.resumed_diverged
+    # a seeded answer with text twice is a duplicate whatever the faults
+    rep = check(seeded, ref, [_rec("whole", "ok", ["hello worldhello world"])], over_sigterm, _fleet(), 2**20, 2**20, {})
+    assert not rep.passed and rep.duplicated == 1
