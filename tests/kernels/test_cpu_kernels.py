@@ -145,14 +145,17 @@ needs_gemm = pytest.mark.skipif(not cpu_kernels.gemm_available(), reason="the pa
 
 
 @needs_gemm
-@pytest.mark.parametrize("m,k,n", [(1, 1, 1), (3, 5, 7), (4, 130, 24), (5, 577, 25), (33, 64, 960), (7, 1536, 49)])
+@pytest.mark.parametrize("m,k,n", [(1, 1, 1), (3, 5, 7), (4, 130, 24), (5, 577, 25), (33, 64, 960), (7, 1536, 49), (64, 576, 97),
+                                   (9, 129, 48), (17, 65, 16), (0, 64, 48)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_panel_gemm_against_float64(m, k, n, with_bias):
-    """Row tails (m % 4), column tails (n % 24) and k blocks (k > 128) against a float64 product."""
+    """Row tails (m % 4 or 8), column tails (n % 24 or 48) and k blocks (k > 64 or 128) against a float64
+    product."""
     g = torch.Generator().manual_seed(m * 1000 + n)
     x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
     packed = cpu_kernels.pack_gemm_weight(w)
-    assert packed.numel() == -(-n // 24) * 24 * k
+    width = cpu_kernels.gemm_panel_width()
+    assert packed.numel() == -(-n // width) * width * k
     out = cpu_kernels.gemm(x, packed, n, b if with_bias else None)
     want = x.double() @ w.double().T + (b.double() if with_bias else 0)
     assert out.shape == (m, n) and out.dtype == torch.float32

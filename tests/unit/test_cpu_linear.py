@@ -8,9 +8,10 @@ from gpu_worker.executor.ops.cpu import linear as cpu_linear
 
 pytestmark = pytest.mark.unit
 
-PLANS = [cpu_linear.LinearPlan("onednn", None, False), cpu_linear.LinearPlan("onednn", 256, False)]
+PLANS = [cpu_linear.LinearPlan("onednn", None, False), cpu_linear.LinearPlan("onednn", "aten", False)]
 if cpu_kernels.gemm_available():
-    PLANS += [cpu_linear.LinearPlan("panel", None, False), cpu_linear.LinearPlan("panel", 256, False)]
+    PLANS += [cpu_linear.LinearPlan(few, many, False)
+              for few, many in [("panel", None), ("panel", "aten"), ("panel", "onednn"), ("onednn", "panel")]]
 
 
 @pytest.fixture
@@ -18,15 +19,23 @@ def plan(request):
     return request.param
 
 
-@pytest.mark.parametrize("plan", PLANS, indirect=True, ids=lambda p: f"{p.few_rows}-{p.aten_from_rows}")
-@pytest.mark.parametrize("rows", [3, 300])  # below and above the switch to F.linear
-def test_every_plan_computes_the_same_linear(plan, rows):
+@pytest.mark.parametrize("plan", PLANS, indirect=True, ids=lambda p: f"{p.few_rows}-{p.many_rows}")
+@pytest.mark.parametrize("rows", [3, 300])  # below and above the switch to the many-rows path
+def test_every_plan_computes_the_same_linear(plan, rows, monkeypatch):
     g = torch.Generator().manual_seed(rows)
     w, b, x = torch.randn(48, 40, generator=g), torch.randn(48, generator=g), torch.randn(rows, 40, generator=g)
     packed = plan.pack(w)
-    assert packed.kind == plan.few_rows and not packed.upcast and packed.aten_from_rows == plan.aten_from_rows
+    assert packed.kind == plan.few_rows and not packed.upcast and packed.many == plan.many_rows
+    assert (packed.many_data is not None) == (plan.many_rows in ("onednn", "panel"))
+    taken = []
+    real_run = cpu_linear._run
+    monkeypatch.setattr(cpu_linear, "_run", lambda x, p, b, many=False: taken.append(
+        p.many if many else p.kind) or real_run(x, p, b, many))
+    monkeypatch.setattr(cpu_linear.F, "linear", lambda *a, real=cpu_linear.F.linear: taken.append("aten") or real(*a))
     torch.testing.assert_close(cpu_linear.linear(x, w, b, packed), x @ w.T + b, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(cpu_linear.linear(x, w, None, packed), x @ w.T, atol=1e-4, rtol=1e-5)
+    want = plan.many_rows if rows >= cpu_linear.MANY_ROWS and plan.many_rows else plan.few_rows
+    assert taken == [want, want]
 
 
 @pytest.mark.parametrize("kind", ["onednn", "panel"])
@@ -49,15 +58,23 @@ def test_bfloat16_through_a_float32_weight_equals_float32_math(kind):
 def test_calibrate_returns_a_plan_that_packs_by_it():
     w = torch.randn(96, 64)
     plan = cpu_linear.calibrate(w)
-    assert plan.few_rows in ("onednn", "panel") and plan.aten_from_rows in (None, cpu_linear.CALIBRATION_ROWS // 2)
+    assert plan.few_rows in ("onednn", "panel") and plan.many_rows in (None, "aten", "onednn", "panel")
+    assert plan.many_rows != plan.few_rows  # None where the two are the same path
     packed = plan.pack(w)
-    assert packed.kind == plan.few_rows and packed.aten_from_rows == plan.aten_from_rows
+    assert packed.kind == plan.few_rows and packed.many == plan.many_rows
+    assert plan.describe(torch.float32).startswith(cpu_linear.PATH_NAMES[plan.few_rows])
+
+
+def test_describe_names_both_paths():
+    assert (cpu_linear.LinearPlan("panel", "onednn", False).describe(torch.float32)
+            == f"kvfleet's panel GEMM below {cpu_linear.MANY_ROWS} rows, oneDNN packed from {cpu_linear.MANY_ROWS}")
+    assert cpu_linear.LinearPlan("onednn", None, False).describe(torch.float32) == "oneDNN packed for any number of rows"
 
 
 def test_bfloat16_weights_never_take_the_float32_switch():
-    plan = cpu_linear.LinearPlan("onednn", 256, bf16_gemm=False)
-    packed = plan.pack(torch.randn(16, 8).to(torch.bfloat16))
-    assert packed.upcast and packed.aten_from_rows is None
+    for many in ("aten", "panel"):
+        packed = cpu_linear.LinearPlan("onednn", many, bf16_gemm=False).pack(torch.randn(16, 8).to(torch.bfloat16))
+        assert packed.upcast and packed.many is None and packed.many_data is None
 
 
 def test_nothing_packed_off_cpu_float_weights():
@@ -66,10 +83,10 @@ def test_nothing_packed_off_cpu_float_weights():
 
 
 def test_one_forward_only_for_the_rows_calibrate_measured_it_for():
-    plan = cpu_linear.LinearPlan("panel", 256, False, one_forward_below=256)
+    plan = cpu_linear.LinearPlan("panel", "aten", False, one_forward_below=256)
     assert plan.splits_columns(64)
     assert not plan.splits_columns(256)
-    assert not cpu_linear.LinearPlan("onednn", 256, False).splits_columns(1)  # not measured: P forwards
+    assert not cpu_linear.LinearPlan("onednn", "aten", False).splits_columns(1)  # not measured: P forwards
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -84,8 +101,7 @@ def test_calibrate_decides_one_forward_only_with_threads_to_split(threads):
     if threads == 1:
         assert plan.one_forward_below == 0
     else:
-        assert plan.one_forward_below in (0, cpu_linear.CALIBRATION_ROWS // 2)
-        assert plan.one_forward_below <= (plan.aten_from_rows or cpu_linear.CALIBRATION_ROWS)
+        assert plan.one_forward_below in (0, cpu_linear.MANY_ROWS)
 
 
 def test_the_one_call_measurement_runs_both_ways(monkeypatch):
@@ -95,8 +111,8 @@ def test_the_one_call_measurement_runs_both_ways(monkeypatch):
     packed = cpu_linear._pack(w, "onednn", upcast=False)
     seen = []
     real_run = cpu_linear._run
-    monkeypatch.setattr(cpu_linear, "_run", lambda x, p, b: seen.append((x.shape[0], torch.get_num_threads()))
-                        or real_run(x, p, b))
+    monkeypatch.setattr(cpu_linear, "_run", lambda x, p, b, many=False: seen.append(
+        (x.shape[0], torch.get_num_threads())) or real_run(x, p, b, many))
     monkeypatch.setattr(cpu_linear, "STREAMED_BYTES", 4 * packed.data.nbytes)
     monkeypatch.setattr(cpu_linear, "_fastest", lambda cases, rounds=4: {
         name: (fn(), 1.0 if name == "one" else 2.0)[1] for name, fn in cases.items()})
@@ -106,3 +122,27 @@ def test_the_one_call_measurement_runs_both_ways(monkeypatch):
     monkeypatch.setattr(cpu_linear, "_fastest", lambda cases, rounds=4: {
         name: 2.0 if name == "one" else 1.0 for name in cases})
     assert not cpu_linear._one_call_wins(packed, w, threads=2)
+
+
+@pytest.mark.skipif(not cpu_kernels.gemm_available(), reason="the panel GEMM needs AVX2 + FMA")
+@pytest.mark.parametrize("few,many", [("panel", "onednn"), ("onednn", "aten"), ("panel", "panel")])
+def test_calibrate_takes_what_it_measured_fastest(monkeypatch, few, many):
+    """Few rows are timed over streamed copies of the weight (a decode step reads each weight from memory),
+    many rows on the weight itself; each choice is whichever candidate measured fastest."""
+    calls = []
+
+    def fastest(cases, rounds=4):
+        calls.append(sorted(cases))
+        winner = few if len(calls) == 1 else many
+        return {name: 1.0 if name == winner else 2.0 for name in cases}
+
+    monkeypatch.setattr(cpu_linear, "_fastest", fastest)
+    monkeypatch.setattr(cpu_linear, "STREAMED_BYTES", 1 << 16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        plan = cpu_linear.calibrate(torch.randn(64, 32))
+    finally:
+        torch.set_num_threads(before)
+    assert calls == [["onednn", "panel"], ["aten", "onednn", "panel"]]
+    assert plan.few_rows == few and plan.many_rows == (None if many == few else many)

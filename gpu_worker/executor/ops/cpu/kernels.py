@@ -47,6 +47,7 @@ _GEMM_SIGNATURES = {
     "kvf_isa": ([], ctypes.c_int),
     "kvf_prefill_covers": ([_I32], ctypes.c_int),
     "kvf_gemm_available": ([], ctypes.c_int),
+    "kvf_gemm_panel_width": ([], ctypes.c_int),
     "kvf_gemm_packed_size": ([_I64, _I64], _I64),
     "kvf_gemm_pack_f32": ([_P, _I64, _I64, _P], None),
     "kvf_gemm_f32": ([_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64], None),
@@ -178,8 +179,14 @@ def gemm_available() -> bool:
     return load() is not None and bool(_lib.kvf_gemm_available())
 
 
+def gemm_panel_width() -> int:
+    """Output columns per panel of the packed layout: 48 in AVX-512 builds, 24 in AVX2 ones."""
+    return int(_lib.kvf_gemm_panel_width()) if gemm_available() else 0
+
+
 def pack_gemm_weight(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] float32 -> the panel layout `gemm` reads: [ceil(N / 24), K, 24], zero-padded columns."""
+    """weight [N, K] float32 -> the panel layout `gemm` reads: [ceil(N / W), K, W], zero-padded columns, where
+    W = gemm_panel_width()."""
     assert weight.dtype == torch.float32 and weight.dim() == 2 and gemm_available()
     w = weight.detach().contiguous()
     n, k = w.shape

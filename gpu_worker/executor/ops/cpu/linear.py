@@ -5,17 +5,19 @@ and on the number of rows, so the model runner calls `calibrate` once, on one de
 is packed; the LinearPlan it returns is the runner's, and it packs every weight (`LinearPlan.pack`). Each
 packed weight carries what the plan decided for it, so `linear` needs nothing else. `calibrate` measures on
 one thread, as each of the model runner's forward threads runs:
-- few rows (decode steps: each forward thread multiplies its share of the batch's sequences, tens of rows):
-  oneDNN with a weight packed ahead of time, or kvfleet's panel GEMM (csrc/cpu_kernels.cpp, AVX2 + FMA).
-  On a 2-core AMD Zen 3 at 32 rows, 30 layers' weights streaming from memory: panel 76, oneDNN 64 GFLOP/s.
-- many rows (prefill chunks): F.linear (MKL's sgemm for float32) where it beats the few-rows path at
-  CALIBRATION_ROWS (Zen 3: MKL ~7% over the panel GEMM, ~12% over oneDNN; Zen 4: oneDNN ~2x MKL, so it must
-  be measured).
+- few rows (decode steps: tens of rows, every layer's weight read from memory once a step): oneDNN with a
+  weight packed ahead of time, or kvfleet's panel GEMM (csrc/cpu_kernels.cpp; 8 x 48 AVX-512 tiles, or 4 x 24
+  AVX2 ones), timed over copies of the weight that no cache holds. A 2-core AMD Zen 3 at 32 rows: panel 76,
+  oneDNN 64 GFLOP/s; a 2-core Zen 5 at 32 rows: panel 178-218, oneDNN 143-172.
+- many rows (prefill chunks, MANY_ROWS rows or more; float32): F.linear (MKL), oneDNN packed or the panel
+  GEMM, whichever is fastest at CALIBRATION_ROWS (Zen 3: MKL ~7% over the panel GEMM, ~12% over oneDNN; Zen 5:
+  oneDNN 229, panel 212, MKL 99 GFLOP/s). A weight whose two paths differ keeps the layout of each (a panel
+  and a oneDNN copy: one more copy of the weights in memory).
 With P > 1 threads it also measures how a decode step should use them (`one_forward_below`): P concurrent
 single-threaded calls, each with its share of the rows and each streaming the whole weight, or one call on
 all P threads, which split the output columns, so that each streams 1 / P of it. 2-core machines, the
-model's 30 layers streaming, a step of 64 rows: Zen 5 one call 52 against 62 ms (bfloat16 28 against 36);
-Zen 4 level; Zen 3 (panel GEMM) 160 against 175.
+model's 30 layers streaming, a step of 64 rows (oneDNN): Zen 5 one call 52 against 62 ms (bfloat16 28
+against 36); Zen 4 level; Zen 3 (panel GEMM) 160 against 175.
 bfloat16 weights: oneDNN's bf16 GEMM where the CPU has one (AVX-512 BF16 / AMX); elsewhere neither oneDNN nor
 aten has a fast bf16 GEMM, and a float32 copy of each weight gives the same result (bf16 x bf16 products are
 exact in float32, summed in float32 as a bf16 GEMM does) at float32 speed, for twice the weights' memory.
@@ -37,27 +39,33 @@ from gpu_worker.executor.ops.cpu import kernels as cpu_kernels
 log = logging.getLogger(__name__)
 
 DECODE_ROWS = 32  # a forward thread's share of a decode batch of 64 sequences
-CALIBRATION_ROWS = 512  # a forward thread's share of a prefill chunk; F.linear from half this many rows
+CALIBRATION_ROWS = 512  # a forward thread's share of a prefill chunk
+MANY_ROWS = CALIBRATION_ROWS // 2  # inputs of this many rows or more take the plan's many-rows path
 STREAMED_BYTES = 64 << 20  # copies of the calibration weight to stream, more than a last-level cache holds
+PATH_NAMES = {"onednn": "oneDNN packed", "panel": "kvfleet's panel GEMM", "aten": "F.linear (MKL)"}
 
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A weight [N, K] in the layout of one path, made once at load."""
+    """A weight [N, K] in the layout of one path (two where few and many rows take different ones), made once
+    at load."""
 
     kind: str  # "onednn": oneDNN's blocked layout; "panel": cpu_kernels.pack_gemm_weight's panels
     data: torch.Tensor
     out_features: int
     upcast: bool  # a float32 form of a bfloat16 weight: bfloat16 inputs are multiplied in float32
-    aten_from_rows: int | None = None  # float32 inputs of this many rows or more take F.linear; None: never
+    # inputs of MANY_ROWS rows or more: "aten" (F.linear on the weight itself) or "onednn" / "panel" (many_data,
+    # in that layout); None: the same path as fewer rows
+    many: str | None = None
+    many_data: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
 class LinearPlan:
     """What `calibrate` chose on this CPU: the model runner holds it and packs its weights by it."""
 
-    few_rows: str  # "onednn" | "panel": the packed layout, used below aten_from_rows
-    aten_from_rows: int | None  # float32 inputs of this many rows or more take F.linear; None: never
+    few_rows: str  # "onednn" | "panel": below MANY_ROWS rows
+    many_rows: str | None  # float32 inputs of MANY_ROWS rows or more: "aten" | "onednn" | "panel"; None: few_rows
     bf16_gemm: bool  # oneDNN multiplies bfloat16 natively here (else bf16 weights get a float32 form)
     one_forward_below: int = 0  # steps of fewer rows run as one forward on all threads (see splits_columns)
 
@@ -69,16 +77,19 @@ class LinearPlan:
         if weight.dtype == torch.bfloat16 and self.bf16_gemm:
             return _pack(weight, "onednn", upcast=False)
         upcast = weight.dtype == torch.bfloat16
-        return _pack(weight, self.few_rows, upcast, None if upcast else self.aten_from_rows)
+        return _pack(weight, self.few_rows, upcast, None if upcast else self._many())
+
+    def _many(self) -> str | None:
+        return None if self.many_rows == self.few_rows else self.many_rows
 
     def describe(self, dtype: torch.dtype) -> str:
-        """The path in words, e.g. "oneDNN packed below 1024 rows, F.linear (MKL) from 1024"."""
+        """The path in words, e.g. "kvfleet's panel GEMM below 256 rows, oneDNN packed from 256"."""
         if dtype == torch.bfloat16:
             return ("oneDNN bf16 packed (native bf16 GEMM)" if self.bf16_gemm else
-                    f"a float32 copy of each bf16 weight ({self.describe(torch.float32)}): no bf16 GEMM here")
-        name = "oneDNN packed" if self.few_rows == "onednn" else "kvfleet's panel GEMM"
-        if self.aten_from_rows:
-            return f"{name} below {self.aten_from_rows} rows, F.linear (MKL) from {self.aten_from_rows}"
+                    f"a float32 copy of each bf16 weight ({PATH_NAMES[self.few_rows]}): no bf16 GEMM here")
+        name = PATH_NAMES[self.few_rows]
+        if self._many():
+            return f"{name} below {MANY_ROWS} rows, {PATH_NAMES[self.many_rows]} from {MANY_ROWS}"
         return f"{name} for any number of rows"
 
     def splits_columns(self, num_rows: int) -> bool:
@@ -99,20 +110,27 @@ def _has_bf16_gemm(weight: torch.Tensor) -> bool:
     return True
 
 
-def _pack(weight: torch.Tensor, kind: str, upcast: bool, aten_from_rows: int | None = None) -> PackedWeight:
-    """weight in the layout of `kind`; upcast: a float32 form of a bfloat16 weight."""
+def _layout(w: torch.Tensor, kind: str) -> torch.Tensor:
+    return cpu_kernels.pack_gemm_weight(w) if kind == "panel" else torch.ops.mkldnn._reorder_linear_weight(w)
+
+
+def _pack(weight: torch.Tensor, kind: str, upcast: bool, many: str | None = None) -> PackedWeight:
+    """weight in the layout of `kind` (and of `many` where that is another packed path); upcast: a float32
+    form of a bfloat16 weight."""
     w = weight.detach().float() if upcast else weight.detach()
-    data = cpu_kernels.pack_gemm_weight(w) if kind == "panel" else torch.ops.mkldnn._reorder_linear_weight(w)
-    return PackedWeight(kind, data, w.shape[0], upcast, aten_from_rows)
+    many_data = _layout(w, many) if many in ("onednn", "panel") else None
+    return PackedWeight(kind, _layout(w, kind), w.shape[0], upcast, many, many_data)
 
 
-def _run(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+def _run(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, many: bool = False) -> torch.Tensor:
+    """x through the packed weight's few-rows path, or its many-rows one (a packed layout, not "aten")."""
+    kind, data = (packed.many, packed.many_data) if many else (packed.kind, packed.data)
     xx = x.float() if packed.upcast else x
-    if packed.kind == "panel":
-        out = cpu_kernels.gemm(xx, packed.data, packed.out_features, bias)
+    if kind == "panel":
+        out = cpu_kernels.gemm(xx, data, packed.out_features, bias)
     else:
         b = bias.float() if packed.upcast and bias is not None else bias
-        out = torch.ops.mkldnn._linear_pointwise(xx, packed.data, b, "none", [], "")
+        out = torch.ops.mkldnn._linear_pointwise(xx, data, b, "none", [], "")
     return out.to(x.dtype) if packed.upcast else out
 
 
@@ -134,12 +152,18 @@ def _packable(weight: torch.Tensor) -> bool:
             and torch.backends.mkldnn.is_available())
 
 
+def _streamed_copies(packed: PackedWeight, weight: torch.Tensor) -> list[PackedWeight]:
+    """packed and more copies of weight in its layout: STREAMED_BYTES in all (at most 16), more than a
+    last-level cache holds, so that a pass over them reads the weights from memory as a decode step does."""
+    num_copies = min(16, -(-STREAMED_BYTES // packed.data.nbytes))
+    return [packed] + [_pack(weight, packed.kind, packed.upcast) for _ in range(num_copies - 1)]
+
+
 def _one_call_wins(packed: PackedWeight, weight: torch.Tensor, threads: int) -> bool:
     """Is one call of threads * DECODE_ROWS rows on `threads` threads faster than `threads` concurrent
     single-threaded calls of DECODE_ROWS rows each? Over copies of the weight that no cache holds, as a
     forward streams its layers' weights. The caller's thread runs on `threads` threads."""
-    num_copies = min(16, -(-STREAMED_BYTES // packed.data.nbytes))
-    copies = [packed] + [_pack(weight, packed.kind, packed.upcast) for _ in range(num_copies - 1)]
+    copies = _streamed_copies(packed, weight)
     rows = [torch.randn(DECODE_ROWS, weight.shape[1]).to(weight.dtype) for _ in range(threads)]
     both = torch.cat(rows)
 
@@ -174,20 +198,24 @@ def calibrate(weight: torch.Tensor) -> LinearPlan | None:
             if cpu_kernels.gemm_available() and (weight.dtype == torch.float32 or upcast):
                 few["panel"] = _pack(weight, "panel", upcast)
             choice = "onednn"
-            if len(few) > 1:
+            if len(few) > 1:  # decode-sized inputs, over copies of the weight read from memory
                 x = torch.randn(DECODE_ROWS, weight.shape[1]).to(weight.dtype)
-                best = _fastest({name: (lambda p=p: _run(x, p, None)) for name, p in few.items()})
+                copies = {name: _streamed_copies(p, weight) for name, p in few.items()}
+                best = _fastest({name: (lambda c=c: [_run(x, p, None) for p in c]) for name, c in copies.items()})
+                del copies
+                log.debug("decode-sized inputs, weights streamed: %s", best)
                 choice = min(best, key=best.__getitem__)
-            aten_from = None
-            if weight.dtype == torch.float32:
+            many = None
+            if weight.dtype == torch.float32:  # prefill-sized inputs: every path, the weight cache-resident
                 x = torch.randn(CALIBRATION_ROWS, weight.shape[1])
-                best = _fastest({"aten": lambda: F.linear(x, weight), "packed": lambda: _run(x, few[choice], None)})
-                aten_from = CALIBRATION_ROWS // 2 if best["aten"] < best["packed"] else None
+                best = _fastest({"aten": lambda: F.linear(x, weight),
+                                 **{name: (lambda p=p: _run(x, p, None)) for name, p in few.items()}})
+                many = min(best, key=best.__getitem__)
     finally:
         torch.set_num_threads(threads)
-    # decode-sized steps: below the rows where F.linear may take over (aten_from is None or this same bound)
-    one_below = CALIBRATION_ROWS // 2 if threads > 1 and _one_call_wins(few[choice], weight, threads) else 0
-    return LinearPlan(choice, aten_from, bf16_gemm, one_below)
+    # decode-sized steps: below MANY_ROWS, where the many-rows path may take over
+    one_below = MANY_ROWS if threads > 1 and _one_call_wins(few[choice], weight, threads) else 0
+    return LinearPlan(choice, None if many == choice else many, bf16_gemm, one_below)
 
 
 def linear(
@@ -199,6 +227,7 @@ def linear(
     """x @ weight.T + bias -> [T, N], by the path the plan chose for this many rows."""
     if packed is None:
         return F.linear(x, weight, bias)
-    if packed.aten_from_rows is not None and x.shape[0] >= packed.aten_from_rows:
+    many = packed.many is not None and x.shape[0] >= MANY_ROWS
+    if many and packed.many == "aten":
         return F.linear(x, weight, bias)
-    return _run(x, packed, bias)
+    return _run(x, packed, bias, many)

@@ -1102,12 +1102,24 @@ void store_kv(const T* __restrict k, int64_t k_stride, const T* __restrict v, in
 
 #if defined(__AVX2__) && defined(__FMA__)
 // ---- float32 GEMM for few rows (decode steps) -----------------------------------------------------------
-// out[m, n] = x[m, k] @ w[n, k]^T (+ bias): the weight packed once into panels of 24 output columns, each
-// panel [k][24] contiguous, so the whole weight streams through memory in order, once per call. A 4 x 24
-// micro-tile keeps 12 accumulators, 3 weight vectors and 1 broadcast in the 16 ymm registers (7 loads per
-// 12 FMAs); k is blocked so that a panel's 24 x kGemmKC slice stays in L1 while every row tile uses it.
-// Each output is one FMA chain over k in order (deterministic, independent of m and of the thread count).
-constexpr int kGemmNR = 24, kGemmMR = 4, kGemmKC = 128;
+// out[m, n] = x[m, k] @ w[n, k]^T (+ bias): the weight packed once into panels of kGemmNR output columns, each
+// panel [k][kGemmNR] contiguous, so the whole weight streams through memory in order, once per call. A
+// kGemmMR x kGemmNR micro-tile keeps its accumulators, the panel's vectors for one k and a broadcast of x in
+// registers: AVX-512 8 x 48 (24 accumulators, 3 + 8 loads per 24 FMAs, of 32 zmm registers), AVX2 4 x 24 (12
+// accumulators, 3 + 4 loads per 12 FMAs, of 16 ymm). k is blocked so that a panel's kGemmKC slice stays in L1
+// while every row tile uses it; the first row tile prefetches the next slice. Each output is one FMA chain
+// over k in order (deterministic, independent of m and of the thread count).
+#if defined(__AVX512F__)
+#ifndef KVF_GEMM_KC
+#define KVF_GEMM_KC 256
+#define KVF_GEMM_PF 1
+#define KVF_GEMM_HINT _MM_HINT_T0
+#endif
+constexpr int kGemmNR = 48, kGemmMR = 8, kGemmKC = KVF_GEMM_KC, kGemmPrefetchAhead = KVF_GEMM_PF;
+#else
+#define KVF_GEMM_HINT _MM_HINT_T0
+constexpr int kGemmNR = 24, kGemmMR = 4, kGemmKC = 128, kGemmPrefetchAhead = 1;
+#endif
 
 void gemm_pack(const float* __restrict w, int64_t n, int64_t k, float* __restrict packed) {
   const int64_t panels = (n + kGemmNR - 1) / kGemmNR;
@@ -1122,9 +1134,52 @@ void gemm_pack(const float* __restrict w, int64_t n, int64_t k, float* __restric
 }
 
 // rows [0, R) of one tile: acc (+)= x[:, kb:kb+kn] @ panel slice; first: start from bias (or 0), else from out
+#if defined(__AVX512F__)
+inline __mmask16 first_n_mask16(int n) { return n >= 16 ? __mmask16(0xffff) : n <= 0 ? 0 : __mmask16((1u << n) - 1); }
+
 template <int R, bool Prefetch>
 inline void gemm_tile(const float* __restrict x, int64_t xs, const float* __restrict b, int64_t kn,
-                      float* __restrict out, int64_t os, int ncols, const float* __restrict bias, bool first) {
+                      float* __restrict out, int64_t os, int ncols, const float* __restrict bias, bool first,
+                      const char* pf, int pf_lines, int pf_step) {
+  int pf_done = 0;
+  const __mmask16 m0 = first_n_mask16(ncols), m1 = first_n_mask16(ncols - 16), m2 = first_n_mask16(ncols - 32);
+  __m512 acc[R][3];
+  for (int r = 0; r < R; ++r) {
+    const float* src = first ? bias : out + r * os;
+    if (src == nullptr) {
+      acc[r][0] = acc[r][1] = acc[r][2] = _mm512_setzero_ps();
+    } else {
+      acc[r][0] = _mm512_maskz_loadu_ps(m0, src), acc[r][1] = _mm512_maskz_loadu_ps(m1, src + 16);
+      acc[r][2] = _mm512_maskz_loadu_ps(m2, src + 32);
+    }
+  }
+  for (int64_t kk = 0; kk < kn; ++kk) {
+    __m512 b0 = _mm512_loadu_ps(b + kk * kGemmNR), b1 = _mm512_loadu_ps(b + kk * kGemmNR + 16),
+           b2 = _mm512_loadu_ps(b + kk * kGemmNR + 32);
+    asm("" : "+v"(b0), "+v"(b1), "+v"(b2));  // in registers: g++ would fold each load into all R FMAs
+    if (Prefetch) {  // this tile's share of a block ahead, a line or a few per k
+      for (int j = 0; j < pf_step; ++j, ++pf_done)
+        if (pf_done < pf_lines) _mm_prefetch(pf + 64 * int64_t(pf_done), KVF_GEMM_HINT);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 a = _mm512_set1_ps(x[r * xs + kk]);
+      acc[r][0] = _mm512_fmadd_ps(a, b0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(a, b1, acc[r][1]);
+      acc[r][2] = _mm512_fmadd_ps(a, b2, acc[r][2]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float* dst = out + r * os;
+    _mm512_mask_storeu_ps(dst, m0, acc[r][0]), _mm512_mask_storeu_ps(dst + 16, m1, acc[r][1]);
+    _mm512_mask_storeu_ps(dst + 32, m2, acc[r][2]);
+  }
+}
+#else
+template <int R, bool Prefetch>
+inline void gemm_tile(const float* __restrict x, int64_t xs, const float* __restrict b, int64_t kn,
+                      float* __restrict out, int64_t os, int ncols, const float* __restrict bias, bool first,
+                      const char* pf, int pf_lines, int pf_step) {
+  int pf_done = 0;
   __m256 acc[R][3];
   const bool full = ncols == kGemmNR;
   for (int r = 0; r < R; ++r) {
@@ -1144,10 +1199,9 @@ inline void gemm_tile(const float* __restrict x, int64_t xs, const float* __rest
     __m256 b0 = _mm256_loadu_ps(b + kk * kGemmNR), b1 = _mm256_loadu_ps(b + kk * kGemmNR + 8),
            b2 = _mm256_loadu_ps(b + kk * kGemmNR + 16);
     asm("" : "+x"(b0), "+x"(b1), "+x"(b2));  // in registers: g++ would fold each load into all R FMAs
-    if (Prefetch) {  // the next k block (the next panel after the last): panels lie one after another
-      const char* next = (const char*)(b + (kk + kGemmKC) * kGemmNR);
-      _mm_prefetch(next, _MM_HINT_T0);
-      _mm_prefetch(next + 64, _MM_HINT_T0);
+    if (Prefetch) {  // this tile's share of a block ahead, a line or a few per k
+      for (int j = 0; j < pf_step; ++j, ++pf_done)
+        if (pf_done < pf_lines) _mm_prefetch(pf + 64 * int64_t(pf_done), KVF_GEMM_HINT);
     }
     for (int r = 0; r < R; ++r) {
       const __m256 a = _mm256_broadcast_ss(x + r * xs + kk);
@@ -1170,8 +1224,25 @@ inline void gemm_tile(const float* __restrict x, int64_t xs, const float* __rest
   }
 }
 
+#endif
+
+// gemm_tile<rows> for rows in [1, R]
+template <int R>
+inline void gemm_rows(int rows, const float* x, int64_t xs, const float* b, int64_t kn, float* out, int64_t os,
+                      int ncols, const float* bias, bool first, const char* pf, int pf_lines, int pf_step) {
+  if constexpr (R > 1) {
+    if (rows < R) return gemm_rows<R - 1>(rows, x, xs, b, kn, out, os, ncols, bias, first, pf, pf_lines, pf_step);
+  }
+  if (pf_lines > 0) {
+    gemm_tile<R, true>(x, xs, b, kn, out, os, ncols, bias, first, pf, pf_lines, pf_step);
+  } else {
+    gemm_tile<R, false>(x, xs, b, kn, out, os, ncols, bias, first, pf, pf_lines, pf_step);
+  }
+}
+
 void gemm(const float* __restrict x, int64_t xs, int64_t m, int64_t k, const float* __restrict packed, int64_t n,
           const float* __restrict bias, float* __restrict out, int64_t os) {
+  if (m <= 0) return;
   const int64_t panels = (n + kGemmNR - 1) / kGemmNR;
   // panels split across threads only where the caller has several (the model runner's part threads have one)
   // and the weight is big enough (>= 1 MiB) to pay for the parallel region's barrier
@@ -1183,26 +1254,16 @@ void gemm(const float* __restrict x, int64_t xs, int64_t m, int64_t k, const flo
     float* po = out + p * kGemmNR;
     for (int64_t kb = 0; kb < k; kb += kGemmKC) {
       const int64_t kn = std::min<int64_t>(kGemmKC, k - kb);
-      for (int64_t r0 = 0; r0 < m; r0 += kGemmMR) {
-        const float* xt = x + r0 * xs + kb;
-        float* ot = po + r0 * os;
-        const float* bk = bp + kb * kGemmNR;
-        const bool first = kb == 0;
-        if (r0 == 0) {  // the first row tile of a k block prefetches the next block's weights
-          switch (std::min<int64_t>(kGemmMR, m)) {
-            case 4: gemm_tile<4, true>(xt, xs, bk, kn, ot, os, ncols, pb, first); break;
-            case 3: gemm_tile<3, true>(xt, xs, bk, kn, ot, os, ncols, pb, first); break;
-            case 2: gemm_tile<2, true>(xt, xs, bk, kn, ot, os, ncols, pb, first); break;
-            default: gemm_tile<1, true>(xt, xs, bk, kn, ot, os, ncols, pb, first); break;
-          }
-          continue;
-        }
-        switch (std::min<int64_t>(kGemmMR, m - r0)) {
-          case 4: gemm_tile<4, false>(xt, xs, bk, kn, ot, os, ncols, pb, first); break;
-          case 3: gemm_tile<3, false>(xt, xs, bk, kn, ot, os, ncols, pb, first); break;
-          case 2: gemm_tile<2, false>(xt, xs, bk, kn, ot, os, ncols, pb, first); break;
-          default: gemm_tile<1, false>(xt, xs, bk, kn, ot, os, ncols, pb, first); break;
-        }
+      // the block kGemmPrefetchAhead ahead (in the next panel after the last: panels lie one after another),
+      // its lines shared out over the row tiles, so that the loads spread over the block's whole time
+      const char* pf = (const char*)(bp + (kb + kGemmPrefetchAhead * kGemmKC) * kGemmNR);
+      const int lines = int(kGemmKC * kGemmNR * 4 / 64), tiles = int((m + kGemmMR - 1) / kGemmMR);
+      const int per_tile = (lines + tiles - 1) / tiles, step = int((per_tile + kn - 1) / kn);
+      for (int64_t r0 = 0, t = 0; r0 < m; r0 += kGemmMR, ++t) {
+        const int rows = int(std::min<int64_t>(kGemmMR, m - r0));
+        const int pf_lines = int(std::max<int64_t>(0, std::min<int64_t>(per_tile, lines - t * per_tile)));
+        gemm_rows<kGemmMR>(rows, x + r0 * xs + kb, xs, bp + kb * kGemmNR, kn, po + r0 * os, os, ncols, pb, kb == 0,
+                           pf + 64 * t * per_tile, pf_lines, step);
       }
     }
   }
@@ -1266,6 +1327,13 @@ int kvf_isa() {
 int kvf_gemm_available() {
 #ifdef KVF_GEMM
   return 1;
+#else
+  return 0;
+#endif
+}
+int kvf_gemm_panel_width() {  // output columns per packed panel
+#ifdef KVF_GEMM
+  return kGemmNR;
 #else
   return 0;
 #endif
