@@ -725,6 +725,55 @@ inline void key_tile_masks(int first_pos, int t0, __mmask16* visible) {
   for (int j = 0; j < 16; ++j) visible[j] = _mm512_cmpge_epi32_mask(row_pos, _mm512_set1_epi32(t0 + j));
 }
 
+// The scores of GP query heads (of one KV head) against a tile of 16 keys: lane i of s[g][j] = row i of head
+// g . key j, into s_out[g][j][16]. A column of each head's queries times a key element broadcast from memory:
+// with GP heads sharing each broadcast, GP + J loads per GP * J FMAs (3 heads: 11 per 24; one head: 17 per 16).
+template <int GP, int D>
+inline void prefill_scores(const float* __restrict qt, const float* __restrict kt, float* __restrict s_out) {
+  constexpr int TILE = 16, J = GP == 1 ? 16 : 8;
+  for (int j0 = 0; j0 < TILE; j0 += J) {
+    __m512 s[GP][J];
+    for (int g = 0; g < GP; ++g)
+      for (int j = 0; j < J; ++j) s[g][j] = _mm512_setzero_ps();
+    for (int d = 0; d < D; ++d) {
+      __m512 qv[GP];
+      for (int g = 0; g < GP; ++g) qv[g] = _mm512_loadu_ps(qt + (g * D + d) * TILE);
+      for (int j = 0; j < J; ++j) {
+        const __m512 kb = _mm512_set1_ps(kt[(j0 + j) * D + d]);
+        for (int g = 0; g < GP; ++g) s[g][j] = _mm512_fmadd_ps(qv[g], kb, s[g][j]);
+      }
+    }
+    for (int g = 0; g < GP; ++g)
+      for (int j = 0; j < J; ++j) _mm512_storeu_ps(s_out + (g * TILE + j0 + j) * TILE, s[g][j]);
+  }
+}
+
+// acc[g] = acc[g] * corr[g] + P[g] V for GP heads: lane i of acc[g][d] = row i's element d; P[g][j] = the 16
+// rows' probabilities of key j. A probability column of each head times a value element broadcast from memory,
+// E elements of d at a time (GP + E loads per GP * E FMAs).
+template <int GP, int D>
+inline void prefill_pv(const float* __restrict pt, const float* __restrict vt, const float* __restrict corr,
+                       float* __restrict acc, int nk) {
+  constexpr int TILE = 16, E = GP == 1 ? 16 : 8;
+  for (int d0 = 0; d0 < D; d0 += E) {
+    __m512 o[GP][E];
+    for (int g = 0; g < GP; ++g) {
+      const __m512 cv = _mm512_loadu_ps(corr + g * TILE);
+      for (int e = 0; e < E; ++e) o[g][e] = _mm512_mul_ps(_mm512_loadu_ps(acc + (g * D + d0 + e) * TILE), cv);
+    }
+    for (int j = 0; j < nk; ++j) {
+      __m512 pj[GP];
+      for (int g = 0; g < GP; ++g) pj[g] = _mm512_loadu_ps(pt + (g * TILE + j) * TILE);
+      for (int e = 0; e < E; ++e) {
+        const __m512 vb = _mm512_set1_ps(vt[j * D + d0 + e]);
+        for (int g = 0; g < GP; ++g) o[g][e] = _mm512_fmadd_ps(pj[g], vb, o[g][e]);
+      }
+    }
+    for (int g = 0; g < GP; ++g)
+      for (int e = 0; e < E; ++e) _mm512_storeu_ps(acc + (g * D + d0 + e) * TILE, o[g][e]);
+  }
+}
+
 template <int C, typename T>
 void prefill_tile(const T* __restrict q, const T* __restrict kc, const T* __restrict vc, const int32_t* table,
                   int ctx, int q_len, int i0, int h, int hq, int hkv, int g_size, int bs, float scale,
@@ -764,48 +813,39 @@ void prefill_tile(const T* __restrict q, const T* __restrict kc, const T* __rest
     }
     __mmask16 visible[16];
     key_tile_masks(first_pos, t0, visible);
-    for (int g = 0; g < g_size; ++g) {
-      // scores: lane i of s[j] = row i . key j; one query-column load per 16 FMAs with broadcast keys
-      __m512 s[TILE];
-      for (int j = 0; j < TILE; ++j) s[j] = _mm512_setzero_ps();
-      const float* qg = qt + g * D * TILE;
-      for (int d = 0; d < D; ++d) {
-        const __m512 qv = _mm512_loadu_ps(qg + d * TILE);
-        for (int j = 0; j < TILE; ++j) s[j] = _mm512_fmadd_ps(qv, _mm512_set1_ps(kt[j * D + d]), s[j]);
+    for (int g0 = 0; g0 < g_size; g0 += 3) {  // scores into pt, up to 3 query heads at a time
+      switch (std::min(3, g_size - g0)) {
+        case 3: prefill_scores<3, D>(qt + g0 * D * TILE, kt, pt + g0 * TILE * TILE); break;
+        case 2: prefill_scores<2, D>(qt + g0 * D * TILE, kt, pt + g0 * TILE * TILE); break;
+        default: prefill_scores<1, D>(qt + g0 * D * TILE, kt, pt + g0 * TILE * TILE); break;
       }
+    }
+    for (int g = 0; g < g_size; ++g) {
       // online softmax, all 16 rows at once: the max and the sums run across registers, not lanes
+      float* sg = pt + g * TILE * TILE;
       const __m512 m_old = _mm512_loadu_ps(m + g * TILE);
       __m512 mx = m_old;
-      for (int j = 0; j < TILE; ++j) {
-        s[j] = _mm512_mask_mov_ps(_mm512_set1_ps(-3.0e38f), visible[j], s[j]);
-        mx = _mm512_max_ps(mx, s[j]);
-      }
+      for (int j = 0; j < TILE; ++j)
+        mx = _mm512_max_ps(mx, _mm512_mask_mov_ps(_mm512_set1_ps(-3.0e38f), visible[j], _mm512_loadu_ps(sg + j * TILE)));
       __m512 sum = _mm512_setzero_ps();
       for (int j = 0; j < TILE; ++j) {
-        const __m512 p = _mm512_maskz_mov_ps(visible[j], exp16(_mm512_sub_ps(s[j], mx)));
+        const __m512 p = _mm512_maskz_mov_ps(visible[j], exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + j * TILE), mx)));
         sum = _mm512_add_ps(sum, p);
-        _mm512_storeu_ps(pt + (g * TILE + j) * TILE, p);
+        _mm512_storeu_ps(sg + j * TILE, p);
       }
       const __m512 cv = exp16(_mm512_sub_ps(m_old, mx));
       _mm512_storeu_ps(l + g * TILE, _mm512_fmadd_ps(_mm512_loadu_ps(l + g * TILE), cv, sum));
       _mm512_storeu_ps(m + g * TILE, mx);
       _mm512_storeu_ps(corr + g * TILE, cv);
     }
-    // P V into the transposed output (lane i of acc[g][d] = row i's element d), after every head's softmax
-    // (the probabilities are read back long after their stores): as the scores, 16 accumulators, one
-    // probability-column load per 16 FMAs with broadcast values
-    for (int g = 0; g < g_size; ++g) {
-      const float* pg = pt + g * TILE * TILE;
-      const __m512 cv = _mm512_loadu_ps(corr + g * TILE);
-      for (int d0 = 0; d0 < D; d0 += 16) {
-        float* ag = acc + (g * D + d0) * TILE;
-        __m512 o[16];
-        for (int e = 0; e < 16; ++e) o[e] = _mm512_mul_ps(_mm512_loadu_ps(ag + e * TILE), cv);
-        for (int j = 0; j < nk; ++j) {
-          const __m512 pj = _mm512_loadu_ps(pg + j * TILE);
-          for (int e = 0; e < 16; ++e) o[e] = _mm512_fmadd_ps(pj, _mm512_set1_ps(vt[j * D + d0 + e]), o[e]);
-        }
-        for (int e = 0; e < 16; ++e) _mm512_storeu_ps(ag + e * TILE, o[e]);
+    // P V into the transposed output (lane i of acc[g][d] = row i's element d), up to 3 heads at a time
+    for (int g0 = 0; g0 < g_size; g0 += 3) {
+      float* ag = acc + g0 * D * TILE;
+      const float* pg = pt + g0 * TILE * TILE;
+      switch (std::min(3, g_size - g0)) {
+        case 3: prefill_pv<3, D>(pg, vt, corr + g0 * TILE, ag, nk); break;
+        case 2: prefill_pv<2, D>(pg, vt, corr + g0 * TILE, ag, nk); break;
+        default: prefill_pv<1, D>(pg, vt, corr + g0 * TILE, ag, nk); break;
       }
     }
   }
