@@ -162,6 +162,30 @@ def test_panel_gemm_against_float64(m, k, n, with_bias):
     torch.testing.assert_close(out.double(), want, atol=1e-4 * k**0.5, rtol=1e-5)
 
 
+@pytest.mark.skipif(not cpu_kernels.gemm_available(torch.bfloat16), reason="the bf16 panel GEMM needs AVX512_BF16")
+@pytest.mark.parametrize("m,k,n", [(1, 1, 1), (3, 5, 7), (8, 130, 48), (5, 577, 25), (33, 64, 960), (64, 576, 97),
+                                   (9, 1536, 576), (0, 64, 48)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_panel_gemm_rounds_as_torch(m, k, n, with_bias):
+    """Row tails (m % 8), column tails (n % 48), an odd k (its last element paired with a zero, never with what
+    lies past the row): within one bf16 rounding of a float64 product, and the same values as F.linear's bf16
+    GEMM but for a rare last-bit difference (fp32 sums in another order)."""
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x, w = torch.randn(m, k + 1, generator=g).bfloat16()[:, :k], torch.randn(n, k, generator=g).bfloat16()
+    x[:, -1:] = 1.0  # an odd k's last element, next to a NaN past it in the row (row stride k + 1)
+    if k % 2:
+        x.as_strided((m, 1), (k + 1, 1), k).fill_(float("nan"))
+    b = torch.randn(n, generator=g).bfloat16() if with_bias else None
+    packed = cpu_kernels.pack_gemm_weight(w)
+    assert packed.dtype == torch.bfloat16 and packed.numel() == -(-n // 48) * 48 * ((k + 1) // 2) * 2
+    out = cpu_kernels.gemm(x, packed, n, b)
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16 and not out.isnan().any()
+    want = x.double() @ w.double().T + (b.double() if with_bias else 0)
+    torch.testing.assert_close(out.double(), want, atol=1e-3 * k**0.5, rtol=2**-7)
+    if m:
+        assert (out == torch.nn.functional.linear(x, w, b)).float().mean() > 0.99
+
+
 @needs_gemm
 def test_panel_gemm_reads_strided_rows_and_is_deterministic_across_threads():
     g = torch.Generator().manual_seed(0)

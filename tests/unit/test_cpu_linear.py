@@ -146,3 +146,36 @@ def test_calibrate_takes_what_it_measured_fastest(monkeypatch, few, many):
         torch.set_num_threads(before)
     assert calls == [["onednn", "panel"], ["aten", "onednn", "panel"]]
     assert plan.few_rows == few and plan.many_rows == (None if many == few else many)
+
+
+@pytest.mark.skipif(not cpu_kernels.gemm_available(torch.bfloat16), reason="the bf16 panel GEMM needs AVX512_BF16")
+@pytest.mark.parametrize("few,many", [("panel", None), ("panel", "onednn"), ("onednn", "panel")])
+@pytest.mark.parametrize("rows", [3, 300])
+def test_native_bfloat16_plans_keep_bfloat16_weights(few, many, rows):
+    g = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(48, 40, generator=g).bfloat16(), torch.randn(48, generator=g).bfloat16()
+    x = torch.randn(rows, 40, generator=g).bfloat16()
+    packed = cpu_linear.LinearPlan(few, many, bf16_gemm=True).pack(w)
+    assert not packed.upcast and packed.kind == few and packed.many == many
+    assert packed.data.dtype == torch.bfloat16 or few == "onednn"
+    out = cpu_linear.linear(x, w, b, packed)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, w, b), atol=2e-2, rtol=2**-7)
+
+
+@pytest.mark.skipif(not (cpu_kernels.gemm_available(torch.bfloat16) and cpu_linear._has_bf16_gemm(torch.ones(1, 1))),
+                    reason="needs both bf16 GEMMs (AVX512_BF16)")
+def test_calibrate_measures_the_bf16_panel_gemm_too(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cpu_linear, "_fastest", lambda cases, rounds=4: calls.append(sorted(cases)) or {
+        name: 1.0 if name == "panel" else 2.0 for name in cases})
+    monkeypatch.setattr(cpu_linear, "STREAMED_BYTES", 1 << 16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        plan = cpu_linear.calibrate(torch.randn(64, 32).bfloat16())
+    finally:
+        torch.set_num_threads(before)
+    assert calls == [["onednn", "panel"], ["aten", "onednn", "panel"]]
+    assert plan == cpu_linear.LinearPlan("panel", None, bf16_gemm=True)
+    assert plan.describe(torch.bfloat16) == "kvfleet's panel GEMM for any number of rows, bf16 x bf16 natively"

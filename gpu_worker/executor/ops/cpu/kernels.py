@@ -48,6 +48,10 @@ _GEMM_SIGNATURES = {
     "kvf_prefill_covers": ([_I32], ctypes.c_int),
     "kvf_gemm_available": ([], ctypes.c_int),
     "kvf_gemm_panel_width": ([], ctypes.c_int),
+    "kvf_gemm_bf16_available": ([], ctypes.c_int),
+    "kvf_gemm_packed_size_bf16": ([_I64, _I64], _I64),
+    "kvf_gemm_pack_bf16": ([_P, _I64, _I64, _P], None),
+    "kvf_gemm_bf16": ([_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64], None),
     "kvf_gemm_packed_size": ([_I64, _I64], _I64),
     "kvf_gemm_pack_f32": ([_P, _I64, _I64, _P], None),
     "kvf_gemm_f32": ([_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64], None),
@@ -174,9 +178,14 @@ def decode_attention(
         float(scale), max(1, max_context_len), out.data_ptr(), int(simd))
 
 
-def gemm_available() -> bool:
-    """Is the float32 panel GEMM compiled in (the kernels load and the CPU has AVX2 + FMA)?"""
-    return load() is not None and bool(_lib.kvf_gemm_available())
+def gemm_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Is the panel GEMM compiled in for dtype? float32: the kernels load and the CPU has AVX2 + FMA;
+    bfloat16: AVX512_BF16 (vdpbf16ps)."""
+    if load() is None:
+        return False
+    if dtype == torch.bfloat16:
+        return bool(_lib.kvf_gemm_bf16_available())
+    return dtype == torch.float32 and bool(_lib.kvf_gemm_available())
 
 
 def gemm_panel_width() -> int:
@@ -185,25 +194,30 @@ def gemm_panel_width() -> int:
 
 
 def pack_gemm_weight(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] float32 -> the panel layout `gemm` reads: [ceil(N / W), K, W], zero-padded columns, where
-    W = gemm_panel_width()."""
-    assert weight.dtype == torch.float32 and weight.dim() == 2 and gemm_available()
+    """weight [N, K] -> the panel layout `gemm` reads. float32: [ceil(N / W), K, W], W = gemm_panel_width();
+    bfloat16: [ceil(N / 48), ceil(K / 2), 48, 2] (a k pair per column). Zero-padded."""
+    assert weight.dim() == 2 and gemm_available(weight.dtype)
     w = weight.detach().contiguous()
     n, k = w.shape
+    if w.dtype == torch.bfloat16:
+        packed = torch.empty(_lib.kvf_gemm_packed_size_bf16(n, k), dtype=torch.bfloat16)
+        _lib.kvf_gemm_pack_bf16(w.data_ptr(), n, k, packed.data_ptr())
+        return packed
     packed = torch.empty(_lib.kvf_gemm_packed_size(n, k), dtype=torch.float32)
     _lib.kvf_gemm_pack_f32(w.data_ptr(), n, k, packed.data_ptr())
     return packed
 
 
 def gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] float32 @ the packed weight [N, K]^T (+ bias [N]) -> [M, N] float32, on this thread (or on
-    torch's threads when it has several and the weight is big)."""
+    """x [M, K] @ the packed weight [N, K]^T (+ bias [N]) -> [M, N], in the packed weight's dtype (float32 or
+    bfloat16, x the same), on this thread (or on torch's threads when it has several and the weight is big)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
-    out = torch.empty(m, n, dtype=torch.float32)
+    out = torch.empty(m, n, dtype=packed.dtype)
     if bias is not None:
-        bias = bias.float().contiguous()
-    _lib.kvf_gemm_f32(x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), n,
-                      None if bias is None else bias.data_ptr(), out.data_ptr(), n)
+        bias = bias.to(packed.dtype).contiguous()
+    fn = _lib.kvf_gemm_bf16 if packed.dtype == torch.bfloat16 else _lib.kvf_gemm_f32
+    fn(x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), n, None if bias is None else bias.data_ptr(),
+       out.data_ptr(), n)
     return out

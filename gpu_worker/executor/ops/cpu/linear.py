@@ -6,20 +6,22 @@ is packed; the LinearPlan it returns is the runner's, and it packs every weight 
 packed weight carries what the plan decided for it, so `linear` needs nothing else. `calibrate` measures on
 one thread, as each of the model runner's forward threads runs:
 - few rows (decode steps: tens of rows, every layer's weight read from memory once a step): oneDNN with a
-  weight packed ahead of time, or kvfleet's panel GEMM (csrc/cpu_kernels.cpp; 8 x 48 AVX-512 tiles, or 4 x 24
-  AVX2 ones), timed over copies of the weight that no cache holds. A 2-core AMD Zen 3 at 32 rows: panel 76,
-  oneDNN 64 GFLOP/s; a 2-core Zen 5 at 32 rows: panel 178-218, oneDNN 143-172.
-- many rows (prefill chunks, MANY_ROWS rows or more; float32): F.linear (MKL), oneDNN packed or the panel
-  GEMM, whichever is fastest at CALIBRATION_ROWS (Zen 3: MKL ~7% over the panel GEMM, ~12% over oneDNN; Zen 5:
-  oneDNN 229, panel 212, MKL 99 GFLOP/s). A weight whose two paths differ keeps the layout of each (a panel
-  and a oneDNN copy: one more copy of the weights in memory).
+  weight packed ahead of time, or kvfleet's panel GEMM (csrc/cpu_kernels.cpp: float32 in 8 x 48 AVX-512 tiles
+  or 4 x 24 AVX2 ones; bfloat16 with AVX512_BF16 dot products), timed over copies of the weight that no cache
+  holds. 2-core AMD Zen 3, float32, 32 rows: panel 76, oneDNN 64 GFLOP/s. 2-core Zen 5, the model's 30 layers
+  and lm_head streaming, 64 rows on 2 threads: float32 panel ~410-430, oneDNN ~340-360; bfloat16 670 against
+  534.
+- many rows (prefill chunks, MANY_ROWS rows or more): F.linear, oneDNN packed or the panel GEMM, whichever is
+  fastest at CALIBRATION_ROWS, the weight cache-resident (float32: Zen 3 MKL ~7% over the panel GEMM, ~12%
+  over oneDNN; Zen 5 oneDNN 229, panel 212, MKL 99 GFLOP/s a thread; bfloat16, Zen 5: panel 455, oneDNN 446).
+  A weight whose two paths differ keeps the layout of each (one more copy of the weights in memory).
 With P > 1 threads it also measures how a decode step should use them (`one_forward_below`): P concurrent
 single-threaded calls, each with its share of the rows and each streaming the whole weight, or one call on
 all P threads, which split the output columns, so that each streams 1 / P of it. 2-core machines, the
 model's 30 layers streaming, a step of 64 rows (oneDNN): Zen 5 one call 52 against 62 ms (bfloat16 28
 against 36); Zen 4 level; Zen 3 (panel GEMM) 160 against 175.
-bfloat16 weights: oneDNN's bf16 GEMM where the CPU has one (AVX-512 BF16 / AMX); elsewhere neither oneDNN nor
-aten has a fast bf16 GEMM, and a float32 copy of each weight gives the same result (bf16 x bf16 products are
+bfloat16 weights: a bf16 GEMM where the CPU has one (oneDNN's: AVX-512 BF16 / AMX; the panel GEMM's: AVX512_BF16);
+elsewhere neither oneDNN nor aten has a fast bf16 GEMM, and a float32 copy of each weight gives the same result (bf16 x bf16 products are
 exact in float32, summed in float32 as a bf16 GEMM does) at float32 speed, for twice the weights' memory.
 """
 
@@ -65,7 +67,7 @@ class LinearPlan:
     """What `calibrate` chose on this CPU: the model runner holds it and packs its weights by it."""
 
     few_rows: str  # "onednn" | "panel": below MANY_ROWS rows
-    many_rows: str | None  # float32 inputs of MANY_ROWS rows or more: "aten" | "onednn" | "panel"; None: few_rows
+    many_rows: str | None  # inputs of MANY_ROWS rows or more: "aten" | "onednn" | "panel"; None: as few_rows
     bf16_gemm: bool  # oneDNN multiplies bfloat16 natively here (else bf16 weights get a float32 form)
     one_forward_below: int = 0  # steps of fewer rows run as one forward on all threads (see splits_columns)
 
@@ -74,9 +76,7 @@ class LinearPlan:
         other dtypes, no oneDNN)."""
         if not _packable(weight):
             return None
-        if weight.dtype == torch.bfloat16 and self.bf16_gemm:
-            return _pack(weight, "onednn", upcast=False)
-        upcast = weight.dtype == torch.bfloat16
+        upcast = weight.dtype == torch.bfloat16 and not self.bf16_gemm
         return _pack(weight, self.few_rows, upcast, None if upcast else self._many())
 
     def _many(self) -> str | None:
@@ -84,13 +84,14 @@ class LinearPlan:
 
     def describe(self, dtype: torch.dtype) -> str:
         """The path in words, e.g. "kvfleet's panel GEMM below 256 rows, oneDNN packed from 256"."""
-        if dtype == torch.bfloat16:
-            return ("oneDNN bf16 packed (native bf16 GEMM)" if self.bf16_gemm else
-                    f"a float32 copy of each bf16 weight ({PATH_NAMES[self.few_rows]}): no bf16 GEMM here")
+        if dtype == torch.bfloat16 and not self.bf16_gemm:
+            return f"a float32 copy of each bf16 weight ({PATH_NAMES[self.few_rows]}): no bf16 GEMM here"
         name = PATH_NAMES[self.few_rows]
         if self._many():
-            return f"{name} below {MANY_ROWS} rows, {PATH_NAMES[self.many_rows]} from {MANY_ROWS}"
-        return f"{name} for any number of rows"
+            text = f"{name} below {MANY_ROWS} rows, {PATH_NAMES[self.many_rows]} from {MANY_ROWS}"
+        else:
+            text = f"{name} for any number of rows"
+        return f"{text}, bf16 x bf16 natively" if dtype == torch.bfloat16 else text
 
     def splits_columns(self, num_rows: int) -> bool:
         """Does a step of num_rows rows run as one forward on all threads, each matmul splitting its output
@@ -195,7 +196,7 @@ def calibrate(weight: torch.Tensor) -> LinearPlan | None:
     try:
         with torch.inference_mode():
             few = {"onednn": _pack(weight, "onednn", upcast)}
-            if cpu_kernels.gemm_available() and (weight.dtype == torch.float32 or upcast):
+            if cpu_kernels.gemm_available(torch.float32 if upcast else weight.dtype):
                 few["panel"] = _pack(weight, "panel", upcast)
             choice = "onednn"
             if len(few) > 1:  # decode-sized inputs, over copies of the weight read from memory
@@ -206,8 +207,8 @@ def calibrate(weight: torch.Tensor) -> LinearPlan | None:
                 log.debug("decode-sized inputs, weights streamed: %s", best)
                 choice = min(best, key=best.__getitem__)
             many = None
-            if weight.dtype == torch.float32:  # prefill-sized inputs: every path, the weight cache-resident
-                x = torch.randn(CALIBRATION_ROWS, weight.shape[1])
+            if not upcast:  # prefill-sized inputs: every path, the weight cache-resident
+                x = torch.randn(CALIBRATION_ROWS, weight.shape[1]).to(weight.dtype)
                 best = _fastest({"aten": lambda: F.linear(x, weight),
                                  **{name: (lambda p=p: _run(x, p, None)) for name, p in few.items()}})
                 many = min(best, key=best.__getitem__)

@@ -1311,6 +1311,105 @@ void gemm(const float* __restrict x, int64_t xs, int64_t m, int64_t k, const flo
 #define KVF_GEMM 1
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// ---- bfloat16 GEMM for few rows (decode steps), AVX512_BF16 ----------------------------------------------
+// The float32 panel GEMM's tiling with vdpbf16ps: the weight packed once into panels of 48 output columns, each
+// [ceil(k / 2)][48][2] (a k pair of each column in one 32-bit lane); x's pairs (x[2p], x[2p + 1]) are one
+// 32-bit broadcast. An 8 x 48 tile: 24 fp32 accumulators, 3 + 8 loads per 24 dot products of pairs. No k
+// blocks (a panel is 576 x 48 x 2 bytes = 55 KB at K = 576: it stays in L2 while every row tile uses it); the
+// next panel's lines are prefetched, spread over the row tiles. Accumulated in fp32 from the bias, rounded
+// to bfloat16 once at the end, as oneDNN's bf16 GEMM does.
+constexpr int kGemmBf16NR = 48, kGemmBf16MR = 8;
+
+void gemm_pack_bf16(const uint16_t* __restrict w, int64_t n, int64_t k, uint16_t* __restrict packed) {
+  const int64_t panels = (n + kGemmBf16NR - 1) / kGemmBf16NR, pairs = (k + 1) / 2;
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < panels; ++p) {
+    uint16_t* dst = packed + p * pairs * kGemmBf16NR * 2;
+    for (int c = 0; c < kGemmBf16NR; ++c) {
+      const int64_t row = p * kGemmBf16NR + c;
+      for (int64_t kk = 0; kk < 2 * pairs; ++kk)
+        dst[(kk / 2 * kGemmBf16NR + c) * 2 + kk % 2] = row < n && kk < k ? w[row * k + kk] : uint16_t(0);
+    }
+  }
+}
+
+template <int R>
+inline void gemm_tile_bf16(const uint16_t* __restrict x, int64_t xs, int64_t k, const uint16_t* __restrict b,
+                           uint16_t* __restrict out, int64_t os, int ncols, const uint16_t* __restrict bias,
+                           const char* pf, int pf_lines, int pf_step) {
+  const __mmask16 m0 = first_n_mask16(ncols), m1 = first_n_mask16(ncols - 16), m2 = first_n_mask16(ncols - 32);
+  __m512 acc[R][3];
+  if (bias == nullptr) {
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = acc[r][2] = _mm512_setzero_ps();
+  } else {
+    const __m512 b0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m0, bias)), 16));
+    const __m512 b1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m1, bias + 16)), 16));
+    const __m512 b2 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m2, bias + 32)), 16));
+    for (int r = 0; r < R; ++r) acc[r][0] = b0, acc[r][1] = b1, acc[r][2] = b2;
+  }
+  const int64_t full = k / 2;  // whole pairs of x; an odd k's last element pairs with a zero
+  int pf_done = 0;
+  for (int64_t p = 0; p < (k + 1) / 2; ++p) {
+    const uint16_t* bp = b + p * kGemmBf16NR * 2;
+    __m512bh w0 = (__m512bh)_mm512_loadu_si512(bp), w1 = (__m512bh)_mm512_loadu_si512(bp + 32),
+             w2 = (__m512bh)_mm512_loadu_si512(bp + 64);
+    asm("" : "+v"(w0), "+v"(w1), "+v"(w2));  // in registers: g++ would fold each load into all R products
+    for (int j = 0; j < pf_step; ++j, ++pf_done)
+      if (pf_done < pf_lines) _mm_prefetch(pf + 64 * int64_t(pf_done), _MM_HINT_T0);
+    for (int r = 0; r < R; ++r) {
+      uint32_t pair;
+      if (p < full) {
+        std::memcpy(&pair, x + r * xs + 2 * p, 4);
+      } else {
+        pair = x[r * xs + 2 * p];
+      }
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(int(pair));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, w1);
+      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], a, w2);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    uint16_t* dst = out + r * os;
+    _mm256_mask_storeu_epi16(dst, m0, bf16_bits(acc[r][0]));
+    _mm256_mask_storeu_epi16(dst + 16, m1, bf16_bits(acc[r][1]));
+    _mm256_mask_storeu_epi16(dst + 32, m2, bf16_bits(acc[r][2]));
+  }
+}
+
+template <int R>
+inline void gemm_rows_bf16(int rows, const uint16_t* x, int64_t xs, int64_t k, const uint16_t* b, uint16_t* out,
+                           int64_t os, int ncols, const uint16_t* bias, const char* pf, int pf_lines, int pf_step) {
+  if constexpr (R > 1) {
+    if (rows < R) return gemm_rows_bf16<R - 1>(rows, x, xs, k, b, out, os, ncols, bias, pf, pf_lines, pf_step);
+  }
+  gemm_tile_bf16<R>(x, xs, k, b, out, os, ncols, bias, pf, pf_lines, pf_step);
+}
+
+void gemm_bf16(const uint16_t* __restrict x, int64_t xs, int64_t m, int64_t k, const uint16_t* __restrict packed,
+               int64_t n, const uint16_t* __restrict bias, uint16_t* __restrict out, int64_t os) {
+  if (m <= 0) return;
+  const int64_t panels = (n + kGemmBf16NR - 1) / kGemmBf16NR, panel_elems = (k + 1) / 2 * kGemmBf16NR * 2;
+  const int lines = int(panel_elems * 2 / 64), tiles = int((m + kGemmBf16MR - 1) / kGemmBf16MR);
+  const int per_tile = (lines + tiles - 1) / tiles, step = int((per_tile + (k + 1) / 2 - 1) / ((k + 1) / 2));
+#pragma omp parallel for schedule(static) if (omp_get_max_threads() > 1 && n * k >= (int64_t(1) << 18))
+  for (int64_t p = 0; p < panels; ++p) {
+    const uint16_t* bp = packed + p * panel_elems;
+    const char* pf = (const char*)(bp + panel_elems);  // the next panel
+    const int ncols = int(std::min<int64_t>(kGemmBf16NR, n - p * kGemmBf16NR));
+    const uint16_t* pb = bias == nullptr ? nullptr : bias + p * kGemmBf16NR;
+    for (int64_t r0 = 0, t = 0; r0 < m; r0 += kGemmBf16MR, ++t) {
+      const int rows = int(std::min<int64_t>(kGemmBf16MR, m - r0));
+      const int pf_lines = int(std::max<int64_t>(0, std::min<int64_t>(per_tile, lines - t * per_tile)));
+      gemm_rows_bf16<kGemmBf16MR>(rows, x + r0 * xs, xs, k, bp, out + r0 * os + p * kGemmBf16NR, os, ncols, pb,
+                                  pf + 64 * t * per_tile, pf_lines, step);
+    }
+  }
+}
+#define KVF_GEMM_BF16 1
+#endif
+
 }  // namespace
 
 extern "C" {
@@ -1369,6 +1468,36 @@ int kvf_gemm_available() {
   return 1;
 #else
   return 0;
+#endif
+}
+int kvf_gemm_bf16_available() {
+#ifdef KVF_GEMM_BF16
+  return 1;
+#else
+  return 0;
+#endif
+}
+int64_t kvf_gemm_packed_size_bf16(int64_t n, int64_t k) {  // uint16 elements
+#ifdef KVF_GEMM_BF16
+  return (n + kGemmBf16NR - 1) / kGemmBf16NR * kGemmBf16NR * ((k + 1) / 2) * 2;
+#else
+  (void)n, (void)k;
+  return 0;
+#endif
+}
+void kvf_gemm_pack_bf16(const uint16_t* w, int64_t n, int64_t k, uint16_t* packed) {
+#ifdef KVF_GEMM_BF16
+  gemm_pack_bf16(w, n, k, packed);
+#else
+  (void)w, (void)n, (void)k, (void)packed;
+#endif
+}
+void kvf_gemm_bf16(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const uint16_t* packed, int64_t n,
+                   const uint16_t* bias, uint16_t* out, int64_t os) {
+#ifdef KVF_GEMM_BF16
+  gemm_bf16(x, xs, m, k, packed, n, bias, out, os);
+#else
+  (void)x, (void)xs, (void)m, (void)k, (void)packed, (void)n, (void)bias, (void)out, (void)os;
 #endif
 }
 int kvf_gemm_panel_width() {  // output columns per packed panel
