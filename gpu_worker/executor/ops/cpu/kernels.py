@@ -42,7 +42,8 @@ _SIGNATURES = {
     "prefill_attention": [_P, _P, _P, _P, _I32, _I32, _I32, _I32, _I32, _I32, _F, _P],
 }
 _RESTYPES = {"prefill_attention": ctypes.c_int}  # 1: done, 0: no kernel for this shape (use torch)
-# float32 only: the panel GEMM (kvf_gemm_available() is 0 where the CPU has no AVX2 + FMA)
+# the panel GEMM: float32 (kvf_gemm_available() is 0 where the CPU has no AVX2 + FMA) and bfloat16
+# (kvf_gemm_bf16_available(): AVX512_BF16)
 _GEMM_SIGNATURES = {
     "kvf_isa": ([], ctypes.c_int),
     "kvf_prefill_covers": ([_I32], ctypes.c_int),

@@ -1161,6 +1161,13 @@ constexpr int kGemmNR = 48, kGemmMR = 8, kGemmKC = KVF_GEMM_KC, kGemmPrefetchAhe
 constexpr int kGemmNR = 24, kGemmMR = 4, kGemmKC = 128, kGemmPrefetchAhead = 1;
 #endif
 
+// A row tile's share of the weight lines ahead: pf_step lines a k, until its pf_lines have been asked for (the
+// shares of all row tiles together cover the next block, spread over the time the tiles take).
+inline void gemm_prefetch_share(const char* pf, int pf_lines, int pf_step, int& pf_done) {
+  for (int j = 0; j < pf_step; ++j, ++pf_done)
+    if (pf_done < pf_lines) _mm_prefetch(pf + 64 * int64_t(pf_done), KVF_GEMM_HINT);
+}
+
 void gemm_pack(const float* __restrict w, int64_t n, int64_t k, float* __restrict packed) {
   const int64_t panels = (n + kGemmNR - 1) / kGemmNR;
 #pragma omp parallel for schedule(static)
@@ -1197,10 +1204,7 @@ inline void gemm_tile(const float* __restrict x, int64_t xs, const float* __rest
     __m512 b0 = _mm512_loadu_ps(b + kk * kGemmNR), b1 = _mm512_loadu_ps(b + kk * kGemmNR + 16),
            b2 = _mm512_loadu_ps(b + kk * kGemmNR + 32);
     asm("" : "+v"(b0), "+v"(b1), "+v"(b2));  // in registers: g++ would fold each load into all R FMAs
-    if (Prefetch) {  // this tile's share of a block ahead, a line or a few per k
-      for (int j = 0; j < pf_step; ++j, ++pf_done)
-        if (pf_done < pf_lines) _mm_prefetch(pf + 64 * int64_t(pf_done), KVF_GEMM_HINT);
-    }
+    if (Prefetch) gemm_prefetch_share(pf, pf_lines, pf_step, pf_done);
     for (int r = 0; r < R; ++r) {
       const __m512 a = _mm512_set1_ps(x[r * xs + kk]);
       acc[r][0] = _mm512_fmadd_ps(a, b0, acc[r][0]);
@@ -1239,10 +1243,7 @@ inline void gemm_tile(const float* __restrict x, int64_t xs, const float* __rest
     __m256 b0 = _mm256_loadu_ps(b + kk * kGemmNR), b1 = _mm256_loadu_ps(b + kk * kGemmNR + 8),
            b2 = _mm256_loadu_ps(b + kk * kGemmNR + 16);
     asm("" : "+x"(b0), "+x"(b1), "+x"(b2));  // in registers: g++ would fold each load into all R FMAs
-    if (Prefetch) {  // this tile's share of a block ahead, a line or a few per k
-      for (int j = 0; j < pf_step; ++j, ++pf_done)
-        if (pf_done < pf_lines) _mm_prefetch(pf + 64 * int64_t(pf_done), KVF_GEMM_HINT);
-    }
+    if (Prefetch) gemm_prefetch_share(pf, pf_lines, pf_step, pf_done);
     for (int r = 0; r < R; ++r) {
       const __m256 a = _mm256_broadcast_ss(x + r * xs + kk);
       acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
@@ -1355,8 +1356,7 @@ inline void gemm_tile_bf16(const uint16_t* __restrict x, int64_t xs, int64_t k, 
     __m512bh w0 = (__m512bh)_mm512_loadu_si512(bp), w1 = (__m512bh)_mm512_loadu_si512(bp + 32),
              w2 = (__m512bh)_mm512_loadu_si512(bp + 64);
     asm("" : "+v"(w0), "+v"(w1), "+v"(w2));  // in registers: g++ would fold each load into all R products
-    for (int j = 0; j < pf_step; ++j, ++pf_done)
-      if (pf_done < pf_lines) _mm_prefetch(pf + 64 * int64_t(pf_done), _MM_HINT_T0);
+    gemm_prefetch_share(pf, pf_lines, pf_step, pf_done);
     for (int r = 0; r < R; ++r) {
       uint32_t pair;
       if (p < full) {
@@ -1410,6 +1410,22 @@ void gemm_bf16(const uint16_t* __restrict x, int64_t xs, int64_t m, int64_t k, c
 #define KVF_GEMM_BF16 1
 #endif
 
+#ifdef KVF_GEMM
+constexpr int kGemmCompiled = 1;
+#else
+constexpr int kGemmCompiled = 0, kGemmNR = 24;
+void gemm_pack(const float*, int64_t, int64_t, float*) {}
+void gemm(const float*, int64_t, int64_t, int64_t, const float*, int64_t, const float*, float*, int64_t) {}
+#endif
+#ifdef KVF_GEMM_BF16
+constexpr int kGemmBf16Compiled = 1;
+#else
+constexpr int kGemmBf16Compiled = 0, kGemmBf16NR = 48;
+void gemm_pack_bf16(const uint16_t*, int64_t, int64_t, uint16_t*) {}
+void gemm_bf16(const uint16_t*, int64_t, int64_t, int64_t, const uint16_t*, int64_t, const uint16_t*, uint16_t*,
+               int64_t) {}
+#endif
+
 }  // namespace
 
 extern "C" {
@@ -1445,7 +1461,6 @@ void kvf_decode_attention_bf16(const uint16_t* q, const uint16_t* kc, const uint
   }
 KVF_TYPED(f32, float)
 KVF_TYPED(bf16, uint16_t)
-// the float32 GEMM (AVX2 + FMA builds): 0 where it is not compiled in
 // The instruction sets this build's kernels use (-march=native on the CPU it was built for): 1 AVX2+FMA,
 // 2 AVX-512F, 4 AVX512_BF16 dot products; 0: scalar loops only.
 // Does this build have a native prefill attention kernel for head dim d (else: torch's SDPA)?
@@ -1463,71 +1478,24 @@ int kvf_isa() {
 #endif
   return isa;
 }
-int kvf_gemm_available() {
-#ifdef KVF_GEMM
-  return 1;
-#else
-  return 0;
-#endif
-}
-int kvf_gemm_bf16_available() {
-#ifdef KVF_GEMM_BF16
-  return 1;
-#else
-  return 0;
-#endif
-}
+// the panel GEMMs (no-ops where not compiled in: the *_available functions say 0 there)
+int kvf_gemm_available() { return kGemmCompiled; }
+int kvf_gemm_bf16_available() { return kGemmBf16Compiled; }
+int kvf_gemm_panel_width() { return kGemmCompiled ? kGemmNR : 0; }  // output columns per packed panel
+int64_t kvf_gemm_packed_size(int64_t n, int64_t k) { return (n + kGemmNR - 1) / kGemmNR * kGemmNR * k; }
 int64_t kvf_gemm_packed_size_bf16(int64_t n, int64_t k) {  // uint16 elements
-#ifdef KVF_GEMM_BF16
   return (n + kGemmBf16NR - 1) / kGemmBf16NR * kGemmBf16NR * ((k + 1) / 2) * 2;
-#else
-  (void)n, (void)k;
-  return 0;
-#endif
 }
+void kvf_gemm_pack_f32(const float* w, int64_t n, int64_t k, float* packed) { gemm_pack(w, n, k, packed); }
 void kvf_gemm_pack_bf16(const uint16_t* w, int64_t n, int64_t k, uint16_t* packed) {
-#ifdef KVF_GEMM_BF16
   gemm_pack_bf16(w, n, k, packed);
-#else
-  (void)w, (void)n, (void)k, (void)packed;
-#endif
-}
-void kvf_gemm_bf16(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const uint16_t* packed, int64_t n,
-                   const uint16_t* bias, uint16_t* out, int64_t os) {
-#ifdef KVF_GEMM_BF16
-  gemm_bf16(x, xs, m, k, packed, n, bias, out, os);
-#else
-  (void)x, (void)xs, (void)m, (void)k, (void)packed, (void)n, (void)bias, (void)out, (void)os;
-#endif
-}
-int kvf_gemm_panel_width() {  // output columns per packed panel
-#ifdef KVF_GEMM
-  return kGemmNR;
-#else
-  return 0;
-#endif
-}
-int64_t kvf_gemm_packed_size(int64_t n, int64_t k) {
-#ifdef KVF_GEMM
-  return (n + kGemmNR - 1) / kGemmNR * kGemmNR * k;
-#else
-  (void)n, (void)k;
-  return 0;
-#endif
-}
-void kvf_gemm_pack_f32(const float* w, int64_t n, int64_t k, float* packed) {
-#ifdef KVF_GEMM
-  gemm_pack(w, n, k, packed);
-#else
-  (void)w, (void)n, (void)k, (void)packed;
-#endif
 }
 void kvf_gemm_f32(const float* x, int64_t xs, int64_t m, int64_t k, const float* packed, int64_t n,
                   const float* bias, float* out, int64_t os) {
-#ifdef KVF_GEMM
   gemm(x, xs, m, k, packed, n, bias, out, os);
-#else
-  (void)x, (void)xs, (void)m, (void)k, (void)packed, (void)n, (void)bias, (void)out, (void)os;
-#endif
+}
+void kvf_gemm_bf16(const uint16_t* x, int64_t xs, int64_t m, int64_t k, const uint16_t* packed, int64_t n,
+                   const uint16_t* bias, uint16_t* out, int64_t os) {
+  gemm_bf16(x, xs, m, k, packed, n, bias, out, os);
 }
 }
