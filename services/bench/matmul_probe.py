@@ -8,7 +8,7 @@ each keeps its fastest round, so a neighbour's burst on a shared machine costs t
 One layer's weights fit in the last-level cache; a decode step's do not (every layer's, then the lm_head, each
 read once a step). So the probe also times the best path at decode's row count over every layer's own weights
 and the lm_head, one pass a call (`streamed_flops`): the bound of a decode step's linear layers, weights
-streamed from memory as the engine streams them.
+streamed from memory as the engine streams them; and the same with kvfleet's panel GEMM, where it is built.
 """
 
 from __future__ import annotations
@@ -57,6 +57,23 @@ def _linear_paths(dtype) -> dict[str, Callable]:
     if dtype == torch.float32 and torch.backends.mkl.is_available():
         paths["mkl-packed"] = mkl_packed
     return paths
+
+
+PANEL = "kvfleet-panel"
+
+
+def _kvfleet_panel(dtype) -> Callable | None:
+    """kvfleet's own panel GEMM (the engine's decode path where its calibration picks it), where it is built for
+    dtype; None elsewhere. Not one of torch's paths: timed for a decode step's bound only, never the best matmul."""
+    from gpu_worker.executor.ops.cpu import kernels as cpu_kernels
+
+    if not cpu_kernels.gemm_available(dtype):
+        return None
+
+    def make(w, m):
+        packed = cpu_kernels.pack_gemm_weight(w)
+        return lambda x: cpu_kernels.gemm(x, packed, w.shape[0])
+    return make
 
 
 def _time(fn: Callable[[], object], min_s: float) -> float:
@@ -119,8 +136,11 @@ def probe_matmul(shape: ModelShape, dtype_name: str, *, tokens: tuple[int, ...] 
     del layer_cases, head_cases, weights
     streamed = {}
     if streamed_tokens:
-        streamed[f"{path}@{streamed_tokens}"] = _streamed(shape, dtype, _linear_paths(dtype)[path], streamed_tokens,
-                                                         lm_weight, rounds, 4 * min_s, gen)
+        makers = {path: _linear_paths(dtype)[path], PANEL: _kvfleet_panel(dtype)}
+        for name, make in makers.items():
+            if make is not None:
+                streamed[f"{name}@{streamed_tokens}"] = _streamed(shape, dtype, make, streamed_tokens, lm_weight,
+                                                                  rounds, 4 * min_s, gen)
     return ProbeResult(dtype=dtype_name, best_flops=layer_flops[best_key], best_path=path,
                        best_tokens=int(tokens_text), layer_flops=layer_flops, lm_head_flops=head_flops,
                        unavailable=unavailable, streamed_flops=streamed)
