@@ -82,5 +82,7 @@ def test_the_runner_owns_its_plan(tiny_llama_dir):
     assert runners[0].linear_plan is not runners[1].linear_plan
     layer = runners[0].model.layers[0]
     assert layer.packed["gate_up"].kind == runners[0].linear_plan.few_rows
+    for name, packed in layer.packed.items():  # a loaded weight no path reads is let go
+        assert (getattr(layer, f"{name}_weight") is None) == (not packed.reads_weight), name
     assert not [name for name, value in vars(cpu_linear).items()
                 if isinstance(value, cpu_linear.LinearPlan | cpu_linear.PackedWeight)]

@@ -179,3 +179,13 @@ def test_calibrate_measures_the_bf16_panel_gemm_too(monkeypatch):
     assert calls == [["onednn", "panel"], ["aten", "onednn", "panel"]]
     assert plan == cpu_linear.LinearPlan("panel", None, bf16_gemm=True)
     assert plan.describe(torch.bfloat16) == "kvfleet's panel GEMM for any number of rows, bf16 x bf16 natively"
+
+
+def test_a_linear_that_reads_only_its_packed_forms_needs_no_weight():
+    g = torch.Generator().manual_seed(1)
+    w, x = torch.randn(48, 40, generator=g), torch.randn(300, 40, generator=g)
+    for many in (None, "onednn"):
+        packed = cpu_linear.LinearPlan("onednn", many, False).pack(w)
+        assert not packed.reads_weight
+        torch.testing.assert_close(cpu_linear.linear(x, None, None, packed), x @ w.T, atol=1e-4, rtol=1e-5)
+    assert cpu_linear.LinearPlan("onednn", "aten", False).pack(w).reads_weight

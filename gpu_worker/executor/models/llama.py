@@ -69,11 +69,15 @@ class DecoderLayer(nn.Module):
         self.packed: dict[str, cpu_linear.PackedWeight] = {}  # name -> packed <name>_weight, after loading
 
     def pack_weights(self, plan: cpu_linear.LinearPlan) -> None:
+        """The matmul weights in the plan's layouts, once after loading. A loaded weight that no path reads
+        any more is let go (its memory serves the activations), as vLLM's CPU layers keep only the packed form."""
         self.packed = {}
         for name in ("qkv", "o", "gate_up", "down"):
             packed = plan.pack(getattr(self, f"{name}_weight"))
             if packed is not None:
                 self.packed[name] = packed
+                if not packed.reads_weight:
+                    setattr(self, f"{name}_weight", None)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,

@@ -62,6 +62,12 @@ class PackedWeight:
     many: str | None = None
     many_data: torch.Tensor | None = None
 
+    @property
+    def reads_weight(self) -> bool:
+        """Does `linear` still read the weight itself (F.linear for many rows)? Else the packed layouts are all it
+        reads, and the model need not keep the loaded weight."""
+        return self.many == "aten"
+
 
 @dataclass(frozen=True)
 class LinearPlan:
@@ -222,7 +228,7 @@ def calibrate(weight: torch.Tensor) -> LinearPlan | None:
 
 def linear(
     x: torch.Tensor,  # [T, K]
-    weight: torch.Tensor,  # [N, K]
+    weight: torch.Tensor | None,  # [N, K]; None where packed does not read it (PackedWeight.reads_weight)
     bias: torch.Tensor | None = None,  # [N]
     packed: PackedWeight | None = None,  # LinearPlan.pack(weight)
 ) -> torch.Tensor:
