@@ -116,12 +116,12 @@ def test_the_one_call_measurement_runs_both_ways(monkeypatch):
     monkeypatch.setattr(cpu_linear, "STREAMED_BYTES", 4 * packed.data.nbytes)
     monkeypatch.setattr(cpu_linear, "_fastest", lambda cases, rounds=4: {
         name: (fn(), 1.0 if name == "one" else 2.0)[1] for name, fn in cases.items()})
-    assert cpu_linear._one_call_wins(packed, w, threads=2)
+    assert cpu_linear._one_call_wins(cpu_linear._streamed_copies(packed, w), w, threads=2)
     assert (2 * cpu_linear.DECODE_ROWS, torch.get_num_threads()) in seen  # the one call, on the caller's threads
     assert seen.count((cpu_linear.DECODE_ROWS, 1)) == 2 * 4  # two single-threaded calls per copy, 4 copies
     monkeypatch.setattr(cpu_linear, "_fastest", lambda cases, rounds=4: {
         name: 2.0 if name == "one" else 1.0 for name in cases})
-    assert not cpu_linear._one_call_wins(packed, w, threads=2)
+    assert not cpu_linear._one_call_wins(cpu_linear._streamed_copies(packed, w), w, threads=2)
 
 
 @pytest.mark.skipif(not cpu_kernels.gemm_available(), reason="the panel GEMM needs AVX2 + FMA")

@@ -167,11 +167,11 @@ def _streamed_copies(packed: PackedWeight, weight: torch.Tensor) -> list[PackedW
     return [packed] + [_pack(weight, packed.kind, packed.upcast) for _ in range(num_copies - 1)]
 
 
-def _one_call_wins(packed: PackedWeight, weight: torch.Tensor, threads: int) -> bool:
+def _one_call_wins(copies: list[PackedWeight], weight: torch.Tensor, threads: int) -> bool:
     """Is one call of threads * DECODE_ROWS rows on `threads` threads faster than `threads` concurrent
-    single-threaded calls of DECODE_ROWS rows each? Over copies of the weight that no cache holds, as a
-    forward streams its layers' weights. The caller's thread runs on `threads` threads."""
-    copies = _streamed_copies(packed, weight)
+    single-threaded calls of DECODE_ROWS rows each? Over copies of the weight that no cache holds
+    (`_streamed_copies`), as a forward streams its layers' weights. The caller's thread runs on `threads`
+    threads."""
     rows = [torch.randn(DECODE_ROWS, weight.shape[1]).to(weight.dtype) for _ in range(threads)]
     both = torch.cat(rows)
 
@@ -205,12 +205,11 @@ def calibrate(weight: torch.Tensor) -> LinearPlan | None:
             few = {"onednn": _pack(weight, "onednn", upcast)}
             if cpu_kernels.gemm_available(torch.float32 if upcast else weight.dtype):
                 few["panel"] = _pack(weight, "panel", upcast)
-            choice = "onednn"
+            choice, streamed = "onednn", {}
             if len(few) > 1:  # decode-sized inputs, over copies of the weight read from memory
                 x = torch.randn(DECODE_ROWS, weight.shape[1]).to(weight.dtype)
-                copies = {name: _streamed_copies(p, weight) for name, p in few.items()}
-                best = _fastest({name: (lambda c=c: [_run(x, p, None) for p in c]) for name, c in copies.items()})
-                del copies
+                streamed = {name: _streamed_copies(p, weight) for name, p in few.items()}
+                best = _fastest({name: (lambda c=c: [_run(x, p, None) for p in c]) for name, c in streamed.items()})
                 log.debug("decode-sized inputs, weights streamed: %s", best)
                 choice = min(best, key=best.__getitem__)
             many = None
@@ -221,8 +220,11 @@ def calibrate(weight: torch.Tensor) -> LinearPlan | None:
                 many = min(best, key=best.__getitem__)
     finally:
         torch.set_num_threads(threads)
-    # decode-sized steps: below MANY_ROWS, where the many-rows path may take over
-    one_below = MANY_ROWS if threads > 1 and _one_call_wins(few[choice], weight, threads) else 0
+    # decode-sized steps: below MANY_ROWS, where the many-rows path may take over; over the chosen path's copies
+    # timed above, if any
+    one_below = 0
+    if threads > 1 and _one_call_wins(streamed.get(choice) or _streamed_copies(few[choice], weight), weight, threads):
+        one_below = MANY_ROWS
     return LinearPlan(choice, None if many == choice else many, bf16_gemm, one_below)
 
 

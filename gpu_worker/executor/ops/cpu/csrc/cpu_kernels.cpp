@@ -1147,25 +1147,20 @@ void store_kv(const T* __restrict k, int64_t k_stride, const T* __restrict v, in
 // kGemmMR x kGemmNR micro-tile keeps its accumulators, the panel's vectors for one k and a broadcast of x in
 // registers: AVX-512 8 x 48 (24 accumulators, 3 + 8 loads per 24 FMAs, of 32 zmm registers), AVX2 4 x 24 (12
 // accumulators, 3 + 4 loads per 12 FMAs, of 16 ymm). k is blocked so that a panel's kGemmKC slice stays in L1
-// while every row tile uses it; the first row tile prefetches the next slice. Each output is one FMA chain
-// over k in order (deterministic, independent of m and of the thread count).
+// while every row tile uses it; the next slice's lines are prefetched meanwhile, shared out over the row tiles
+// (Zen 5, AVX-512: slices of 256 measured best of 32-1,024). Each output is one FMA chain over k in order
+// (deterministic, independent of m and of the thread count).
 #if defined(__AVX512F__)
-#ifndef KVF_GEMM_KC
-#define KVF_GEMM_KC 256
-#define KVF_GEMM_PF 1
-#define KVF_GEMM_HINT _MM_HINT_T0
-#endif
-constexpr int kGemmNR = 48, kGemmMR = 8, kGemmKC = KVF_GEMM_KC, kGemmPrefetchAhead = KVF_GEMM_PF;
+constexpr int kGemmNR = 48, kGemmMR = 8, kGemmKC = 256;
 #else
-#define KVF_GEMM_HINT _MM_HINT_T0
-constexpr int kGemmNR = 24, kGemmMR = 4, kGemmKC = 128, kGemmPrefetchAhead = 1;
+constexpr int kGemmNR = 24, kGemmMR = 4, kGemmKC = 128;
 #endif
 
 // A row tile's share of the weight lines ahead: pf_step lines a k, until its pf_lines have been asked for (the
 // shares of all row tiles together cover the next block, spread over the time the tiles take).
 inline void gemm_prefetch_share(const char* pf, int pf_lines, int pf_step, int& pf_done) {
   for (int j = 0; j < pf_step; ++j, ++pf_done)
-    if (pf_done < pf_lines) _mm_prefetch(pf + 64 * int64_t(pf_done), KVF_GEMM_HINT);
+    if (pf_done < pf_lines) _mm_prefetch(pf + 64 * int64_t(pf_done), _MM_HINT_T0);
 }
 
 void gemm_pack(const float* __restrict w, int64_t n, int64_t k, float* __restrict packed) {
@@ -1295,9 +1290,9 @@ void gemm(const float* __restrict x, int64_t xs, int64_t m, int64_t k, const flo
     float* po = out + p * kGemmNR;
     for (int64_t kb = 0; kb < k; kb += kGemmKC) {
       const int64_t kn = std::min<int64_t>(kGemmKC, k - kb);
-      // the block kGemmPrefetchAhead ahead (in the next panel after the last: panels lie one after another),
-      // its lines shared out over the row tiles, so that the loads spread over the block's whole time
-      const char* pf = (const char*)(bp + (kb + kGemmPrefetchAhead * kGemmKC) * kGemmNR);
+      // the next block (after the last, the next panel's first: panels lie one after another), its lines
+      // shared out over the row tiles, so that the loads spread over the block's whole time
+      const char* pf = (const char*)(bp + (kb + kn) * kGemmNR);
       const int lines = int(kGemmKC * kGemmNR * 4 / 64), tiles = int((m + kGemmMR - 1) / kGemmMR);
       const int per_tile = (lines + tiles - 1) / tiles, step = int((per_tile + kn - 1) / kn);
       for (int64_t r0 = 0, t = 0; r0 < m; r0 += kGemmMR, ++t) {
