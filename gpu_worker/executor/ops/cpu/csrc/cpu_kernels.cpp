@@ -330,7 +330,7 @@ void decode_seq_avx512(const T* __restrict q, const T* __restrict kc, const T* _
     const T* kb = kc + int64_t(table[b]) * blk_stride;
     const T* vb = vc + int64_t(table[b]) * blk_stride;
     for (int h = 0; h < hkv; ++h) {
-      float p[G][BS];
+      float p[G][BS], corr[G];
       for (int g = 0; g < G; ++g) {
         const int hh = h * G + g;
         __m512 dots[BS];
@@ -366,17 +366,15 @@ void decode_seq_avx512(const T* __restrict q, const T* __restrict kc, const T* _
         s = _mm512_mask_mov_ps(_mm512_set1_ps(-3.0e38f), valid, s);
         const float bmax = std::max(m[hh], _mm512_reduce_max_ps(s));
         __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(bmax))));
-        const float corr = std::exp(m[hh] - bmax);
-        l[hh] = l[hh] * corr + _mm512_reduce_add_ps(e);
+        corr[g] = exp_neg(m[hh] - bmax);  // inline: a libm call here made the compiler spill every zmm register
+        l[hh] = l[hh] * corr[g] + _mm512_reduce_add_ps(e);
         m[hh] = bmax;
-        if (corr != 1.0f)
-          for (int c = 0; c < C; ++c)
-            _mm512_storeu_ps(acc + hh * D + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(acc + hh * D + 16 * c), _mm512_set1_ps(corr)));
         _mm512_storeu_ps(p[g], e);
       }
-      __m512 a[G][C];
+      __m512 a[G][C];  // the output so far, rescaled to the block's max as it is loaded
       for (int g = 0; g < G; ++g)
-        for (int c = 0; c < C; ++c) a[g][c] = _mm512_loadu_ps(acc + (h * G + g) * D + 16 * c);
+        for (int c = 0; c < C; ++c)
+          a[g][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (h * G + g) * D + 16 * c), _mm512_set1_ps(corr[g]));
       for (int j = 0; j < n; ++j) {
         pf.step();
         const T* v = vb + j * tok_stride + h * D;
