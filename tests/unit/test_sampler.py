@@ -22,6 +22,13 @@ def row(params: SamplingParams, prompt=(), output=(), banned=(), seed=None) -> S
     return SamplingRow(params, list(prompt), list(output), list(banned), gen)
 
 
+def test_greedy_takes_the_first_of_tied_maxima_and_a_nan_as_argmax_does():
+    nan, inf = float("nan"), float("inf")
+    logits = torch.tensor([[1.0, 3.0, 3.0, 2.0], [0.0, nan, 5.0, nan], [-inf] * 4, [0.0, -0.0, 0.0, -1.0]])
+    out = Sampler()(logits.clone(), [row(SamplingParams(temperature=0))] * 4)
+    assert out.token_ids == logits.argmax(-1).tolist() == [1, 1, 0, 0]
+
+
 def test_greedy_is_argmax_and_logprobs_are_raw():
     logits = torch.randn(3, V, generator=torch.Generator().manual_seed(0))
     params = SamplingParams(temperature=0, logprobs=3, repetition_penalty=1.0)
