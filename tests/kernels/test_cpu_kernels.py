@@ -125,6 +125,7 @@ def test_unsupported_inputs_fall_back_to_the_torch_ops():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hq,hkv,head_dim,block_size", [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 32, 4),
+                                                         (4, 2, 16, 16),  # 16: bf16 query pairs fill half a register
                                                          (6, 2, 48, 8)])  # 48: no native variant
 @pytest.mark.parametrize("q_len,ctx", [(37, 37), (20, 53), (16, 16), (2, 90)])
 def test_prefill_chunks_match_the_torch_op(dtype, hq, hkv, head_dim, block_size, q_len, ctx):

@@ -745,6 +745,65 @@ void prefill_store_transposed(const float* __restrict acc, const float* __restri
 
 #if defined(__AVX512F__)
 
+// r[i] = row i (16 elements of 32 bits) -> r[c] = column c (lane i = row i's element c), in 64 shuffles
+inline void transpose16x16(__m512* r) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  __m512 u[16];  // u[4 i + k], 128-bit lane L: rows 4 i .. 4 i + 3 of column 4 L + k
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+    const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+    u[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    u[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    u[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    u[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  for (int k = 0; k < 4; ++k) {
+    const __m512 p = _mm512_shuffle_f32x4(u[k], u[4 + k], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512 q = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512 p2 = _mm512_shuffle_f32x4(u[k], u[4 + k], _MM_SHUFFLE(3, 2, 3, 2));
+    const __m512 q2 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], _MM_SHUFFLE(3, 2, 3, 2));
+    r[k] = _mm512_shuffle_f32x4(p, q, _MM_SHUFFLE(2, 0, 2, 0));
+    r[4 + k] = _mm512_shuffle_f32x4(p, q, _MM_SHUFFLE(3, 1, 3, 1));
+    r[8 + k] = _mm512_shuffle_f32x4(p2, q2, _MM_SHUFFLE(2, 0, 2, 0));
+    r[12 + k] = _mm512_shuffle_f32x4(p2, q2, _MM_SHUFFLE(3, 1, 3, 1));
+  }
+}
+// prefill_load_transposed and prefill_store_transposed for 16-row tiles: each 16 x 16 block transposed in
+// registers, where the portable loops moved one element at a time (a tenth of the bf16 kernel's time).
+template <int D, typename T>
+void prefill_load_transposed16(const T* __restrict q, int rows, int i0, int h, int hq, int g_size, float scale,
+                               float* __restrict qt) {
+  for (int g = 0; g < g_size; ++g)
+    for (int d0 = 0; d0 < D; d0 += 16) {
+      __m512 r[16];
+      for (int i = 0; i < 16; ++i)
+        r[i] = _mm512_mul_ps(load16(q + (int64_t(i0 + std::min(i, rows - 1)) * hq + h * g_size + g) * D + d0),
+                             _mm512_set1_ps(scale));
+      transpose16x16(r);
+      for (int c = 0; c < 16; ++c) _mm512_storeu_ps(qt + (g * D + d0 + c) * 16, r[c]);
+    }
+}
+
+template <int D, typename T>
+void prefill_store_transposed16(const float* __restrict acc, const float* __restrict l, int rows, int i0, int h,
+                                int hq, int g_size, T* __restrict out) {
+  for (int g = 0; g < g_size; ++g) {
+    alignas(64) float inv[16];
+    _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_loadu_ps(l + g * 16)));
+    for (int d0 = 0; d0 < D; d0 += 16) {
+      __m512 r[16];
+      for (int e = 0; e < 16; ++e) r[e] = _mm512_loadu_ps(acc + (g * D + d0 + e) * 16);
+      transpose16x16(r);
+      for (int i = 0; i < rows; ++i)
+        store16(out + (int64_t(i0 + i) * hq + h * g_size + g) * D + d0, _mm512_mul_ps(r[i], _mm512_set1_ps(inv[i])));
+    }
+  }
+}
+
 // The causal mask of the key tile at t0 for the query rows first_pos .. first_pos + 15 (a lane each): visible[j]
 // holds the rows at or after key t0 + j (all of them when the whole tile precedes the first row).
 inline void key_tile_masks(int first_pos, int t0, __mmask16* visible) {
@@ -817,7 +876,7 @@ void prefill_tile(const T* __restrict q, const T* __restrict kc, const T* __rest
   float* pt = vt + TILE * D;            // [g][TILE keys][TILE rows]: probabilities
   float* corr = pt + g_size * TILE * TILE;  // [g][TILE]
   const int64_t tok_stride = int64_t(hkv) * D;
-  prefill_load_transposed<D, TILE>(q, rows, i0, h, hq, g_size, scale, qt);
+  prefill_load_transposed16<D>(q, rows, i0, h, hq, g_size, scale, qt);
   for (int g = 0; g < g_size; ++g) {
     for (int d = 0; d < D; ++d) _mm512_storeu_ps(acc + (g * D + d) * TILE, _mm512_setzero_ps());
     _mm512_storeu_ps(m + g * TILE, _mm512_set1_ps(-3.0e38f));
@@ -877,7 +936,7 @@ void prefill_tile(const T* __restrict q, const T* __restrict kc, const T* __rest
       }
     }
   }
-  prefill_store_transposed<D, TILE>(acc, l, rows, i0, h, hq, g_size, out);
+  prefill_store_transposed16<D>(acc, l, rows, i0, h, hq, g_size, out);
 }
 
 #if defined(__AVX512BF16__)
@@ -908,10 +967,15 @@ void prefill_tile_bf16(const uint16_t* __restrict q, const uint16_t* __restrict 
     interleave = _mm512_load_si512(idx);
   }
   for (int g = 0; g < g_size; ++g) {
-    for (int i = 0; i < TILE; ++i) {
-      const uint32_t* q32 =
-          reinterpret_cast<const uint32_t*>(q + (int64_t(i0 + std::min(i, rows - 1)) * hq + h * g_size + g) * D);
-      for (int dp = 0; dp < DP; ++dp) qp[(g * DP + dp) * TILE + i] = q32[dp];
+    for (int dp0 = 0; dp0 < DP; dp0 += 16) {  // the rows' query pairs, 16 x 16 blocks transposed in registers
+      const int width = std::min(16, DP - dp0);
+      __m512 r[16];
+      for (int i = 0; i < TILE; ++i) {
+        const uint16_t* qr = q + (int64_t(i0 + std::min(i, rows - 1)) * hq + h * g_size + g) * D + 2 * dp0;
+        r[i] = _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(__mmask16((1u << width) - 1), qr));
+      }
+      transpose16x16(r);
+      for (int c = 0; c < width; ++c) _mm512_storeu_ps(reinterpret_cast<float*>(qp + (g * DP + dp0 + c) * TILE), r[c]);
     }
     for (int d = 0; d < D; ++d) _mm512_storeu_ps(acc + (g * D + d) * TILE, _mm512_setzero_ps());
     _mm512_storeu_ps(m + g * TILE, _mm512_set1_ps(-3.0e38f));
@@ -986,7 +1050,7 @@ void prefill_tile_bf16(const uint16_t* __restrict q, const uint16_t* __restrict 
       }
     }
   }
-  prefill_store_transposed<D, TILE>(acc, l, rows, i0, h, hq, g_size, out);
+  prefill_store_transposed16<D>(acc, l, rows, i0, h, hq, g_size, out);
 }
 #endif
 
