@@ -940,6 +940,55 @@ void prefill_tile(const T* __restrict q, const T* __restrict kc, const T* __rest
 }
 
 #if defined(__AVX512BF16__)
+// The bf16 kernel's scores and P V, GP query heads (of one KV head) sharing each broadcast key or value pair, as
+// prefill_scores and prefill_pv do in float32: a vpbroadcastd each vdpbf16ps had made the broadcasts the
+// kernel's bottleneck (a third of its cycles). Scores: lane i of s_out[g][j] = row i of head g . key j (unscaled),
+// from qp [g][DP][16] (the rows' query pairs) and kp [16][DP] (each key's pairs).
+template <int GP, int DP>
+inline void prefill_scores_bf16(const uint32_t* __restrict qp, const uint32_t* __restrict kp, float* __restrict s_out) {
+  constexpr int TILE = 16, J = GP == 1 ? 16 : 8;
+  for (int j0 = 0; j0 < TILE; j0 += J) {
+    __m512 s[GP][J];
+    for (int g = 0; g < GP; ++g)
+      for (int j = 0; j < J; ++j) s[g][j] = _mm512_setzero_ps();
+    for (int dp = 0; dp < DP; ++dp) {
+      __m512bh qv[GP];
+      for (int g = 0; g < GP; ++g) qv[g] = (__m512bh)_mm512_loadu_si512(qp + (g * DP + dp) * TILE);
+      for (int j = 0; j < J; ++j) {
+        const __m512bh kb = (__m512bh)_mm512_set1_epi32(int(kp[(j0 + j) * DP + dp]));
+        for (int g = 0; g < GP; ++g) s[g][j] = _mm512_dpbf16_ps(s[g][j], qv[g], kb);
+      }
+    }
+    for (int g = 0; g < GP; ++g)
+      for (int j = 0; j < J; ++j) _mm512_storeu_ps(s_out + (g * TILE + j0 + j) * TILE, s[g][j]);
+  }
+}
+
+// acc[g] = acc[g] * corr[g] + P[g] V: pp [g][8][16] (row i's probabilities of keys 2 jp, 2 jp + 1), vp [8][D]
+// (element d of keys 2 jp, 2 jp + 1), njp pairs of keys.
+template <int GP, int D>
+inline void prefill_pv_bf16(const uint32_t* __restrict pp, const uint32_t* __restrict vp, const float* __restrict corr,
+                            float* __restrict acc, int njp) {
+  constexpr int TILE = 16, E = GP == 1 ? 16 : 8;
+  for (int d0 = 0; d0 < D; d0 += E) {
+    __m512 o[GP][E];
+    for (int g = 0; g < GP; ++g) {
+      const __m512 cv = _mm512_loadu_ps(corr + g * TILE);
+      for (int e = 0; e < E; ++e) o[g][e] = _mm512_mul_ps(_mm512_loadu_ps(acc + (g * D + d0 + e) * TILE), cv);
+    }
+    for (int jp = 0; jp < njp; ++jp) {
+      __m512bh pj[GP];
+      for (int g = 0; g < GP; ++g) pj[g] = (__m512bh)_mm512_loadu_si512(pp + (g * TILE / 2 + jp) * TILE);
+      for (int e = 0; e < E; ++e) {
+        const __m512bh vb = (__m512bh)_mm512_set1_epi32(int(vp[jp * D + d0 + e]));
+        for (int g = 0; g < GP; ++g) o[g][e] = _mm512_dpbf16_ps(o[g][e], pj[g], vb);
+      }
+    }
+    for (int g = 0; g < GP; ++g)
+      for (int e = 0; e < E; ++e) _mm512_storeu_ps(acc + (g * D + d0 + e) * TILE, o[g][e]);
+  }
+}
+
 // bfloat16 prefill with AVX512-BF16 dot products (vdpbf16ps: pairs of bf16 products summed into fp32): the
 // same tiling and transposed layout as prefill_tile, half the instructions. A query column holds the 16 rows'
 // pairs (d, d + 1); keys are broadcast in pairs. Scores accumulate in fp32 and are scaled in fp32; the
@@ -959,6 +1008,7 @@ void prefill_tile_bf16(const uint16_t* __restrict q, const uint16_t* __restrict 
   uint32_t* vp = kp + TILE * DP;                    // [TILE / 2][D]: element d of keys (2 jp, 2 jp + 1)
   uint32_t* pp = vp + TILE / 2 * D;                 // [g][TILE / 2][TILE]: row i's probabilities of keys 2 jp, 2 jp + 1
   float* corr = reinterpret_cast<float*>(pp + g_size * TILE / 2 * TILE);  // [g][TILE]
+  float* sc = corr + g_size * TILE;                 // [g][TILE keys][TILE rows]: scores
   const int64_t tok_stride = int64_t(hkv) * D;
   __m512i interleave;  // words: a0 b0 a1 b1 ... a15 b15 from [a0..a15 | b0..b15]
   {
@@ -1006,15 +1056,16 @@ void prefill_tile_bf16(const uint16_t* __restrict q, const uint16_t* __restrict 
       }
     __mmask16 visible[16];
     key_tile_masks(first_pos, t0, visible);
+    for (int g0 = 0; g0 < g_size; g0 += 3) {  // scores into sc, up to 3 query heads at a time
+      switch (std::min(3, g_size - g0)) {
+        case 3: prefill_scores_bf16<3, DP>(qp + g0 * DP * TILE, kp, sc + g0 * TILE * TILE); break;
+        case 2: prefill_scores_bf16<2, DP>(qp + g0 * DP * TILE, kp, sc + g0 * TILE * TILE); break;
+        default: prefill_scores_bf16<1, DP>(qp + g0 * DP * TILE, kp, sc + g0 * TILE * TILE); break;
+      }
+    }
     for (int g = 0; g < g_size; ++g) {
       __m512 s[TILE];
-      for (int j = 0; j < TILE; ++j) s[j] = _mm512_setzero_ps();
-      const uint32_t* qg = qp + g * DP * TILE;
-      for (int dp = 0; dp < DP; ++dp) {
-        const __m512bh qv = (__m512bh)_mm512_loadu_si512(qg + dp * TILE);
-        for (int j = 0; j < TILE; ++j)
-          s[j] = _mm512_dpbf16_ps(s[j], qv, (__m512bh)_mm512_set1_epi32(int(kp[j * DP + dp])));
-      }
+      for (int j = 0; j < TILE; ++j) s[j] = _mm512_loadu_ps(sc + (g * TILE + j) * TILE);
       const __m512 m_old = _mm512_loadu_ps(m + g * TILE), sv = _mm512_set1_ps(scale);
       __m512 mx = m_old;
       for (int j = 0; j < TILE; ++j) {
@@ -1034,19 +1085,13 @@ void prefill_tile_bf16(const uint16_t* __restrict q, const uint16_t* __restrict 
       _mm512_storeu_ps(m + g * TILE, mx);
       _mm512_storeu_ps(corr + g * TILE, cv);
     }
-    for (int g = 0; g < g_size; ++g) {
-      const uint32_t* pg = pp + g * TILE / 2 * TILE;
-      const __m512 cv = _mm512_loadu_ps(corr + g * TILE);
-      for (int d0 = 0; d0 < D; d0 += 16) {
-        float* ag = acc + (g * D + d0) * TILE;
-        __m512 o[16];
-        for (int e = 0; e < 16; ++e) o[e] = _mm512_mul_ps(_mm512_loadu_ps(ag + e * TILE), cv);
-        for (int jp = 0; jp < (nk + 1) / 2; ++jp) {
-          const __m512bh pj = (__m512bh)_mm512_loadu_si512(pg + jp * TILE);
-          for (int e = 0; e < 16; ++e)
-            o[e] = _mm512_dpbf16_ps(o[e], pj, (__m512bh)_mm512_set1_epi32(int(vp[jp * D + d0 + e])));
-        }
-        for (int e = 0; e < 16; ++e) _mm512_storeu_ps(ag + e * TILE, o[e]);
+    for (int g0 = 0; g0 < g_size; g0 += 3) {  // P V, up to 3 query heads at a time
+      const uint32_t* pg = pp + g0 * TILE / 2 * TILE;
+      float* ag = acc + g0 * D * TILE;
+      switch (std::min(3, g_size - g0)) {
+        case 3: prefill_pv_bf16<3, D>(pg, vp, corr + g0 * TILE, ag, (nk + 1) / 2); break;
+        case 2: prefill_pv_bf16<2, D>(pg, vp, corr + g0 * TILE, ag, (nk + 1) / 2); break;
+        default: prefill_pv_bf16<1, D>(pg, vp, corr + g0 * TILE, ag, (nk + 1) / 2); break;
       }
     }
   }
@@ -1060,7 +1105,7 @@ void prefill_attention_c(const T* q, const T* kc, const T* vc, const int32_t* ta
   constexpr int D = 16 * C, TILE = 16;
   const int g_size = hq / hkv, tiles = (q_len + TILE - 1) / TILE, items = hkv * tiles;
   const size_t floats = size_t(2) * g_size * TILE * D + 2 * g_size * TILE + 2 * D * TILE + g_size * (TILE + 1) * TILE +
-                        4 * TILE;
+                        4 * TILE + g_size * TILE * TILE;  // the last: the bf16 kernel's scores
 #pragma omp parallel if (items >= 4)
   {
     std::vector<float> buf(floats);
@@ -1188,7 +1233,7 @@ void prefill_attention_c8(const T* q, const T* kc, const T* vc, const int32_t* t
   constexpr int D = 8 * C, TILE = 8;
   const int g_size = hq / hkv, tiles = (q_len + TILE - 1) / TILE, items = hkv * tiles;
   const size_t floats = size_t(2) * g_size * TILE * D + 2 * g_size * TILE + 2 * D * TILE + g_size * (TILE + 1) * TILE +
-                        4 * TILE;
+                        4 * TILE + g_size * TILE * TILE;  // the last: the bf16 kernel's scores
 #pragma omp parallel if (items >= 4)
   {
     std::vector<float> buf(floats);
