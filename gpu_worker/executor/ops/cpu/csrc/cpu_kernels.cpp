@@ -573,6 +573,8 @@ inline __m256i bf16_bits(__m512 v) {
     return bf16_bits_portable(v);
   return (__m256i)_mm512_cvtneps_pbh(v);
 }
+// exp16's results (0, or e^-87 and up): never subnormal, so no check
+inline __m256i bf16_bits_of_exp(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
 #else
 inline __m256i bf16_bits(__m512 v) { return bf16_bits_portable(v); }
 #endif
@@ -1077,7 +1079,7 @@ void prefill_tile_bf16(const uint16_t* __restrict q, const uint16_t* __restrict 
         const __m512 p0 = _mm512_maskz_mov_ps(visible[2 * jp], exp16(_mm512_sub_ps(s[2 * jp], mx)));
         const __m512 p1 = _mm512_maskz_mov_ps(visible[2 * jp + 1], exp16(_mm512_sub_ps(s[2 * jp + 1], mx)));
         sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
-        const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(bf16_bits(p0)), bf16_bits(p1), 1);
+        const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(bf16_bits_of_exp(p0)), bf16_bits_of_exp(p1), 1);
         _mm512_storeu_si512(pp + (g * TILE / 2 + jp) * TILE, _mm512_permutexvar_epi16(interleave, ab));
       }
       const __m512 cv = exp16(_mm512_sub_ps(m_old, mx));
