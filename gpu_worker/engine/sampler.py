@@ -236,10 +236,8 @@ class Sampler:
         plan.penalties.apply(logits)
 
         every = len(plan.rand) == len(rows)
-        # [N]: greedy rows keep their argmax. max(dim).indices is argmax (the first of tied maxima; NaN counts as
-        # the largest) in 0.87 ms where argmax takes 1.35 on CPU (64 rows of 49,152 logits, 2 threads, Zen 5)
-        tokens = (torch.empty(len(rows), dtype=torch.long, device=logits.device) if every
-                  else logits.max(dim=-1).indices)
+        # [N]: greedy rows keep their argmax
+        tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device) if every else logits.argmax(dim=-1)
         if plan.rand:
             x = logits.div_(plan.temp) if every else logits[plan.rand_idx].div_(plan.temp)
             tokens[plan.rand_idx] = _draw_random(x, plan, [rows[i] for i in plan.rand], self.generator)
