@@ -816,22 +816,44 @@ inline void key_tile_masks(int first_pos, int t0, __mmask16* visible) {
   for (int j = 0; j < 16; ++j) visible[j] = _mm512_cmpge_epi32_mask(row_pos, _mm512_set1_epi32(t0 + j));
 }
 
-// The scores of GP query heads (of one KV head) against a tile of 16 keys: lane i of s[g][j] = row i of head
-// g . key j, into s_out[g][j][16]. A column of each head's queries times a key element broadcast from memory:
-// with GP heads sharing each broadcast, GP + J loads per GP * J FMAs (3 heads: 11 per 24; one head: 17 per 16).
-template <int GP, int D>
-inline void prefill_scores(const float* __restrict qt, const float* __restrict kt, float* __restrict s_out) {
+// How the prefill kernels' inner products step. float32: one element (of d, or one key) per FMA, its other
+// operand a float broadcast from memory. bfloat16 (AVX512_BF16): a pair per vdpbf16ps, the broadcast a 32-bit pair.
+struct F32Steps {
+  using Elem = float;
+  static constexpr int kPerStep = 1;
+  static __m512 load(const float* p) { return _mm512_loadu_ps(p); }
+  static __m512 bcast(float x) { return _mm512_set1_ps(x); }
+  static __m512 madd(__m512 acc, __m512 a, __m512 b) { return _mm512_fmadd_ps(a, b, acc); }
+};
+#if defined(__AVX512BF16__)
+struct Bf16PairSteps {
+  using Elem = uint32_t;
+  static constexpr int kPerStep = 2;
+  static __m512 load(const uint32_t* p) { return _mm512_castsi512_ps(_mm512_loadu_si512(p)); }
+  static __m512 bcast(uint32_t x) { return _mm512_castsi512_ps(_mm512_set1_epi32(int(x))); }
+  static __m512 madd(__m512 acc, __m512 a, __m512 b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
+};
+#endif
+
+// The scores of GP query heads (of one KV head) against a tile of 16 keys: lane i of s_out[g][j] = row i of head
+// g . key j (unscaled in bfloat16), from qt [g][K][16] (each head's 16 rows transposed: K steps of d) and kt
+// [16][K] (each key's steps). A column of each head's queries times a key step broadcast from memory: with GP
+// heads sharing each broadcast, GP + J loads per GP * J FMAs (3 heads: 11 per 24; one head: 17 per 16). In
+// bfloat16 a vpbroadcastd per vdpbf16ps had been a third of the kernel's cycles.
+template <int GP, int K, typename S>
+inline void prefill_scores(const typename S::Elem* __restrict qt, const typename S::Elem* __restrict kt,
+                           float* __restrict s_out) {
   constexpr int TILE = 16, J = GP == 1 ? 16 : 8;
   for (int j0 = 0; j0 < TILE; j0 += J) {
     __m512 s[GP][J];
     for (int g = 0; g < GP; ++g)
       for (int j = 0; j < J; ++j) s[g][j] = _mm512_setzero_ps();
-    for (int d = 0; d < D; ++d) {
+    for (int k = 0; k < K; ++k) {
       __m512 qv[GP];
-      for (int g = 0; g < GP; ++g) qv[g] = _mm512_loadu_ps(qt + (g * D + d) * TILE);
+      for (int g = 0; g < GP; ++g) qv[g] = S::load(qt + (g * K + k) * TILE);
       for (int j = 0; j < J; ++j) {
-        const __m512 kb = _mm512_set1_ps(kt[(j0 + j) * D + d]);
-        for (int g = 0; g < GP; ++g) s[g][j] = _mm512_fmadd_ps(qv[g], kb, s[g][j]);
+        const __m512 kb = S::bcast(kt[(j0 + j) * K + k]);
+        for (int g = 0; g < GP; ++g) s[g][j] = S::madd(s[g][j], qv[g], kb);
       }
     }
     for (int g = 0; g < GP; ++g)
@@ -839,25 +861,26 @@ inline void prefill_scores(const float* __restrict qt, const float* __restrict k
   }
 }
 
-// acc[g] = acc[g] * corr[g] + P[g] V for GP heads: lane i of acc[g][d] = row i's element d; P[g][j] = the 16
-// rows' probabilities of key j. A probability column of each head times a value element broadcast from memory,
-// E elements of d at a time (GP + E loads per GP * E FMAs).
-template <int GP, int D>
-inline void prefill_pv(const float* __restrict pt, const float* __restrict vt, const float* __restrict corr,
-                       float* __restrict acc, int nk) {
-  constexpr int TILE = 16, E = GP == 1 ? 16 : 8;
+// acc[g] = acc[g] * corr[g] + P[g] V for GP heads: lane i of acc[g][d] = row i's element d; pt [g][16 / kPerStep]
+// [16]: the 16 rows' probabilities of a step of keys (one key; in bfloat16 a pair); vt [16 / kPerStep][D]: element
+// d of the step's keys. A probability column of each head times a value step broadcast from memory, E elements of
+// d at a time (GP + E loads per GP * E FMAs); nj steps of keys.
+template <int GP, int D, typename S>
+inline void prefill_pv(const typename S::Elem* __restrict pt, const typename S::Elem* __restrict vt,
+                       const float* __restrict corr, float* __restrict acc, int nj) {
+  constexpr int TILE = 16, E = GP == 1 ? 16 : 8, NJ = TILE / S::kPerStep;
   for (int d0 = 0; d0 < D; d0 += E) {
     __m512 o[GP][E];
     for (int g = 0; g < GP; ++g) {
       const __m512 cv = _mm512_loadu_ps(corr + g * TILE);
       for (int e = 0; e < E; ++e) o[g][e] = _mm512_mul_ps(_mm512_loadu_ps(acc + (g * D + d0 + e) * TILE), cv);
     }
-    for (int j = 0; j < nk; ++j) {
+    for (int j = 0; j < nj; ++j) {
       __m512 pj[GP];
-      for (int g = 0; g < GP; ++g) pj[g] = _mm512_loadu_ps(pt + (g * TILE + j) * TILE);
+      for (int g = 0; g < GP; ++g) pj[g] = S::load(pt + (g * NJ + j) * TILE);
       for (int e = 0; e < E; ++e) {
-        const __m512 vb = _mm512_set1_ps(vt[j * D + d0 + e]);
-        for (int g = 0; g < GP; ++g) o[g][e] = _mm512_fmadd_ps(pj[g], vb, o[g][e]);
+        const __m512 vb = S::bcast(vt[j * D + d0 + e]);
+        for (int g = 0; g < GP; ++g) o[g][e] = S::madd(o[g][e], pj[g], vb);
       }
     }
     for (int g = 0; g < GP; ++g)
@@ -906,9 +929,9 @@ void prefill_tile(const T* __restrict q, const T* __restrict kc, const T* __rest
     key_tile_masks(first_pos, t0, visible);
     for (int g0 = 0; g0 < g_size; g0 += 3) {  // scores into pt, up to 3 query heads at a time
       switch (std::min(3, g_size - g0)) {
-        case 3: prefill_scores<3, D>(qt + g0 * D * TILE, kt, pt + g0 * TILE * TILE); break;
-        case 2: prefill_scores<2, D>(qt + g0 * D * TILE, kt, pt + g0 * TILE * TILE); break;
-        default: prefill_scores<1, D>(qt + g0 * D * TILE, kt, pt + g0 * TILE * TILE); break;
+        case 3: prefill_scores<3, D, F32Steps>(qt + g0 * D * TILE, kt, pt + g0 * TILE * TILE); break;
+        case 2: prefill_scores<2, D, F32Steps>(qt + g0 * D * TILE, kt, pt + g0 * TILE * TILE); break;
+        default: prefill_scores<1, D, F32Steps>(qt + g0 * D * TILE, kt, pt + g0 * TILE * TILE); break;
       }
     }
     for (int g = 0; g < g_size; ++g) {
@@ -934,9 +957,9 @@ void prefill_tile(const T* __restrict q, const T* __restrict kc, const T* __rest
       float* ag = acc + g0 * D * TILE;
       const float* pg = pt + g0 * TILE * TILE;
       switch (std::min(3, g_size - g0)) {
-        case 3: prefill_pv<3, D>(pg, vt, corr + g0 * TILE, ag, nk); break;
-        case 2: prefill_pv<2, D>(pg, vt, corr + g0 * TILE, ag, nk); break;
-        default: prefill_pv<1, D>(pg, vt, corr + g0 * TILE, ag, nk); break;
+        case 3: prefill_pv<3, D, F32Steps>(pg, vt, corr + g0 * TILE, ag, nk); break;
+        case 2: prefill_pv<2, D, F32Steps>(pg, vt, corr + g0 * TILE, ag, nk); break;
+        default: prefill_pv<1, D, F32Steps>(pg, vt, corr + g0 * TILE, ag, nk); break;
       }
     }
   }
@@ -944,55 +967,6 @@ void prefill_tile(const T* __restrict q, const T* __restrict kc, const T* __rest
 }
 
 #if defined(__AVX512BF16__)
-// The bf16 kernel's scores and P V, GP query heads (of one KV head) sharing each broadcast key or value pair, as
-// prefill_scores and prefill_pv do in float32: a vpbroadcastd each vdpbf16ps had made the broadcasts the
-// kernel's bottleneck (a third of its cycles). Scores: lane i of s_out[g][j] = row i of head g . key j (unscaled),
-// from qp [g][DP][16] (the rows' query pairs) and kp [16][DP] (each key's pairs).
-template <int GP, int DP>
-inline void prefill_scores_bf16(const uint32_t* __restrict qp, const uint32_t* __restrict kp, float* __restrict s_out) {
-  constexpr int TILE = 16, J = GP == 1 ? 16 : 8;
-  for (int j0 = 0; j0 < TILE; j0 += J) {
-    __m512 s[GP][J];
-    for (int g = 0; g < GP; ++g)
-      for (int j = 0; j < J; ++j) s[g][j] = _mm512_setzero_ps();
-    for (int dp = 0; dp < DP; ++dp) {
-      __m512bh qv[GP];
-      for (int g = 0; g < GP; ++g) qv[g] = (__m512bh)_mm512_loadu_si512(qp + (g * DP + dp) * TILE);
-      for (int j = 0; j < J; ++j) {
-        const __m512bh kb = (__m512bh)_mm512_set1_epi32(int(kp[(j0 + j) * DP + dp]));
-        for (int g = 0; g < GP; ++g) s[g][j] = _mm512_dpbf16_ps(s[g][j], qv[g], kb);
-      }
-    }
-    for (int g = 0; g < GP; ++g)
-      for (int j = 0; j < J; ++j) _mm512_storeu_ps(s_out + (g * TILE + j0 + j) * TILE, s[g][j]);
-  }
-}
-
-// acc[g] = acc[g] * corr[g] + P[g] V: pp [g][8][16] (row i's probabilities of keys 2 jp, 2 jp + 1), vp [8][D]
-// (element d of keys 2 jp, 2 jp + 1), njp pairs of keys.
-template <int GP, int D>
-inline void prefill_pv_bf16(const uint32_t* __restrict pp, const uint32_t* __restrict vp, const float* __restrict corr,
-                            float* __restrict acc, int njp) {
-  constexpr int TILE = 16, E = GP == 1 ? 16 : 8;
-  for (int d0 = 0; d0 < D; d0 += E) {
-    __m512 o[GP][E];
-    for (int g = 0; g < GP; ++g) {
-      const __m512 cv = _mm512_loadu_ps(corr + g * TILE);
-      for (int e = 0; e < E; ++e) o[g][e] = _mm512_mul_ps(_mm512_loadu_ps(acc + (g * D + d0 + e) * TILE), cv);
-    }
-    for (int jp = 0; jp < njp; ++jp) {
-      __m512bh pj[GP];
-      for (int g = 0; g < GP; ++g) pj[g] = (__m512bh)_mm512_loadu_si512(pp + (g * TILE / 2 + jp) * TILE);
-      for (int e = 0; e < E; ++e) {
-        const __m512bh vb = (__m512bh)_mm512_set1_epi32(int(vp[jp * D + d0 + e]));
-        for (int g = 0; g < GP; ++g) o[g][e] = _mm512_dpbf16_ps(o[g][e], pj[g], vb);
-      }
-    }
-    for (int g = 0; g < GP; ++g)
-      for (int e = 0; e < E; ++e) _mm512_storeu_ps(acc + (g * D + d0 + e) * TILE, o[g][e]);
-  }
-}
-
 // bfloat16 prefill with AVX512-BF16 dot products (vdpbf16ps: pairs of bf16 products summed into fp32): the
 // same tiling and transposed layout as prefill_tile, half the instructions. A query column holds the 16 rows'
 // pairs (d, d + 1); keys are broadcast in pairs. Scores accumulate in fp32 and are scaled in fp32; the
@@ -1062,9 +1036,9 @@ void prefill_tile_bf16(const uint16_t* __restrict q, const uint16_t* __restrict 
     key_tile_masks(first_pos, t0, visible);
     for (int g0 = 0; g0 < g_size; g0 += 3) {  // scores into sc, up to 3 query heads at a time
       switch (std::min(3, g_size - g0)) {
-        case 3: prefill_scores_bf16<3, DP>(qp + g0 * DP * TILE, kp, sc + g0 * TILE * TILE); break;
-        case 2: prefill_scores_bf16<2, DP>(qp + g0 * DP * TILE, kp, sc + g0 * TILE * TILE); break;
-        default: prefill_scores_bf16<1, DP>(qp + g0 * DP * TILE, kp, sc + g0 * TILE * TILE); break;
+        case 3: prefill_scores<3, DP, Bf16PairSteps>(qp + g0 * DP * TILE, kp, sc + g0 * TILE * TILE); break;
+        case 2: prefill_scores<2, DP, Bf16PairSteps>(qp + g0 * DP * TILE, kp, sc + g0 * TILE * TILE); break;
+        default: prefill_scores<1, DP, Bf16PairSteps>(qp + g0 * DP * TILE, kp, sc + g0 * TILE * TILE); break;
       }
     }
     for (int g = 0; g < g_size; ++g) {
@@ -1093,9 +1067,9 @@ void prefill_tile_bf16(const uint16_t* __restrict q, const uint16_t* __restrict 
       const uint32_t* pg = pp + g0 * TILE / 2 * TILE;
       float* ag = acc + g0 * D * TILE;
       switch (std::min(3, g_size - g0)) {
-        case 3: prefill_pv_bf16<3, D>(pg, vp, corr + g0 * TILE, ag, (nk + 1) / 2); break;
-        case 2: prefill_pv_bf16<2, D>(pg, vp, corr + g0 * TILE, ag, (nk + 1) / 2); break;
-        default: prefill_pv_bf16<1, D>(pg, vp, corr + g0 * TILE, ag, (nk + 1) / 2); break;
+        case 3: prefill_pv<3, D, Bf16PairSteps>(pg, vp, corr + g0 * TILE, ag, (nk + 1) / 2); break;
+        case 2: prefill_pv<2, D, Bf16PairSteps>(pg, vp, corr + g0 * TILE, ag, (nk + 1) / 2); break;
+        default: prefill_pv<1, D, Bf16PairSteps>(pg, vp, corr + g0 * TILE, ag, (nk + 1) / 2); break;
       }
     }
   }
