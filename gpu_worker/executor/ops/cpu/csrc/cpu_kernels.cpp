@@ -26,13 +26,13 @@ inline __m256 first_n_mask8(int n) {  // lanes < n all ones
 }
 
 // The lines of a block ahead, prefetched (into L2) a line of each array every `every` (steps / lines, rounded
-// down) steps of the work on the current block, so that they spread over all of it. The burst this replaced (every line of the block two ahead,
-// at the block's start) overflowed the core's miss buffers: on a Zen 4, one thread read shuffled float32 blocks
-// at 8.5-8.9 GB/s with it and 15-18 GB/s with the prefetches spread, which is what a plain read of the same
-// blocks reaches there. Paced over the whole block, not front-loaded, the prefetches overlap the block's work:
-// on a Zen 5, bfloat16 decode attention (96 lines a block, 192 steps; 64 sequences of 200-440 tokens, 30 layers'
-// caches, shuffled blocks) took 16.1 ms a step where it took 19.1 with a line per step (the work and the reads
-// had added up).
+// down) steps of the work on the current block, so that they spread over all of it. The burst this replaced
+// (every line of the block two ahead, at the block's start) overflowed the core's miss buffers: on a Zen 4, one
+// thread read shuffled float32 blocks at 8.5-8.9 GB/s with it and 15-18 GB/s with the prefetches spread, which is
+// what a plain read of the same blocks reaches there. Paced over the whole block, not front-loaded, the
+// prefetches overlap the block's work: on a Zen 5, bfloat16 decode attention (96 lines a block, 192 steps; 64
+// sequences of 200-440 tokens, 30 layers' caches, shuffled blocks) took 16.1 ms a step where it took 19.1 with a
+// line per step (the work and the reads had added up).
 struct SpreadPrefetch {
   const char *k = nullptr, *v = nullptr;
   int64_t i = 0, n = 0;
@@ -305,7 +305,7 @@ void decode_seq_avx512(const T* __restrict q, const T* __restrict kc, const T* _
   constexpr int D = 16 * C, BS = 16, PF = 1;  // blocks ahead: 1 measured best (2 and 4 slower)
   const int64_t tok_stride = int64_t(hkv) * D, blk_stride = int64_t(BS) * hkv * D;
   const int64_t blk_lines = blk_stride * int64_t(sizeof(T)) / 64;
-  const int64_t steps = int64_t(hkv) * BS * (G + 1);  // pf.step()s a block: a key's scores per head, its values per kv head
+  const int64_t steps = int64_t(hkv) * BS * (G + 1);  // pf.step()s a block: a key per head, then per kv head
   const int num_blocks = (len + BS - 1) / BS;
   float* m = ml;
   float* l = ml + hq;
