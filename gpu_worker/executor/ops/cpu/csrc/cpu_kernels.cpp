@@ -888,6 +888,19 @@ inline void prefill_pv(const typename S::Elem* __restrict pt, const typename S::
   }
 }
 
+// f(std::integral_constant<int, GP>{}, g0) for the query heads of a KV head in groups of up to 3 (g0: the
+// group's first), so that the prefill kernels' inner products take GP as a compile-time constant.
+template <typename F>
+inline void for_head_groups(int g_size, F&& f) {
+  for (int g0 = 0; g0 < g_size; g0 += 3) {
+    switch (std::min(3, g_size - g0)) {
+      case 3: f(std::integral_constant<int, 3>{}, g0); break;
+      case 2: f(std::integral_constant<int, 2>{}, g0); break;
+      default: f(std::integral_constant<int, 1>{}, g0); break;
+    }
+  }
+}
+
 template <int C, typename T>
 void prefill_tile(const T* __restrict q, const T* __restrict kc, const T* __restrict vc, const int32_t* table,
                   int ctx, int q_len, int i0, int h, int hq, int hkv, int g_size, int bs, float scale,
@@ -927,13 +940,9 @@ void prefill_tile(const T* __restrict q, const T* __restrict kc, const T* __rest
     }
     __mmask16 visible[16];
     key_tile_masks(first_pos, t0, visible);
-    for (int g0 = 0; g0 < g_size; g0 += 3) {  // scores into pt, up to 3 query heads at a time
-      switch (std::min(3, g_size - g0)) {
-        case 3: prefill_scores<3, D, F32Steps>(qt + g0 * D * TILE, kt, pt + g0 * TILE * TILE); break;
-        case 2: prefill_scores<2, D, F32Steps>(qt + g0 * D * TILE, kt, pt + g0 * TILE * TILE); break;
-        default: prefill_scores<1, D, F32Steps>(qt + g0 * D * TILE, kt, pt + g0 * TILE * TILE); break;
-      }
-    }
+    for_head_groups(g_size, [&](auto gp, int g0) {  // scores into pt
+      prefill_scores<decltype(gp)::value, D, F32Steps>(qt + g0 * D * TILE, kt, pt + g0 * TILE * TILE);
+    });
     for (int g = 0; g < g_size; ++g) {
       // online softmax, all 16 rows at once: the max and the sums run across registers, not lanes
       float* sg = pt + g * TILE * TILE;
@@ -952,16 +961,10 @@ void prefill_tile(const T* __restrict q, const T* __restrict kc, const T* __rest
       _mm512_storeu_ps(m + g * TILE, mx);
       _mm512_storeu_ps(corr + g * TILE, cv);
     }
-    // P V into the transposed output (lane i of acc[g][d] = row i's element d), up to 3 heads at a time
-    for (int g0 = 0; g0 < g_size; g0 += 3) {
-      float* ag = acc + g0 * D * TILE;
-      const float* pg = pt + g0 * TILE * TILE;
-      switch (std::min(3, g_size - g0)) {
-        case 3: prefill_pv<3, D, F32Steps>(pg, vt, corr + g0 * TILE, ag, nk); break;
-        case 2: prefill_pv<2, D, F32Steps>(pg, vt, corr + g0 * TILE, ag, nk); break;
-        default: prefill_pv<1, D, F32Steps>(pg, vt, corr + g0 * TILE, ag, nk); break;
-      }
-    }
+    // P V into the transposed output (lane i of acc[g][d] = row i's element d)
+    for_head_groups(g_size, [&](auto gp, int g0) {
+      prefill_pv<decltype(gp)::value, D, F32Steps>(pt + g0 * TILE * TILE, vt, corr + g0 * TILE, acc + g0 * D * TILE, nk);
+    });
   }
   prefill_store_transposed16<D>(acc, l, rows, i0, h, hq, g_size, out);
 }
@@ -1034,13 +1037,9 @@ void prefill_tile_bf16(const uint16_t* __restrict q, const uint16_t* __restrict 
       }
     __mmask16 visible[16];
     key_tile_masks(first_pos, t0, visible);
-    for (int g0 = 0; g0 < g_size; g0 += 3) {  // scores into sc, up to 3 query heads at a time
-      switch (std::min(3, g_size - g0)) {
-        case 3: prefill_scores<3, DP, Bf16PairSteps>(qp + g0 * DP * TILE, kp, sc + g0 * TILE * TILE); break;
-        case 2: prefill_scores<2, DP, Bf16PairSteps>(qp + g0 * DP * TILE, kp, sc + g0 * TILE * TILE); break;
-        default: prefill_scores<1, DP, Bf16PairSteps>(qp + g0 * DP * TILE, kp, sc + g0 * TILE * TILE); break;
-      }
-    }
+    for_head_groups(g_size, [&](auto gp, int g0) {  // scores into sc
+      prefill_scores<decltype(gp)::value, DP, Bf16PairSteps>(qp + g0 * DP * TILE, kp, sc + g0 * TILE * TILE);
+    });
     for (int g = 0; g < g_size; ++g) {
       __m512 s[TILE];
       for (int j = 0; j < TILE; ++j) s[j] = _mm512_loadu_ps(sc + (g * TILE + j) * TILE);
@@ -1063,15 +1062,10 @@ void prefill_tile_bf16(const uint16_t* __restrict q, const uint16_t* __restrict 
       _mm512_storeu_ps(m + g * TILE, mx);
       _mm512_storeu_ps(corr + g * TILE, cv);
     }
-    for (int g0 = 0; g0 < g_size; g0 += 3) {  // P V, up to 3 query heads at a time
-      const uint32_t* pg = pp + g0 * TILE / 2 * TILE;
-      float* ag = acc + g0 * D * TILE;
-      switch (std::min(3, g_size - g0)) {
-        case 3: prefill_pv<3, D, Bf16PairSteps>(pg, vp, corr + g0 * TILE, ag, (nk + 1) / 2); break;
-        case 2: prefill_pv<2, D, Bf16PairSteps>(pg, vp, corr + g0 * TILE, ag, (nk + 1) / 2); break;
-        default: prefill_pv<1, D, Bf16PairSteps>(pg, vp, corr + g0 * TILE, ag, (nk + 1) / 2); break;
-      }
-    }
+    for_head_groups(g_size, [&](auto gp, int g0) {  // P V, key pairs
+      prefill_pv<decltype(gp)::value, D, Bf16PairSteps>(pp + g0 * TILE / 2 * TILE, vp, corr + g0 * TILE,
+                                                         acc + g0 * D * TILE, (nk + 1) / 2);
+    });
   }
   prefill_store_transposed16<D>(acc, l, rows, i0, h, hq, g_size, out);
 }
