@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gpu_worker.executor.ops.cpu import kernels as cpu_kernels
 from shared.sampling_params import SamplingParams
 
 
@@ -217,6 +218,13 @@ def _draw_random(x: torch.Tensor, plan: _Plan, rows: list[SamplingRow], default:
     return tokens
 
 
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax: the native kernel on CPU (one pass, rows over the threads: 64 x 49,152 fresh logits
+    0.36 against torch's 1.05 ms, 2-core Zen 5), torch's elsewhere; the same choice of ties and NaN."""
+    tokens = cpu_kernels.argmax(logits)
+    return logits.argmax(dim=-1) if tokens is None else tokens
+
+
 class Sampler:
     def __init__(self, seed: int = 0, device: str | torch.device = "cpu"):
         self.generator = torch.Generator(device=device)
@@ -237,7 +245,7 @@ class Sampler:
 
         every = len(plan.rand) == len(rows)
         # [N]: greedy rows keep their argmax
-        tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device) if every else logits.argmax(dim=-1)
+        tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device) if every else _argmax(logits)
         if plan.rand:
             x = logits.div_(plan.temp) if every else logits[plan.rand_idx].div_(plan.temp)
             tokens[plan.rand_idx] = _draw_random(x, plan, [rows[i] for i in plan.rand], self.generator)

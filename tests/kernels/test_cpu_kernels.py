@@ -207,6 +207,28 @@ def test_panel_gemm_reads_strided_rows_and_is_deterministic_across_threads():
     torch.testing.assert_close(one, x @ w.T, atol=1e-3, rtol=1e-4)
 
 
+@pytest.mark.skipif(cpu_kernels.isa() not in ("avx512", "avx512+avx512_bf16"), reason="the native argmax needs AVX-512")
+@pytest.mark.parametrize("cols", [1, 15, 16, 63, 64, 65, 200, 49152])
+def test_native_argmax_picks_as_torch_does(cols):
+    """Greedy sampling's argmax: the first of tied maxima, the first NaN, an all -inf row's first index, 0.0 and
+    -0.0 as equal; rows over the threads (64 x 49,152: a decode step's logits) and strided rows."""
+    g = torch.Generator().manual_seed(cols)
+    rows = 64
+    cases = {
+        "random": torch.randn(rows, cols, generator=g),
+        "ties": torch.randint(-3, 3, (rows, cols), generator=g).float(),
+        "signed zeros": torch.where(torch.rand(rows, cols, generator=g) < 0.5, 0.0, -0.0),
+        "all -inf": torch.full((rows, cols), float("-inf")),
+        "+inf": torch.where(torch.rand(rows, cols, generator=g) < 0.2, float("inf"), torch.randn(rows, cols, generator=g)),
+        "NaN": torch.where(torch.rand(rows, cols, generator=g) < 0.05, float("nan"), torch.randn(rows, cols, generator=g)),
+        "strided": torch.randn(rows, cols + 7, generator=g)[:, 3:3 + cols],
+    }
+    for name, x in cases.items():
+        got = cpu_kernels.argmax(x)
+        assert got is not None and torch.equal(got, x.argmax(dim=-1)), name
+    assert cpu_kernels.argmax(torch.randn(4, 8).to(torch.bfloat16)) is None  # float32 only: torch's then
+
+
 def _cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:

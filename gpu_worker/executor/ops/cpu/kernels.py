@@ -47,6 +47,7 @@ _RESTYPES = {"prefill_attention": ctypes.c_int}  # 1: done, 0: no kernel for thi
 _GEMM_SIGNATURES = {
     "kvf_isa": ([], ctypes.c_int),
     "kvf_prefill_covers": ([_I32], ctypes.c_int),
+    "kvf_argmax_f32": ([_P, _I64, _I64, _I64, _P], ctypes.c_int),
     "kvf_gemm_available": ([], ctypes.c_int),
     "kvf_gemm_panel_width": ([], ctypes.c_int),
     "kvf_gemm_bf16_available": ([], ctypes.c_int),
@@ -177,6 +178,16 @@ def decode_attention(
         query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
         lens.data_ptr(), rows.data_ptr(), rows.shape[0], num_heads, num_kv_heads, head_dim, block_size,
         float(scale), max(1, max_context_len), out.data_ptr(), int(simd))
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor | None:
+    """x [N, V] float32 (rows with unit column stride) -> [N] int64, each row's argmax as torch's (the first
+    of tied maxima; the first NaN where a row has one), rows split over torch's threads; None where this build
+    has no AVX-512 (torch's argmax then)."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1 or load() is None:
+        return None
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    return out if _lib.kvf_argmax_f32(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr()) else None
 
 
 def gemm_available(dtype: torch.dtype = torch.float32) -> bool:
