@@ -9,6 +9,8 @@ One layer's weights fit in the last-level cache; a decode step's do not (every l
 read once a step). So the probe also times the best path at decode's row count over every layer's own weights
 and the lm_head, one pass a call (`streamed_flops`): the bound of a decode step's linear layers, weights
 streamed from memory as the engine streams them; and the same with kvfleet's panel GEMM, where it is built.
+Last, the cores' multiply-add peak at that moment (services.bench.peak_rate): how near the matmuls come to the
+instructions' own rate, on a clock that moves with the neighbours' load.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ class ProbeResult:
     unavailable: dict[str, str] = field(default_factory=dict)  # path -> why torch refused it on this CPU
     # "path@tokens" -> FLOP/s over all layers' own weights and the lm_head (a decode step's linear layers)
     streamed_flops: dict[str, float] = field(default_factory=dict)
+    # the cores' multiply-add peak in this dtype right after (services.bench.peak_rate, torch's thread count);
+    # None: not measured, or no such instructions here
+    peak_flops: float | None = None
 
 
 def _linear_paths(dtype) -> dict[str, Callable]:
@@ -89,8 +94,10 @@ def _time(fn: Callable[[], object], min_s: float) -> float:
 
 def probe_matmul(shape: ModelShape, dtype_name: str, *, tokens: tuple[int, ...] = PROBE_TOKENS,
                  rounds: int = 5, min_s: float = 0.03, include_lm_head: bool = True,
-                 streamed_tokens: int | None = 64) -> ProbeResult:
+                 streamed_tokens: int | None = 64, peak: bool = True) -> ProbeResult:
     import torch
+
+    from services.bench.peak_rate import peak_flops
 
     dtype = getattr(torch, dtype_name)
     gen = torch.Generator().manual_seed(0)
@@ -141,9 +148,10 @@ def probe_matmul(shape: ModelShape, dtype_name: str, *, tokens: tuple[int, ...] 
             if make is not None:
                 streamed[f"{name}@{streamed_tokens}"] = _streamed(shape, dtype, make, streamed_tokens, lm_weight,
                                                                   rounds, 4 * min_s, gen)
+    peak_rate = peak_flops(torch.get_num_threads()).get(dtype_name) if peak else None
     return ProbeResult(dtype=dtype_name, best_flops=layer_flops[best_key], best_path=path,
                        best_tokens=int(tokens_text), layer_flops=layer_flops, lm_head_flops=head_flops,
-                       unavailable=unavailable, streamed_flops=streamed)
+                       unavailable=unavailable, streamed_flops=streamed, peak_flops=peak_rate)
 
 
 def _streamed(shape: ModelShape, dtype, make: Callable, m: int, lm_weight, rounds: int, min_s: float,

@@ -103,6 +103,11 @@ def format_table(summary: dict) -> str:
             path, rows = key.split("@")
             text += (f"; a decode step's linear layers can reach {value / 1e9:.1f} GFLOP/s ({path}, {rows} rows over "
                      f"every layer's own weights and the lm_head, read from memory)")
+        if peak := f["probe"].get("peak_flops"):
+            instruction = "vdpbf16ps" if summary["dtype"] == "bfloat16" else "FMA"
+            text += (f"; the cores' multiply-add peak right after: {peak / 1e9:.1f} GFLOP/s ({summary['threads']} "
+                     f"threads, {instruction} in registers), the best matmul "
+                     f"{100 * f['best_matmul_flops'] / peak:.0f}% of it, kvfleet {100 * f['achieved_flops'] / peak:.0f}%")
         if unavailable := f["probe"].get("unavailable"):
             text += "; not on this CPU: " + "; ".join(f"{k} ({v})" for k, v in unavailable.items())
     lines.append(text)

@@ -33,6 +33,23 @@ def test_summary_names_cpu_and_paths():
     assert "2 threads, greedy" in table and s["sampling"] == {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
 
 
+def test_the_compute_line_sets_the_engine_against_the_probe_and_the_cores_peak():
+    from services.bench.matmul_probe import ProbeResult
+
+    ours = _result(150.0, max_num_seqs=256, max_num_batched_tokens=2048, num_kv_blocks=100, kv_peak_used_blocks=10,
+                   block_size=16, preemptions=0, kv_waste=0.02, kv_peak_waste=0.03, kv_waste_samples=5,
+                   achieved_flops=6e11)
+    probe = ProbeResult(dtype="bfloat16", best_flops=9e11, best_path="onednn-packed", best_tokens=1024,
+                        peak_flops=1.2e12)
+    workload = Workload(name="w", path="w.json", requests=[])
+    s = summarize(workload, argparse.Namespace(dtype="bfloat16", threads=2), {"kvfleet": ours}, probe)
+    assert s["flops"]["fraction_of_best"] == pytest.approx(2 / 3) and s["flops"]["probe"]["peak_flops"] == 1.2e12
+    table = format_table(s)
+    assert "= 67% of the best matmul here, 900.0 GFLOP/s" in table
+    assert ("the cores' multiply-add peak right after: 1200.0 GFLOP/s (2 threads, vdpbf16ps in registers), "
+            "the best matmul 75% of it, kvfleet 50%") in table
+
+
 def test_sampled_runs_name_their_parameters_and_bad_ones_name_the_flag():
     ours = _result(150.0, max_num_seqs=256, max_num_batched_tokens=2048, num_kv_blocks=100, kv_peak_used_blocks=10,
                    block_size=16, preemptions=0, kv_waste=0.02, kv_peak_waste=0.03, kv_waste_samples=5)

@@ -1,0 +1,155 @@
+"""The cores' multiply-add peak right now: the ceiling under every matmul, measured in the same run.
+
+A loop of independent vector multiply-adds in registers (24 chains with AVX-512, 12 with AVX2: more than latency
+x throughput; no memory): float32 FMAs (AVX-512 or AVX2) and bfloat16 pair dot products (`vdpbf16ps`,
+AVX512_BF16), on each of N threads at once, best of a few runs. On a
+shared virtual machine the clock moves with the neighbours' load, and so does this peak: `kvfleet bench
+throughput` reports it beside the matmul probe, so that a ratio to the probe can be read against the machine's
+state at that moment. Built with g++ on first use into ~/.cache/kvfleet/peak_rate/.
+
+    python -m services.bench.peak_rate [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+SOURCE = r"""
+#include <immintrin.h>
+#include <time.h>
+static double now() { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
+#define HALF_A(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+#if defined(__AVX512F__)
+#define HALF_B(X) X(12) X(13) X(14) X(15) X(16) X(17) X(18) X(19) X(20) X(21) X(22) X(23)
+#else
+#define HALF_B(X)  /* AVX2: 16 registers, so 12 chains (FMA latency 4 x 2 a cycle needs 8) */
+#endif
+#define CHAINS(X) HALF_A(X) HALF_B(X)
+#define NUM_CHAINS (0 CHAINS(COUNT))
+#define COUNT(i) + 1
+#if defined(__AVX512F__)
+typedef __m512 vec;
+#define ZERO _mm512_setzero_ps()
+#define FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define SET1 _mm512_set1_ps
+#define LANES 16
+#elif defined(__AVX2__) && defined(__FMA__)
+typedef __m256 vec;
+#define ZERO _mm256_setzero_ps()
+#define FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define SET1 _mm256_set1_ps
+#define LANES 8
+#endif
+#define KEEP(i) , "+v"(a##i)
+/* the chains stay in registers and stay apart (an asm statement takes at most 30 operands, "+v" counts 2) */
+#define BARRIER __asm__ volatile("" : "+v"(x) HALF_A(KEEP)); __asm__ volatile("" : "+v"(y) HALF_B(KEEP));
+extern "C" {
+/* FLOP/s of one thread: NUM_CHAINS chains of FMAs (2 FLOP a lane); 0 without AVX2 + FMA */
+double peak_f32(long iters) {
+#ifdef LANES
+  vec x = SET1(1.0001f), y = SET1(0.9999f);
+#define DECL(i) vec a##i = ZERO;
+  CHAINS(DECL)
+  double t = now();
+  for (long n = 0; n < iters; ++n) {
+#define STEP(i) a##i = FMA(x, y, a##i);
+    CHAINS(STEP)
+    BARRIER
+  }
+  return iters * double(NUM_CHAINS) * LANES * 2 / (now() - t);
+#else
+  return 0 * iters;
+#endif
+}
+/* FLOP/s of one thread: 24 chains of vdpbf16ps (32 pairs: 64 FLOP); 0 without AVX512_BF16 */
+double peak_bf16(long iters) {
+#if defined(__AVX512BF16__)
+  __m512bh x = (__m512bh)_mm512_set1_epi32(0x3f803f80), y = x;
+#define DECLB(i) __m512 a##i = _mm512_setzero_ps();
+  CHAINS(DECLB)
+  double t = now();
+  for (long n = 0; n < iters; ++n) {
+#define STEPB(i) a##i = _mm512_dpbf16_ps(a##i, x, y);
+    CHAINS(STEPB)
+    BARRIER
+  }
+  return iters * double(NUM_CHAINS) * 64 / (now() - t);
+#else
+  return 0 * iters;
+#endif
+}
+}
+"""
+FLAGS = ["-O2", "-march=native", "-shared", "-fPIC"]
+ITERS = 2_000_000  # ~0.05-0.1 s a run at 3-4 GHz
+
+
+def _library() -> ctypes.CDLL | None:
+    """The compiled loops (once per source and CPU), or None without a C++ compiler."""
+    compiler = shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        return None
+    cpu = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    flags_line = next((ln for ln in cpu.splitlines() if ln.startswith("flags")), "")
+    key = hashlib.sha256((SOURCE + " ".join(FLAGS) + flags_line).encode()).hexdigest()[:16]
+    path = Path.home() / ".cache" / "kvfleet" / "peak_rate" / key / "libpeak.so"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            src, lib = Path(tmp) / "peak.cpp", Path(tmp) / "lib.so"
+            src.write_text(SOURCE)
+            proc = subprocess.run([compiler, *FLAGS, str(src), "-o", str(lib)], capture_output=True, text=True)
+            if proc.returncode != 0:
+                return None
+            lib.replace(path)
+    lib = ctypes.CDLL(str(path))
+    for name in ("peak_f32", "peak_bf16"):
+        getattr(lib, name).argtypes, getattr(lib, name).restype = [ctypes.c_long], ctypes.c_double
+    return lib
+
+
+def peak_flops(threads: int, runs: int = 5) -> dict[str, float]:
+    """{"float32": FLOP/s, "bfloat16": FLOP/s}: the multiply-add peak of `threads` threads running at once (the
+    sum of their rates, each thread's best of `runs`); a dtype without its instructions here is left out, and
+    the dict is empty without a compiler."""
+    lib = _library()
+    if lib is None:
+        return {}
+    result = {}
+    with ThreadPoolExecutor(threads) as pool:  # ctypes lets go of the GIL: the threads run at once
+        for dtype, fn in (("float32", lib.peak_f32), ("bfloat16", lib.peak_bf16)):
+            best = [0.0] * threads
+            for _ in range(runs):
+                rates = list(pool.map(fn, [ITERS] * threads))
+                best = [max(b, r) for b, r in zip(best, rates, strict=True)]
+            if sum(best) > 0:
+                result[dtype] = sum(best)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    from services.bench.cpu import describe
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=1, help="threads running the loop at once (default: 1)")
+    args = parser.parse_args(argv)
+    print(f"CPU: {describe()}")
+    rates = peak_flops(args.threads)
+    if not rates:
+        print("no C++ compiler: nothing measured")
+        return 1
+    for dtype, flops in rates.items():
+        print(f"{dtype}: {flops / 1e9:.1f} GFLOP/s on {args.threads} thread(s) "
+              f"({'vdpbf16ps' if dtype == 'bfloat16' else 'FMA'})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
