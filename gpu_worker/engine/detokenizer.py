@@ -11,13 +11,34 @@ that a stop string could still start in. So a step costs the size of its own tex
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 _PROMPT_CONTEXT = 5  # prompt tokens decoded along with the first output tokens (leading-space handling)
+
+
+def backend_decode(tokenizer) -> Callable[..., str] | None:
+    """The `tokenizers` library's own decode where it gives what tokenizer.decode gives: a fast (Rust-backed)
+    transformers tokenizer that does not clean up tokenization spaces afterwards. transformers' decode wraps it
+    in a few Python calls; a step decodes twice per sequence: 64 sequences of SmolLM2 0.13 against 0.30 ms a
+    step (Zen 5)."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return None
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if isinstance(backend, Tokenizer) and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
+        return backend.decode
+    return None
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], *, skip_special_tokens: bool = True,
-                 stop: list[str] | None = None, include_stop_str_in_output: bool = False):
+                 stop: list[str] | None = None, include_stop_str_in_output: bool = False,
+                 decode: Callable[..., str] | None = None):
+        """decode: backend_decode(tokenizer) where it applies (found once per tokenizer by the caller), else
+        tokenizer.decode is used."""
         self.tokenizer = tokenizer
+        self._decode_fn = decode or tokenizer.decode
         self.skip_special_tokens = skip_special_tokens
         self.stop = list(stop or [])
         self.include_stop = include_stop_str_in_output
@@ -30,7 +51,7 @@ class IncrementalDetokenizer:
         self._stopped = False  # a stop string cut the text: nothing after it is released
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self._decode_fn(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add_tokens(self, new_token_ids: list[int]) -> str | None:
         """Append tokens; return the stop string when the text now contains one (the text is then cut at it,

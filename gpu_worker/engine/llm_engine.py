@@ -41,7 +41,7 @@ from gpu_worker.core.policies import SchedulingPolicy
 from gpu_worker.core.request import Request
 from gpu_worker.core.scheduler import RequestRejected, Scheduler, SchedulerStats
 from gpu_worker.engine import isolation, structured
-from gpu_worker.engine.detokenizer import IncrementalDetokenizer
+from gpu_worker.engine.detokenizer import IncrementalDetokenizer, backend_decode
 from gpu_worker.engine.isolation import EngineFault
 from gpu_worker.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from gpu_worker.engine.sampler import Sampler, SamplingRow, draw_uniform
@@ -100,6 +100,7 @@ class LLMEngine:
                  cache_config: CacheConfig, eos_token_ids: list[int], seed: int = 0):
         self.runner = runner
         self.tokenizer = tokenizer
+        self._decode = backend_decode(tokenizer)  # the detokenizers' decode, where it is transformers' own
         self.model_name = model_name
         self.max_model_len = scheduler_config.max_model_len
         self.block_size = cache_config.block_size
@@ -231,7 +232,8 @@ class LLMEngine:
             banned.append(self.eos_token_id)
         detok = IncrementalDetokenizer(self.tokenizer, group.prompt_token_ids,
                                        skip_special_tokens=sp.skip_special_tokens, stop=sp.stop,
-                                       include_stop_str_in_output=sp.include_stop_str_in_output)
+                                       include_stop_str_in_output=sp.include_stop_str_in_output,
+                                       decode=self._decode)
         if resumed:  # their text was sent too: all of it but what a stop string could still begin with
             detok.add_tokens(resumed)
             detok.take_text(finished=False)

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from gpu_worker import LLM, SamplingParams
-from gpu_worker.engine.detokenizer import IncrementalDetokenizer
+from gpu_worker.engine.detokenizer import IncrementalDetokenizer, backend_decode
 from services import generate_cmd
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_torch_thread")]
@@ -52,14 +52,19 @@ def test_generate_command_rejects_bad_params(tiny_llama_dir, capsys):
     assert "top_p must be in (0, 1]" in capsys.readouterr().err
 
 
-def test_incremental_detokenization_matches_a_full_decode(tiny_llama_dir):
+@pytest.mark.parametrize("backend", [False, True])
+def test_incremental_detokenization_matches_a_full_decode(tiny_llama_dir, backend):
+    """With transformers' decode, and with the tokenizers library's own where the engine takes it
+    (backend_decode: a fast tokenizer that does not clean up spaces, as this one)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
     text = " Grüße aus Köln 🌍🚀 — naïve café, 東京タワー!\n  indented <|im_end|> done"
     ids = tok(text, add_special_tokens=False)["input_ids"]
     prompt = tok("Say:", add_special_tokens=False)["input_ids"]
-    detok = IncrementalDetokenizer(tok, prompt)
+    decode = backend_decode(tok) if backend else None
+    assert (decode is not None) == backend
+    detok = IncrementalDetokenizer(tok, prompt, decode=decode)
     pieces = []
     for i in ids:
         detok.add_tokens([i])

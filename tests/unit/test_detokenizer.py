@@ -76,3 +76,20 @@ def test_after_a_stop_string_nothing_held_back_is_released():
     detok = IncrementalDetokenizer(ByteTokenizer(), [], stop=["STOP"])
     assert detok.add_tokens(ids) == "STOP"
     assert detok.take_text(finished=True) == "ab "
+
+
+def test_the_backend_decode_is_taken_only_where_it_gives_what_decode_gives():
+    """The tokenizers library's decode stands in for transformers' only for a fast tokenizer that does not clean
+    up tokenization spaces afterwards (the clean-up would change the text)."""
+    from tokenizers import Tokenizer, models
+
+    from gpu_worker.engine.detokenizer import backend_decode
+
+    class Fast:
+        def __init__(self, clean_up: bool):
+            self._tokenizer = Tokenizer(models.BPE())
+            self.clean_up_tokenization_spaces = clean_up
+
+    assert backend_decode(Fast(False)) is not None
+    assert backend_decode(Fast(True)) is None
+    assert backend_decode(CharTokenizer()) is None
