@@ -171,6 +171,8 @@ class ModelRunner:
                            else "F.linear (torch)"),
                 "decode attention": attention, "prefill attention": prefill,
                 "norm, rotary, activation, KV store": impl(ops.rms_norm),
+                "decode steps": ("every layer in one native call (decode_stack)" if self.model.decode_stack is not None
+                                 else "layer by layer in Python"),
                 "forwards per step": "1" if self.num_parts == 1 else (
                     f"{self.num_parts} concurrent, 1 thread each" + (
                         f"; one on all threads for steps under {self.linear_plan.one_forward_below} tokens"

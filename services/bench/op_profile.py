@@ -3,7 +3,8 @@
 `OpProfile.attach(engine)` wraps, on that engine only, the runner's `execute` (one step's forward, wall time) and
 `_forward` (one forward over a group of sequences: with 2 concurrent forwards a prefill step holds 2 of them),
 the model's hot operations (`Ops`: attention, RMSNorm, rotary, SiLU-and-mul, KV store), the linear layers
-(`cpu_linear.linear`: every projection and the lm_head) and the sampling (`isolation.sample`). `report()` gives, per step kind
+(`cpu_linear.linear`: every projection and the lm_head) and the sampling (`isolation.sample`); a decode step
+through the native decode stack (ops/cpu/decode_stack.py) reports the same op kinds, timed inside its one call. `report()` gives, per step kind
 (a step with a chunk of 2+ tokens is a prefill step, else a decode step):
 - wall seconds of the whole step, of its forward, of sampling, and the rest (scheduling, block copies, input
   tensors, detokenizing, output building: what runs in Python between forwards);
@@ -44,6 +45,8 @@ class OpProfile:
         for name in OPS:
             self._patch(runner.model.ops, name, lambda fn, n=name: self._timed(fn, n, self.ops))
         self._patch(cpu_linear, "linear", lambda fn: self._timed(fn, "linear", self.ops))
+        if (stack := getattr(runner.model, "decode_stack", None)) is not None:  # its ops timed inside the call
+            self._patch(stack, "run", self._timed_stack)
         self._patch(isolation, "sample", lambda fn: self._timed(fn, "sampling", self.wall))
         self._patch(engine, "step", self._timed_step)
         return self
@@ -69,6 +72,21 @@ class OpProfile:
                 with self._lock:
                     table[self.kind][name] += dt
         return timed
+
+    def _timed_stack(self, fn: Callable) -> Callable:
+        """The native decode stack's call, its op kinds' seconds (timed in the C++) added by name."""
+        stack = fn.__self__
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            stack.profile = {}
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                with self._lock:
+                    for name, s in stack.profile.items():
+                        self.ops[self.kind][name] += s
+                stack.profile = None
+        return run
 
     def _timed_execute(self, fn: Callable) -> Callable:
         def execute(sched: Any) -> Any:

@@ -259,7 +259,11 @@ def test_runner_names_its_paths(llm, caplog):
 
     paths = llm.engine.runner.paths()
     assert set(paths) == {"linear", "decode attention", "prefill attention", "norm, rotary, activation, KV store",
-                          "forwards per step", "allocator"}
+                          "decode steps", "forwards per step", "allocator"}
+    # the native decode stack where every op of a layer is native and the few-rows matmuls are the panel GEMM's
+    stack = llm.engine.runner.linear_plan.few_rows == "panel"
+    assert paths["decode steps"] == ("every layer in one native call (decode_stack)" if stack
+                                     else "layer by layer in Python")
     assert paths["allocator"].startswith("glibc malloc keeps freed memory")  # the image and CI run glibc
     isa = kernels.isa()
     flags = open("/proc/cpuinfo").read()

@@ -19,6 +19,7 @@ from torch import nn
 
 from gpu_worker.executor.ops import AttentionMetadata, Ops, select_ops
 from gpu_worker.executor.ops.cpu import linear as cpu_linear
+from gpu_worker.executor.ops.cpu.decode_stack import DecodeStack
 from gpu_worker.executor.tp_group import TPGroup, check_divisible, first_kv_head, local_kv_heads, vocab_shard
 
 SINGLE = TPGroup(rank=0, size=1)
@@ -149,14 +150,20 @@ class LlamaForCausalLM(nn.Module):
         cos_sin = rope_cos_sin_cache(config, cfg.head_dim, max_positions)
         self.register_buffer("cos_sin_cache", cos_sin.to(device=device, dtype=dtype), persistent=False)
         self.lm_head_packed: cpu_linear.PackedWeight | None = None
+        self.decode_stack: DecodeStack | None = None  # all-decode steps' layers in one native call (CPU)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, H] (normed)."""
         hidden = self._embed(input_ids)  # [T, H]
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, meta, self.cos_sin_cache)
+        native = None if self.decode_stack is None else self.decode_stack.run(hidden, positions, kv_caches, meta,
+                                                                             self.cos_sin_cache)
+        if native is not None:
+            hidden, residual = native
+        else:
+            residual = None
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                hidden, residual = layer(positions, hidden, residual, kv_cache, meta, self.cos_sin_cache)
         hidden, _ = self.ops.rms_norm(hidden, self.norm, self.arch.eps, residual)
         return hidden
 
@@ -221,6 +228,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             layer.pack_weights(plan)
         self.lm_head_packed = plan.pack(self.embed if self.lm_head is None else self.lm_head)
+        self.decode_stack = DecodeStack.build(self, plan)
 
     def _local(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a Hugging Face tensor (the whole tensor without tensor parallelism)."""

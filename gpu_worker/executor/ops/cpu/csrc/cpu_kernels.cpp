@@ -1591,6 +1591,84 @@ void gemm_bf16(const uint16_t*, int64_t, int64_t, int64_t, const uint16_t*, int6
                int64_t) {}
 #endif
 
+// ---- a decode step's decoder layers, in one call ---------------------------------------------------------
+// Every layer of a Llama-style decoder over a batch of decode tokens (row t: sequence t's one new token): the
+// kernels above in the order and with the rounding of the model's Python forward (models/llama.py), so the
+// results are bit for bit the same; what goes is the Python between the ops (~60 us a layer: dozens of calls,
+// views and allocations, while the other threads wait in their barrier). The matmuls are the panel GEMMs
+// (the path for few rows), the elementwise ops and decode attention the native ones; decode_stack.py decides
+// when this applies.
+struct DecodeLayer {  // one layer's weights (panel-packed matmuls; a bias pointer may be null) and KV cache
+  const void *input_norm, *post_norm, *qkv, *o, *gate_up, *down;
+  const void *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
+  void *key_cache, *value_cache;
+};
+struct DecodeShape {
+  int64_t hidden, inter;
+  int hq, hkv, d, block_size;
+  float eps, scale;
+};
+enum DecodeOp { kOpRmsNorm, kOpLinear, kOpRotary, kOpStoreKv, kOpAttention, kOpSilu, kNumDecodeOps };
+
+inline void panel_gemm(const float* x, int64_t m, int64_t k, const void* w, int64_t n, const void* bias, float* out) {
+  gemm(x, k, m, k, (const float*)w, n, (const float*)bias, out, n);
+}
+inline void panel_gemm(const uint16_t* x, int64_t m, int64_t k, const void* w, int64_t n, const void* bias,
+                       uint16_t* out) {
+  gemm_bf16(x, k, m, k, (const uint16_t*)w, n, (const uint16_t*)bias, out, n);
+}
+
+// hidden [n, H]: the embeddings in, the last layer's output out; residual [n, H]: the last layer's residual out.
+// seconds (or null): each op kind's wall seconds are added to seconds[DecodeOp].
+template <typename T>
+void decode_layers(const DecodeLayer* layers, int num_layers, const DecodeShape& sh, T* hidden, T* residual,
+                   int64_t n, const int64_t* positions, const T* cos_sin, const int64_t* slots, const int32_t* tables,
+                   int64_t table_stride, const int32_t* lens, int max_ctx, double* seconds) {
+  const int64_t H = sh.hidden, I = sh.inter, qs = int64_t(sh.hq) * sh.d, kvs = int64_t(sh.hkv) * sh.d;
+  const int64_t qkv_n = qs + 2 * kvs;
+  thread_local std::vector<T> normed, qkv, q_rot, k_rot, attn, o_out, gate_up, act;  // kept from step to step
+  thread_local std::vector<int64_t> rows;
+  normed.resize(n * H), qkv.resize(n * qkv_n), q_rot.resize(n * qs), k_rot.resize(n * kvs), attn.resize(n * qs);
+  o_out.resize(n * H), gate_up.resize(n * 2 * I), act.resize(n * I), rows.resize(n);
+  for (int64_t t = 0; t < n; ++t) rows[t] = t;
+  double t0 = seconds ? omp_get_wtime() : 0.0;
+  auto lap = [&](DecodeOp op) {
+    if (seconds) { const double t = omp_get_wtime(); seconds[op] += t - t0; t0 = t; }
+  };
+  for (int l = 0; l < num_layers; ++l) {
+    const DecodeLayer& w = layers[l];
+    const T *in_norm = (const T*)w.input_norm, *post_norm = (const T*)w.post_norm;
+    if (l == 0) {
+      std::memcpy(residual, hidden, size_t(n * H) * sizeof(T));
+      rms_norm<T>(hidden, nullptr, in_norm, normed.data(), nullptr, n, H, sh.eps);
+    } else {
+      rms_norm<T>(hidden, residual, in_norm, normed.data(), residual, n, H, sh.eps);  // (in place: per element)
+    }
+    lap(kOpRmsNorm);
+    panel_gemm(normed.data(), n, H, w.qkv, qkv_n, w.qkv_bias, qkv.data());
+    lap(kOpLinear);
+    rotary<T>(positions, qkv.data(), qkv_n, qkv.data() + qs, qkv_n, cos_sin, q_rot.data(), k_rot.data(), n, sh.hq,
+              sh.hkv, sh.d, 1);
+    lap(kOpRotary);
+    T *kc = (T*)w.key_cache, *vc = (T*)w.value_cache;
+    store_kv<T>(k_rot.data(), kvs, qkv.data() + qs + kvs, qkv_n, kc, vc, slots, n, kvs);
+    lap(kOpStoreKv);
+    decode_attention<T>(q_rot.data(), kc, vc, tables, table_stride, lens, rows.data(), int(n), sh.hq, sh.hkv, sh.d,
+                        sh.block_size, sh.scale, max_ctx, attn.data(), 1);
+    lap(kOpAttention);
+    panel_gemm(attn.data(), n, qs, w.o, H, w.o_bias, o_out.data());
+    lap(kOpLinear);
+    rms_norm<T>(o_out.data(), residual, post_norm, normed.data(), residual, n, H, sh.eps);
+    lap(kOpRmsNorm);
+    panel_gemm(normed.data(), n, H, w.gate_up, 2 * I, w.gate_up_bias, gate_up.data());
+    lap(kOpLinear);
+    silu_and_mul<T>(gate_up.data(), act.data(), n, I);
+    lap(kOpSilu);
+    panel_gemm(act.data(), n, I, w.down, H, w.down_bias, hidden);
+    lap(kOpLinear);
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -1645,6 +1723,21 @@ int kvf_isa() {
 }
 int kvf_argmax_f32(const float* x, int64_t rows, int64_t cols, int64_t stride, int64_t* out) {
   return argmax_rows(x, rows, cols, stride, out) ? 1 : 0;
+}
+// a decode step's decoder layers (decode_layers above); only where the panel GEMM of the dtype is compiled in
+void kvf_decode_layers_f32(const DecodeLayer* layers, int num_layers, const DecodeShape* shape, float* hidden,
+                           float* residual, int64_t n, const int64_t* positions, const float* cos_sin,
+                           const int64_t* slots, const int32_t* tables, int64_t table_stride, const int32_t* lens,
+                           int max_ctx, double* seconds) {
+  decode_layers(layers, num_layers, *shape, hidden, residual, n, positions, cos_sin, slots, tables, table_stride,
+                lens, max_ctx, seconds);
+}
+void kvf_decode_layers_bf16(const DecodeLayer* layers, int num_layers, const DecodeShape* shape, uint16_t* hidden,
+                            uint16_t* residual, int64_t n, const int64_t* positions, const uint16_t* cos_sin,
+                            const int64_t* slots, const int32_t* tables, int64_t table_stride, const int32_t* lens,
+                            int max_ctx, double* seconds) {
+  decode_layers(layers, num_layers, *shape, hidden, residual, n, positions, cos_sin, slots, tables, table_stride,
+                lens, max_ctx, seconds);
 }
 // the panel GEMMs (no-ops where not compiled in: the *_available functions say 0 there)
 int kvf_gemm_available() { return kGemmCompiled; }
