@@ -46,7 +46,8 @@ class OpProfile:
             self._patch(runner.model.ops, name, lambda fn, n=name: self._timed(fn, n, self.ops))
         self._patch(cpu_linear, "linear", lambda fn: self._timed(fn, "linear", self.ops))
         if (stack := getattr(runner.model, "decode_stack", None)) is not None:  # its ops timed inside the call
-            self._patch(stack, "run", self._timed_stack)
+            stack.on_profile = self._add_stack_ops
+            self._undo.append(lambda: setattr(stack, "on_profile", None))
         self._patch(isolation, "sample", lambda fn: self._timed(fn, "sampling", self.wall))
         self._patch(engine, "step", self._timed_step)
         return self
@@ -73,20 +74,11 @@ class OpProfile:
                     table[self.kind][name] += dt
         return timed
 
-    def _timed_stack(self, fn: Callable) -> Callable:
-        """The native decode stack's call, its op kinds' seconds (timed in the C++) added by name."""
-        stack = fn.__self__
-
-        def run(*args: Any, **kwargs: Any) -> Any:
-            stack.profile = {}
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                with self._lock:
-                    for name, s in stack.profile.items():
-                        self.ops[self.kind][name] += s
-                stack.profile = None
-        return run
+    def _add_stack_ops(self, seconds: dict[str, float]) -> None:
+        """One call of the native decode stack: its op kinds' seconds, timed in the C++."""
+        with self._lock:
+            for name, s in seconds.items():
+                self.ops[self.kind][name] += s
 
     def _timed_execute(self, fn: Callable) -> Callable:
         def execute(sched: Any) -> Any:

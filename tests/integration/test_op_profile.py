@@ -38,7 +38,7 @@ def test_profile_of_a_run(tiny_llama_dir, monkeypatch, stack):
     assert ([getattr(ops, n) for n in OPS], cpu_linear.linear, isolation.sample) == originals
     assert "execute" not in vars(engine.runner) and "step" not in vars(engine)
     if stack:
-        assert "run" not in vars(engine.runner.model.decode_stack) and engine.runner.model.decode_stack.profile is None
+        assert engine.runner.model.decode_stack.on_profile is None
     report = profile.report()
     assert set(report) == {"prefill", "decode"}
     assert report["prefill"]["steps"] >= 1 and report["decode"]["steps"] >= 5  # 3 prompts x 5 more tokens

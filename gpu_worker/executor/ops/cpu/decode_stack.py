@@ -12,6 +12,7 @@ path for the step's rows, no tensor parallelism (the all-reduces sit between the
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 import torch
 
@@ -62,7 +63,8 @@ class DecodeStack:
         self._fn = getattr(cpu_kernels.load(), f"kvf_decode_layers_{cpu_kernels.SUFFIX[self.dtype]}")
         self._fn.argtypes = [_P, _I32, _P, _P, _P, _I64, _P, _P, _P, _P, _I64, _P, _I32, _P]
         self._fn.restype = None
-        self.profile: dict[str, float] | None = None  # set: each op kind's seconds are added here
+        # set (a profiler): called after each run with that run's seconds per op kind (OP_NAMES)
+        self.on_profile: Callable[[dict[str, float]], None] | None = None
 
     @classmethod
     def build(cls, model, plan: cpu_linear.LinearPlan | None) -> DecodeStack | None:
@@ -97,11 +99,11 @@ class DecodeStack:
         pos, slots = cpu_kernels.as_index(positions), cpu_kernels.as_index(meta.slot_mapping)
         tables = cpu_kernels.as_index(meta.block_tables, torch.int32)
         lens = cpu_kernels.as_index(meta.context_lens, torch.int32)
-        seconds = (ctypes.c_double * len(OP_NAMES))() if self.profile is not None else None
+        on_profile = self.on_profile
+        seconds = (ctypes.c_double * len(OP_NAMES))() if on_profile is not None else None
         self._fn(ctypes.addressof(self.table), self.num_layers, ctypes.addressof(self.shape), hidden.data_ptr(),
                  residual.data_ptr(), n, pos.data_ptr(), cos_sin.data_ptr(), slots.data_ptr(), tables.data_ptr(),
                  tables.stride(0), lens.data_ptr(), max(1, int(lens.max())) if n else 1, seconds)
-        if seconds is not None:
-            for name, s in zip(OP_NAMES, seconds, strict=True):
-                self.profile[name] = self.profile.get(name, 0.0) + s
+        if on_profile is not None:
+            on_profile(dict(zip(OP_NAMES, seconds, strict=True)))
         return hidden, residual
