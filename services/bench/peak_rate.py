@@ -5,7 +5,7 @@ x throughput; no memory): float32 FMAs (AVX-512 or AVX2) and bfloat16 pair dot p
 AVX512_BF16), on each of N threads at once, best of a few runs. On a
 shared virtual machine the clock moves with the neighbours' load, and so does this peak: `kvfleet bench
 throughput` reports it beside the matmul probe, so that a ratio to the probe can be read against the machine's
-state at that moment. Built with g++ on first use into ~/.cache/kvfleet/peak_rate/.
+state at that moment. Built with g++ on first use into ~/.cache/kvfleet/peak_rate/ (as the kernels are).
 
     python -m services.bench.peak_rate [--threads N]
 """
@@ -14,12 +14,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import hashlib
-import shutil
-import subprocess
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 SOURCE = r"""
 #include <immintrin.h>
@@ -93,23 +88,12 @@ ITERS = 2_000_000  # ~0.05-0.1 s a run at 3-4 GHz
 
 def _library() -> ctypes.CDLL | None:
     """The compiled loops (once per source and CPU), or None without a C++ compiler."""
-    compiler = shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
+    from gpu_worker.executor.ops.cpu.kernels import build_library
+
+    try:
+        lib = ctypes.CDLL(str(build_library(SOURCE, FLAGS, "peak_rate")))
+    except (OSError, RuntimeError):
         return None
-    cpu = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    flags_line = next((ln for ln in cpu.splitlines() if ln.startswith("flags")), "")
-    key = hashlib.sha256((SOURCE + " ".join(FLAGS) + flags_line).encode()).hexdigest()[:16]
-    path = Path.home() / ".cache" / "kvfleet" / "peak_rate" / key / "libpeak.so"
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            src, lib = Path(tmp) / "peak.cpp", Path(tmp) / "lib.so"
-            src.write_text(SOURCE)
-            proc = subprocess.run([compiler, *FLAGS, str(src), "-o", str(lib)], capture_output=True, text=True)
-            if proc.returncode != 0:
-                return None
-            lib.replace(path)
-    lib = ctypes.CDLL(str(path))
     for name in ("peak_f32", "peak_bf16"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = [ctypes.c_long], ctypes.c_double
     return lib

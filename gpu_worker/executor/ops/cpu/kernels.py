@@ -75,23 +75,26 @@ def _cpu_identity() -> str:
     return "\n".join(next((ln for ln in lines if ln.startswith(k)), "") for k in ("model name", "flags"))
 
 
-def _library_path(source: str) -> Path:
-    key = hashlib.sha256((source + " ".join(FLAGS) + _cpu_identity()).encode()).hexdigest()[:16]
-    return Path.home() / ".cache" / "kvfleet" / "cpu_kernels" / key / "libkvfleet_cpu.so"
-
-
-def _build(source: str, out: Path) -> None:
+def build_library(source: str, flags: list[str], name: str) -> Path:
+    """source (C++) compiled once with the system's g++ and flags into ~/.cache/kvfleet/<name>/<hash of source,
+    flags and CPU>/lib<name>.so, or the library built before; RuntimeError without a compiler or on an error."""
+    key = hashlib.sha256((source + " ".join(flags) + _cpu_identity()).encode()).hexdigest()[:16]
+    out = Path.home() / ".cache" / "kvfleet" / name / key / f"lib{name}.so"
+    if out.is_file():
+        return out
     compiler = shutil.which(foreign_var("CXX", "g++")) or shutil.which("c++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++) on PATH")
+    log.info("compiling %s into %s (once)", name, out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        src, lib = Path(tmp) / "cpu_kernels.cpp", Path(tmp) / "lib.so"
+        src, lib = Path(tmp) / f"{name}.cpp", Path(tmp) / "lib.so"
         src.write_text(source)
-        proc = subprocess.run([compiler, *FLAGS, str(src), "-o", str(lib)], capture_output=True, text=True)
+        proc = subprocess.run([compiler, *flags, str(src), "-o", str(lib)], capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{compiler} failed:\n{proc.stderr[-2000:]}")
         os.replace(lib, out)  # atomic: a concurrent build just puts the same library in place
+    return out
 
 
 def load() -> ctypes.CDLL | None:
@@ -102,12 +105,7 @@ def load() -> ctypes.CDLL | None:
             return _lib
         _tried = True
         try:
-            source = SOURCE.read_text()
-            path = _library_path(source)
-            if not path.is_file():
-                log.info("compiling kvfleet's CPU kernels into %s (once)", path)
-                _build(source, path)
-            lib = ctypes.CDLL(str(path))
+            lib = ctypes.CDLL(str(build_library(SOURCE.read_text(), FLAGS, "cpu_kernels")))
         except (OSError, RuntimeError) as e:
             log.warning("kvfleet's CPU kernels are unavailable (%s); using the slower torch ops", e)
             return None

@@ -1701,6 +1701,14 @@ void kvf_decode_attention_bf16(const uint16_t* q, const uint16_t* kc, const uint
   void kvf_store_kv_##SUFFIX(const T* k, int64_t k_stride, const T* v, int64_t v_stride, T* kc, T* vc,           \
                              const int64_t* slots, int64_t n, int64_t width) {                                    \
     store_kv(k, k_stride, v, v_stride, kc, vc, slots, n, width);                                                 \
+  }                                                                                                              \
+  /* a decode step's decoder layers; only where the dtype's panel GEMM is compiled in (kvf_gemm*available) */     \
+  void kvf_decode_layers_##SUFFIX(const DecodeLayer* layers, int num_layers, const DecodeShape* shape, T* hidden, \
+                                  T* residual, int64_t n, const int64_t* positions, const T* cos_sin,            \
+                                  const int64_t* slots, const int32_t* tables, int64_t table_stride,              \
+                                  const int32_t* lens, int max_ctx, double* seconds) {                            \
+    decode_layers(layers, num_layers, *shape, hidden, residual, n, positions, cos_sin, slots, tables,             \
+                  table_stride, lens, max_ctx, seconds);                                                          \
   }
 KVF_TYPED(f32, float)
 KVF_TYPED(bf16, uint16_t)
@@ -1723,21 +1731,6 @@ int kvf_isa() {
 }
 int kvf_argmax_f32(const float* x, int64_t rows, int64_t cols, int64_t stride, int64_t* out) {
   return argmax_rows(x, rows, cols, stride, out) ? 1 : 0;
-}
-// a decode step's decoder layers (decode_layers above); only where the panel GEMM of the dtype is compiled in
-void kvf_decode_layers_f32(const DecodeLayer* layers, int num_layers, const DecodeShape* shape, float* hidden,
-                           float* residual, int64_t n, const int64_t* positions, const float* cos_sin,
-                           const int64_t* slots, const int32_t* tables, int64_t table_stride, const int32_t* lens,
-                           int max_ctx, double* seconds) {
-  decode_layers(layers, num_layers, *shape, hidden, residual, n, positions, cos_sin, slots, tables, table_stride,
-                lens, max_ctx, seconds);
-}
-void kvf_decode_layers_bf16(const DecodeLayer* layers, int num_layers, const DecodeShape* shape, uint16_t* hidden,
-                            uint16_t* residual, int64_t n, const int64_t* positions, const uint16_t* cos_sin,
-                            const int64_t* slots, const int32_t* tables, int64_t table_stride, const int32_t* lens,
-                            int max_ctx, double* seconds) {
-  decode_layers(layers, num_layers, *shape, hidden, residual, n, positions, cos_sin, slots, tables, table_stride,
-                lens, max_ctx, seconds);
 }
 // the panel GEMMs (no-ops where not compiled in: the *_available functions say 0 there)
 int kvf_gemm_available() { return kGemmCompiled; }
