@@ -47,11 +47,10 @@ class DecodeStack:
         cfg = model.arch
         self.dtype = model.embed.dtype
         self.max_rows = cpu_linear.MANY_ROWS if few_rows_only else None  # more rows: another matmul path
-        self.layers = model.layers
         self.num_layers = len(model.layers)
         self.shape = _Shape(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                             0, cfg.eps, cfg.scale)
-        self.table = (_Layer * self.num_layers)()
+        self.table = (_Layer * self.num_layers)()  # pointers into the model's tensors (the model holds this stack)
         for entry, layer in zip(self.table, model.layers, strict=True):
             p = layer.packed
             for name, value in (("input_norm", layer.input_norm), ("post_norm", layer.post_attn_norm),
