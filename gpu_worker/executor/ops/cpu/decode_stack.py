@@ -5,8 +5,8 @@ between them (the module calls, the op wrappers, views, allocations) ~60 us more
 threads spin in their barrier. The native stack calls the same kernels in the same order with the same
 rounding, so the hidden states are bit for bit those of the model's Python forward (tests/kernels). It applies
 where every op of the layer is kvfleet's native one: CPU, float32 or bfloat16, the panel GEMM as the matmul
-path for the step's rows, no tensor parallelism (the all-reduces sit between the ops) and no q/k RMSNorm
-(Qwen3). Other steps, and prefill chunks, take the Python forward.
+path for the step's rows, and no tensor parallelism (the all-reduces sit between the ops). Other steps, and
+prefill chunks, take the Python forward.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ OP_NAMES = ("rms_norm", "linear", "rotary_embedding", "store_kv_cache", "paged_a
 
 class _Layer(ctypes.Structure):
     _fields_ = [(name, _P) for name in ("input_norm", "post_norm", "qkv", "o", "gate_up", "down", "qkv_bias",
-                                        "o_bias", "gate_up_bias", "down_bias", "key_cache", "value_cache")]
+                                        "o_bias", "gate_up_bias", "down_bias", "q_norm", "k_norm", "key_cache",
+                                        "value_cache")]
 
 
 class _Shape(ctypes.Structure):
@@ -56,7 +57,8 @@ class DecodeStack:
             for name, value in (("input_norm", layer.input_norm), ("post_norm", layer.post_attn_norm),
                                 ("qkv", p["qkv"].data), ("o", p["o"].data), ("gate_up", p["gate_up"].data),
                                 ("down", p["down"].data), ("qkv_bias", layer.qkv_bias), ("o_bias", layer.o_bias),
-                                ("gate_up_bias", layer.gate_up_bias), ("down_bias", layer.down_bias)):
+                                ("gate_up_bias", layer.gate_up_bias), ("down_bias", layer.down_bias),
+                                ("q_norm", layer.q_norm), ("k_norm", layer.k_norm)):
                 setattr(entry, name, _ptr(value))
         self._caches: list | None = None  # the KV caches the table points at
         self._fn = getattr(cpu_kernels.load(), f"kvf_decode_layers_{cpu_kernels.SUFFIX[self.dtype]}")
@@ -68,8 +70,8 @@ class DecodeStack:
     @classmethod
     def build(cls, model, plan: cpu_linear.LinearPlan | None) -> DecodeStack | None:
         """The stack for this model, or None where one of its ops is not the native kernel (see the module)."""
-        cfg, ops = model.arch, model.ops
-        if (plan is None or model.tp.size != 1 or cfg.qk_norm or model.embed.device.type != "cpu"
+        ops = model.ops
+        if (plan is None or model.tp.size != 1 or model.embed.device.type != "cpu"
                 or model.embed.dtype not in cpu_kernels.SUFFIX or not cpu_kernels.gemm_available(model.embed.dtype)):
             return None
         native = native_ops.cpu_ops()

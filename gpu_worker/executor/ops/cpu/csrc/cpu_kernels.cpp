@@ -1598,9 +1598,9 @@ void gemm_bf16(const uint16_t*, int64_t, int64_t, int64_t, const uint16_t*, int6
 // views and allocations, while the other threads wait in their barrier). The matmuls are the panel GEMMs
 // (the path for few rows), the elementwise ops and decode attention the native ones; decode_stack.py decides
 // when this applies.
-struct DecodeLayer {  // one layer's weights (panel-packed matmuls; a bias pointer may be null) and KV cache
+struct DecodeLayer {  // one layer's weights (panel-packed matmuls; a bias or q/k norm pointer may be null), KV cache
   const void *input_norm, *post_norm, *qkv, *o, *gate_up, *down;
-  const void *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
+  const void *qkv_bias, *o_bias, *gate_up_bias, *down_bias, *q_norm, *k_norm;
   void *key_cache, *value_cache;
 };
 struct DecodeShape {
@@ -1627,6 +1627,7 @@ void decode_layers(const DecodeLayer* layers, int num_layers, const DecodeShape&
   const int64_t H = sh.hidden, I = sh.inter, qs = int64_t(sh.hq) * sh.d, kvs = int64_t(sh.hkv) * sh.d;
   const int64_t qkv_n = qs + 2 * kvs;
   thread_local std::vector<T> normed, qkv, q_rot, k_rot, attn, o_out, gate_up, act;  // kept from step to step
+  thread_local std::vector<T> q_in, k_in, q_normed, k_normed;  // (Qwen3's q/k RMSNorm)
   thread_local std::vector<int64_t> rows;
   normed.resize(n * H), qkv.resize(n * qkv_n), q_rot.resize(n * qs), k_rot.resize(n * kvs), attn.resize(n * qs);
   o_out.resize(n * H), gate_up.resize(n * 2 * I), act.resize(n * I), rows.resize(n);
@@ -1647,8 +1648,20 @@ void decode_layers(const DecodeLayer* layers, int num_layers, const DecodeShape&
     lap(kOpRmsNorm);
     panel_gemm(normed.data(), n, H, w.qkv, qkv_n, w.qkv_bias, qkv.data());
     lap(kOpLinear);
-    rotary<T>(positions, qkv.data(), qkv_n, qkv.data() + qs, qkv_n, cos_sin, q_rot.data(), k_rot.data(), n, sh.hq,
-              sh.hkv, sh.d, 1);
+    const T *q = qkv.data(), *k = qkv.data() + qs;
+    int64_t q_stride = qkv_n, k_stride = qkv_n;
+    if (w.q_norm != nullptr) {  // per head, each head's row copied out first (as the Python path's reshape does)
+      q_in.resize(n * qs), k_in.resize(n * kvs), q_normed.resize(n * qs), k_normed.resize(n * kvs);
+      for (int64_t t = 0; t < n; ++t) {
+        std::memcpy(q_in.data() + t * qs, q + t * qkv_n, size_t(qs) * sizeof(T));
+        std::memcpy(k_in.data() + t * kvs, k + t * qkv_n, size_t(kvs) * sizeof(T));
+      }
+      rms_norm<T>(q_in.data(), nullptr, (const T*)w.q_norm, q_normed.data(), nullptr, n * sh.hq, sh.d, sh.eps);
+      rms_norm<T>(k_in.data(), nullptr, (const T*)w.k_norm, k_normed.data(), nullptr, n * sh.hkv, sh.d, sh.eps);
+      q = q_normed.data(), k = k_normed.data(), q_stride = qs, k_stride = kvs;
+      lap(kOpRmsNorm);
+    }
+    rotary<T>(positions, q, q_stride, k, k_stride, cos_sin, q_rot.data(), k_rot.data(), n, sh.hq, sh.hkv, sh.d, 1);
     lap(kOpRotary);
     T *kc = (T*)w.key_cache, *vc = (T*)w.value_cache;
     store_kv<T>(k_rot.data(), kvs, qkv.data() + qs + kvs, qkv_n, kc, vc, slots, n, kvs);
