@@ -4,8 +4,8 @@
 `_forward` (one forward over a group of sequences: with 2 concurrent forwards a prefill step holds 2 of them),
 the model's hot operations (`Ops`: attention, RMSNorm, rotary, SiLU-and-mul, KV store), the linear layers
 (`cpu_linear.linear`: every projection and the lm_head) and the sampling (`isolation.sample`); a decode step
-through the native decode stack (ops/cpu/decode_stack.py) reports the same op kinds, timed inside its one call. `report()` gives, per step kind
-(a step with a chunk of 2+ tokens is a prefill step, else a decode step):
+through the native decode stack (ops/cpu/decode_stack.py) reports the same op kinds, timed inside its one call.
+`report()` gives, per step kind (a step with a chunk of 2+ tokens is a prefill step, else a decode step):
 - wall seconds of the whole step, of its forward, of sampling, and the rest (scheduling, block copies, input
   tensors, detokenizing, output building: what runs in Python between forwards);
 - thread-seconds per operation, and their share of the forwards' thread-seconds ("other": embedding, residual
