@@ -62,7 +62,7 @@ class DecodeStack:
                 setattr(entry, name, _ptr(value))
         self._caches: list | None = None  # the KV caches the table points at
         self._fn = getattr(cpu_kernels.load(), f"kvf_decode_layers_{cpu_kernels.SUFFIX[self.dtype]}")
-        self._fn.argtypes = [_P, _I32, _P, _P, _P, _I64, _P, _P, _P, _P, _I64, _P, _I32, _P]
+        self._fn.argtypes = [_P, _I32, _P, _P, _P, _I64, _P, _P, _P, _P, _I64, _P, _P]
         self._fn.restype = None
         # set (a profiler): called after each run with that run's seconds per op kind (OP_NAMES)
         self.on_profile: Callable[[dict[str, float]], None] | None = None
@@ -72,13 +72,13 @@ class DecodeStack:
         """The stack for this model, or None where one of its ops is not the native kernel (see the module)."""
         ops = model.ops
         if (plan is None or model.tp.size != 1 or model.embed.device.type != "cpu"
-                or model.embed.dtype not in cpu_kernels.SUFFIX or not cpu_kernels.gemm_available(model.embed.dtype)):
+                or model.embed.dtype not in cpu_kernels.SUFFIX):
             return None
         native = native_ops.cpu_ops()
         if not native or any(getattr(ops, name) is not fn for name, fn in native.items()):
             return None  # the torch or Triton ops (tests, TRITON_INTERPRET): their rounding, not the kernels'
         packed = [layer.packed.get(name) for layer in model.layers for name in ("qkv", "o", "gate_up", "down")]
-        if any(p is None or p.kind != "panel" or p.upcast for p in packed):
+        if any(p is None or p.kind != "panel" or p.upcast for p in packed):  # (panel: the GEMM is compiled in)
             return None
         return cls(model, few_rows_only=any(p.many is not None for p in packed))
 
@@ -104,7 +104,7 @@ class DecodeStack:
         seconds = (ctypes.c_double * len(OP_NAMES))() if on_profile is not None else None
         self._fn(ctypes.addressof(self.table), self.num_layers, ctypes.addressof(self.shape), hidden.data_ptr(),
                  residual.data_ptr(), n, pos.data_ptr(), cos_sin.data_ptr(), slots.data_ptr(), tables.data_ptr(),
-                 tables.stride(0), lens.data_ptr(), max(1, int(lens.max())) if n else 1, seconds)
+                 tables.stride(0), lens.data_ptr(), seconds)
         if on_profile is not None:
             on_profile(dict(zip(OP_NAMES, seconds, strict=True)))
         return hidden, residual

@@ -1608,7 +1608,7 @@ struct DecodeShape {
   int hq, hkv, d, block_size;
   float eps, scale;
 };
-enum DecodeOp { kOpRmsNorm, kOpLinear, kOpRotary, kOpStoreKv, kOpAttention, kOpSilu, kNumDecodeOps };
+enum DecodeOp { kOpRmsNorm, kOpLinear, kOpRotary, kOpStoreKv, kOpAttention, kOpSilu };  // decode_stack.OP_NAMES
 
 inline void panel_gemm(const float* x, int64_t m, int64_t k, const void* w, int64_t n, const void* bias, float* out) {
   gemm(x, k, m, k, (const float*)w, n, (const float*)bias, out, n);
@@ -1623,7 +1623,7 @@ inline void panel_gemm(const uint16_t* x, int64_t m, int64_t k, const void* w, i
 template <typename T>
 void decode_layers(const DecodeLayer* layers, int num_layers, const DecodeShape& sh, T* hidden, T* residual,
                    int64_t n, const int64_t* positions, const T* cos_sin, const int64_t* slots, const int32_t* tables,
-                   int64_t table_stride, const int32_t* lens, int max_ctx, double* seconds) {
+                   int64_t table_stride, const int32_t* lens, double* seconds) {
   const int64_t H = sh.hidden, I = sh.inter, qs = int64_t(sh.hq) * sh.d, kvs = int64_t(sh.hkv) * sh.d;
   const int64_t qkv_n = qs + 2 * kvs;
   thread_local std::vector<T> normed, qkv, q_rot, k_rot, attn, o_out, gate_up, act;  // kept from step to step
@@ -1667,7 +1667,7 @@ void decode_layers(const DecodeLayer* layers, int num_layers, const DecodeShape&
     store_kv<T>(k_rot.data(), kvs, qkv.data() + qs + kvs, qkv_n, kc, vc, slots, n, kvs);
     lap(kOpStoreKv);
     decode_attention<T>(q_rot.data(), kc, vc, tables, table_stride, lens, rows.data(), int(n), sh.hq, sh.hkv, sh.d,
-                        sh.block_size, sh.scale, max_ctx, attn.data(), 1);
+                        sh.block_size, sh.scale, 0, attn.data(), 1);  // (max_ctx: unused there)
     lap(kOpAttention);
     panel_gemm(attn.data(), n, qs, w.o, H, w.o_bias, o_out.data());
     lap(kOpLinear);
@@ -1719,9 +1719,9 @@ void kvf_decode_attention_bf16(const uint16_t* q, const uint16_t* kc, const uint
   void kvf_decode_layers_##SUFFIX(const DecodeLayer* layers, int num_layers, const DecodeShape* shape, T* hidden, \
                                   T* residual, int64_t n, const int64_t* positions, const T* cos_sin,            \
                                   const int64_t* slots, const int32_t* tables, int64_t table_stride,              \
-                                  const int32_t* lens, int max_ctx, double* seconds) {                            \
+                                  const int32_t* lens, double* seconds) {                                         \
     decode_layers(layers, num_layers, *shape, hidden, residual, n, positions, cos_sin, slots, tables,             \
-                  table_stride, lens, max_ctx, seconds);                                                          \
+                  table_stride, lens, seconds);                                                                   \
   }
 KVF_TYPED(f32, float)
 KVF_TYPED(bf16, uint16_t)
