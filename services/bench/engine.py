@@ -1,9 +1,10 @@
 """kvfleet's side of `kvfleet bench throughput`: the workload through LLMEngine in this process.
 
 All requests are queued at once (offline, like the baselines' generate) and the engine steps until they are
-done; KV-cache statistics are sampled after every step. Warm-up first (not timed): 2 requests x 4 tokens,
-the baselines' warm-up. With --rounds the loaded engine runs the workload once per round, the prefix cache
-emptied between rounds (services.bench.interleave).
+done; KV-cache statistics are sampled after every step. Warm-up first (not timed): the worker's own
+(gpu_worker.engine.warmup), as vLLM's start runs a forward of its largest step before it serves. With --rounds
+the loaded engine runs the workload once per round, the prefix cache emptied between rounds
+(services.bench.interleave).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class EngineBench:
     def __init__(self, model_dir: Path, workload: Workload, shape: ModelShape, args: argparse.Namespace, *,
                  progress: bool) -> None:
         from gpu_worker.engine.llm_engine import LLMEngine
+        from gpu_worker.engine.warmup import warm_up
 
         self.workload, self.shape, self.args, self.progress = workload, shape, args, progress
         self.tp = getattr(args, "tensor_parallel_size", 1)
@@ -46,16 +48,15 @@ class EngineBench:
             self.rss.__exit__(None, None, None)
             raise
         self.load_s = time.perf_counter() - t0
-        for i, r in enumerate(workload.requests[:2]):  # warm-up on reversed prompts: no prefix-cache hits later
-            engine.add_request(f"warmup-{i}", r.prompt_token_ids[::-1], _params(4, self.sampling))
-        while engine.has_unfinished_requests():
-            engine.step()
-        # timed from a resident KV cache, as vLLM's (it zeroes its cache while it starts), as a worker's
-        # warm-up waits for it (gpu_worker.executor.kv_prefault)
-        self.prefault_s = engine.wait_kv_resident()
-        if self.prefault_s >= 0.05:
-            print(f"kvfleet: waited {self.prefault_s:.1f} s for the KV cache to be resident before timing",
-                  file=sys.stderr, flush=True)
+        # warmed up as a worker is before it takes requests: a step of the engine's largest size on every forward
+        # thread, the sampling paths, then a wait until the KV cache is resident (gpu_worker.executor.kv_prefault),
+        # as vLLM's start runs a dummy forward of max_num_batched_tokens tokens and zeroes its cache. A smaller
+        # warm-up (2 requests x 4 tokens) left the first full-size prefill steps of the first timed round to
+        # fault their activations' memory in (2-core Zen 5, float32: the round 19.4 s, the next 17.5 s). Its
+        # prompts are random ids: the workload's find none of them in the prefix cache.
+        self.warmup = warm_up(engine)
+        self.prefault_s = self.warmup.kv_wait_s
+        print(f"kvfleet {self.warmup.describe()} (not timed)", file=sys.stderr, flush=True)
         self.rounds = 0
 
     def round(self, label: str = "kvfleet") -> dict:

@@ -82,6 +82,9 @@ def test_every_round_starts_from_an_empty_prefix_cache(tiny_llama_dir, tmp_path)
     assert [r["prefix_cache_hit_tokens"] for r in rounds] == [24, 24, 24]
     assert all(r["output_tokens"] == 15 and r["num_requests"] == 3 for r in rounds)
     assert rounds[0]["model_flops"] == rounds[2]["model_flops"]
+    # warmed up as a worker is (gpu_worker.engine.warmup): a step of max_num_batched_tokens (64) prompt tokens among
+    # others, before the first round; and none of its prompts' blocks was a hit in a round (the 24 above)
+    assert bench.warmup.prompt_tokens >= 64 and bench.warmup.requests >= 3
 
 
 def test_rounds_alternate_with_the_peer_and_the_ratio_is_the_median_of_the_rounds(tiny_llama_dir, tmp_path):
