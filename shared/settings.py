@@ -79,6 +79,10 @@ class Settings:
     # A CPU worker makes its whole KV cache resident in the background after it starts (first-touch page
     # faults then never land in a forward); 0: pages fault in on first use (memory grows only as it is used).
     kv_prefault: bool = True
+    # The -march kvfleet's native CPU kernels are compiled for: "native" (this CPU's every extension), or a GCC
+    # name such as x86-64-v3 (AVX2 + FMA, as a Zen 3) or x86-64 (no AVX), to run the code paths of an older CPU
+    # here. One whose extensions this CPU lacks is refused (its code would stop the process with SIGILL).
+    cpu_march: str = "native"
     # tool_choice "auto" (the default with tools): the gateway reads the model's calls out of its text with this
     # parser (gateway.tool_parsers: hermes, mistral, llama3_json), as vLLM's --enable-auto-tool-choice
     # --tool-call-parser; off, such a request is a 400.

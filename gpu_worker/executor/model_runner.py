@@ -160,7 +160,7 @@ class ModelRunner:
         def impl(fn) -> str:
             module = getattr(fn, "__module__", "")
             if module.endswith("native_ops"):
-                return f"native {kernels.isa()}"
+                return f"native {kernels.describe()}"
             return "triton" if module.startswith("kernels") else "torch"
 
         attention = impl(ops.paged_attention)

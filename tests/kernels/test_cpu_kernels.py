@@ -6,9 +6,6 @@ rounding boundary) and float32 within a few float32 ulps. Decode attention runs 
 whichever the machine has) and its portable loops.
 """
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -227,31 +224,3 @@ def test_native_argmax_picks_as_torch_does(cols):
         got = cpu_kernels.argmax(x)
         assert got is not None and torch.equal(got, x.argmax(dim=-1)), name
     assert cpu_kernels.argmax(torch.randn(4, 8).to(torch.bfloat16)) is None  # float32 only: torch's then
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return set(next((ln for ln in f if ln.startswith("flags")), "").split())
-    except OSError:
-        return set()
-
-
-@pytest.mark.skipif("avx512_bf16" not in _cpu_flags() or "KVFLEET_TEST_NO_BF16_BUILD" in os.environ,
-                    reason="the default build on this CPU is already the one without AVX512_BF16 (or this is it)")
-def test_the_build_for_avx512_without_bf16_passes_the_attention_tests():
-    """AVX-512 CPUs without AVX512_BF16 (Skylake-SP, Ice Lake) serve bfloat16 through the float32 prefill kernel
-    and the portable bf16 conversions: build the kernels that way here (-mno-avx512bf16, its own cached library)
-    and run the attention tests of this file against it, in a process of its own."""
-    code = ("import sys, pytest\n"
-            "from gpu_worker.executor.ops.cpu import kernels as k\n"
-            "k.FLAGS = [*k.FLAGS, '-mno-avx512bf16']\n"
-            "assert k.load() is not None and k.isa() == 'avx512', k.isa()\n"
-            f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', {__file__!r}, '-k',"
-            " '(attention or prefill) and not without_bf16']))\n")
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "KVFLEET_TEST_NO_BF16_BUILD": "1"}  # never itself again, whatever -k selects
-    proc = subprocess.run([sys.executable, "-c", code], cwd=repo, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert " passed" in proc.stdout and "failed" not in proc.stdout, proc.stdout[-2000:]

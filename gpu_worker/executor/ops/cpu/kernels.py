@@ -23,13 +23,27 @@ from pathlib import Path
 
 import torch
 
-from shared.settings import foreign_var
+from shared.settings import Settings, foreign_var
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
-# -ffp-contract=off: a * b + c stays two roundings, as in torch's elementwise ops (explicit FMAs stay FMAs)
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17"]
+# -ffp-contract=off: a * b + c stays two roundings, as in torch's elementwise ops (explicit FMAs stay FMAs);
+# -march: Settings.cpu_march (KVFLEET_CPU_MARCH), "native" unless set
+FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17"]
+# GCC's macro for each x86 extension an -march can enable, and its name among /proc/cpuinfo's flags: code built
+# for an -march may use any of them anywhere (the compiler vectorizes on its own)
+EXTENSIONS = {
+    "__SSE4_2__": "sse4_2", "__POPCNT__": "popcnt", "__AVX__": "avx", "__AVX2__": "avx2", "__FMA__": "fma",
+    "__F16C__": "f16c", "__BMI__": "bmi1", "__BMI2__": "bmi2", "__LZCNT__": "abm", "__MOVBE__": "movbe",
+    "__ADX__": "adx", "__SHA__": "sha_ni", "__GFNI__": "gfni", "__VAES__": "vaes", "__VPCLMULQDQ__": "vpclmulqdq",
+    "__AVXVNNI__": "avx_vnni", "__AVX512F__": "avx512f", "__AVX512DQ__": "avx512dq", "__AVX512CD__": "avx512cd",
+    "__AVX512BW__": "avx512bw", "__AVX512VL__": "avx512vl", "__AVX512IFMA__": "avx512ifma",
+    "__AVX512VBMI__": "avx512vbmi", "__AVX512VBMI2__": "avx512_vbmi2", "__AVX512VNNI__": "avx512_vnni",
+    "__AVX512BITALG__": "avx512_bitalg", "__AVX512VPOPCNTDQ__": "avx512_vpopcntdq",
+    "__AVX512BF16__": "avx512_bf16", "__AVX512FP16__": "avx512_fp16", "__AMX_TILE__": "amx_tile",
+    "__AMX_BF16__": "amx_bf16", "__AMX_INT8__": "amx_int8",
+}
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}  # dtypes with kernels
 
 _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -61,6 +75,47 @@ _GEMM_SIGNATURES = {
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
+_march = "native"  # the -march of the loaded library
+
+
+def march_flags(march: str) -> list[str]:
+    """The x86 extensions (as /proc/cpuinfo names them) that code compiled with -march=<march> may use; "native"
+    resolves to this CPU's. ValueError naming the setting where the compiler knows no such -march."""
+    compiler = _compiler()
+    proc = subprocess.run([compiler, f"-march={march}", "-dM", "-E", "-x", "c++", os.devnull], capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        raise ValueError(f"KVFLEET_CPU_MARCH={march!r}: {compiler} rejects -march={march}: "
+                         f"{proc.stderr.strip()[-500:]}")
+    defined = {line.split()[1] for line in proc.stdout.splitlines() if line.startswith("#define ")}
+    return [flag for macro, flag in EXTENSIONS.items() if macro in defined]
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's instruction-set flags, from /proc/cpuinfo (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return set(next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), []))
+
+
+def check_march(march: str) -> None:
+    """ValueError where -march=<march> enables an extension this CPU lacks: code built for it would stop the
+    process with SIGILL."""
+    have = cpu_flags()
+    missing = [f for f in march_flags(march) if f not in have] if have else []
+    if missing:
+        raise ValueError(f"KVFLEET_CPU_MARCH={march!r} builds the CPU kernels with {', '.join(missing)}, which this "
+                         "CPU lacks (they would stop the process with SIGILL): unset it for -march=native, or name "
+                         "an -march of an older CPU (x86-64-v3: AVX2 + FMA; x86-64: none)")
+
+
+def _compiler() -> str:
+    compiler = shutil.which(foreign_var("CXX", "g++")) or shutil.which("c++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (g++) on PATH")
+    return compiler
 
 
 def _cpu_identity() -> str:
@@ -82,9 +137,7 @@ def build_library(source: str, flags: list[str], name: str) -> Path:
     out = Path.home() / ".cache" / "kvfleet" / name / key / f"lib{name}.so"
     if out.is_file():
         return out
-    compiler = shutil.which(foreign_var("CXX", "g++")) or shutil.which("c++")
-    if compiler is None:
-        raise RuntimeError("no C++ compiler (g++) on PATH")
+    compiler = _compiler()
     log.info("compiling %s into %s (once)", name, out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
@@ -98,14 +151,18 @@ def build_library(source: str, flags: list[str], name: str) -> Path:
 
 
 def load() -> ctypes.CDLL | None:
-    """The compiled kernels (built once per machine and source), or None where they cannot be built."""
-    global _lib, _tried
+    """The compiled kernels (built once per machine, source and -march), or None where they cannot be built.
+    ValueError where KVFLEET_CPU_MARCH names an -march the compiler rejects or this CPU cannot run."""
+    global _lib, _tried, _march
     with _lock:
         if _tried:
             return _lib
-        _tried = True
+        march = Settings.from_env().cpu_march
+        if march != "native":
+            check_march(march)  # raises before anything is built; a later call checks again
+        _tried, _march = True, march
         try:
-            lib = ctypes.CDLL(str(build_library(SOURCE.read_text(), FLAGS, "cpu_kernels")))
+            lib = ctypes.CDLL(str(build_library(SOURCE.read_text(), [*FLAGS, f"-march={march}"], "cpu_kernels")))
         except (OSError, RuntimeError) as e:
             log.warning("kvfleet's CPU kernels are unavailable (%s); using the slower torch ops", e)
             return None
@@ -141,6 +198,12 @@ def isa() -> str:
     bits = lib.kvf_isa()
     names = [n for bit, n in ((2, "avx512"), (4, "avx512_bf16")) if bits & bit] or (["avx2"] if bits & 1 else [])
     return "+".join(names) or "scalar"
+
+
+def describe() -> str:
+    """isa(), and the -march where it is not native, for the start log: "avx2 (-march=x86-64-v3)"."""
+    text = isa()
+    return text if _march == "native" or text == "none" else f"{text} (-march={_march})"
 
 
 def prefill_covers(head_dim: int) -> bool:
