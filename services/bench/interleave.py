@@ -112,9 +112,12 @@ def _vllm_round(vllm: VllmRounds, label: str, progress: bool) -> dict:
 
 
 def run_interleaved(model_dir: Path, workload: Workload, shape: ModelShape, requests_json: Path,
-                    args: argparse.Namespace, *, progress: bool) -> tuple[dict, dict, dict]:
-    """(kvfleet's result, vLLM's result, the rounds): each result is its median round's (by output tokens/s),
-    with every round in "rounds"."""
+                    args: argparse.Namespace, *, progress: bool, probe: bool = False) -> tuple[dict, dict, dict, object]:
+    """(kvfleet's result, vLLM's result, the rounds, the matmul probe or None): each result is its median round's
+    (by output tokens/s), with every round in "rounds". probe: the matmul probe once before the rounds, and its
+    best case timed again right after each kvfleet round (vLLM still stopped), so that each round's FLOP/s is
+    compared with a reading a second away: the probe's best moves 5-10% from one minute to the next on a shared
+    VM, as the engine does."""
     cmd, env = vllm_command(requests_json, args)
     cmd += ["--rounds", str(args.rounds)]
     print(f"vLLM CPU from {args.vllm_venv}, loaded first and kept (starting takes 1-2 min: it compiles) ...",
@@ -123,6 +126,13 @@ def run_interleaved(model_dir: Path, workload: Workload, shape: ModelShape, requ
     ours = None
     try:
         ours = EngineBench(model_dir, workload, shape, args, progress=progress)
+        probed = None
+        if probe:
+            from services.bench.matmul_probe import probe_matmul, retime
+
+            print("probing matmul FLOP/s at the model's shapes ...", file=sys.stderr, flush=True)
+            with vllm.stopped():
+                probed = probe_matmul(shape, args.dtype)
         rounds, kv_rounds, vl_rounds = [], [], []
         for i in range(args.rounds):
             order = ("kvfleet", "vllm") if i % 2 == 0 else ("vllm", "kvfleet")
@@ -132,6 +142,9 @@ def run_interleaved(model_dir: Path, workload: Workload, shape: ModelShape, requ
                     idle0 = cpu_seconds(vllm.proc.pid, children=True)
                     with vllm.stopped():
                         kv = ours.round(label=f"kvfleet, round {i + 1}")
+                        if probed is not None:
+                            row["best_matmul_flops"] = retime(shape, probed)
+                            row["fraction_of_best"] = kv["achieved_flops"] / row["best_matmul_flops"]
                     row["kvfleet"] = kv["output_tok_per_s"]
                     row["vllm_cpu_s_while_kvfleet_ran"] = round(cpu_seconds(vllm.proc.pid, children=True) - idle0, 2)
                     kv_rounds.append(kv)
@@ -156,4 +169,7 @@ def run_interleaved(model_dir: Path, workload: Workload, shape: ModelShape, requ
     ratios = [r["ratio"] for r in rounds]
     summary = {"rounds": rounds, "ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
                "ratio_max": max(ratios)}
-    return kvfleet_result, vllm_result, summary
+    if fractions := [r["fraction_of_best"] for r in rounds if "fraction_of_best" in r]:
+        summary |= {"fraction_of_best_median": statistics.median(fractions), "fraction_of_best_min": min(fractions),
+                    "fraction_of_best_max": max(fractions)}
+    return kvfleet_result, vllm_result, summary, probed

@@ -81,3 +81,30 @@ def test_interleaved_rounds_give_the_median_of_the_rounds_ratios_and_list_every_
     assert "kvfleet / vLLM CPU: 1.20x output tok/s" in table
     assert "3 rounds each, alternating" in table and "1.00-1.30x" in table
     assert "round 2 (vllm then kvfleet): kvfleet 110.0, vLLM 110.0 output tok/s, 1.00x" in table
+
+
+def test_with_rounds_the_share_of_the_best_matmul_is_the_median_of_each_rounds_against_its_own_reading():
+    from services.bench.matmul_probe import ProbeResult
+
+    ours = _result(120.0, max_num_seqs=256, max_num_batched_tokens=2048, num_kv_blocks=100, kv_peak_used_blocks=10,
+                   block_size=16, preemptions=0, kv_waste=0.02, kv_peak_waste=0.03, kv_waste_samples=5,
+                   achieved_flops=3e11)
+    # the probe before the rounds read 5e11 (ours: 60% of it); the re-timed readings after each round differ
+    probe = ProbeResult(dtype="float32", best_flops=5e11, best_path="onednn-packed", best_tokens=1024)
+    rows = [{"round": i + 1, "order": ["kvfleet", "vllm"], "kvfleet": 120.0, "vllm": 100.0, "ratio": 1.2,
+             "vllm_cpu_s_while_kvfleet_ran": 0.0, "kvfleet_cpu_s_while_vllm_ran": 0.0, "best_matmul_flops": best,
+             "fraction_of_best": achieved / best}
+            for i, (achieved, best) in enumerate([(3.0e11, 4.0e11), (3.1e11, 4.4e11), (2.9e11, 4.5e11)])]
+    fractions = sorted(r["fraction_of_best"] for r in rows)
+    inter = {"rounds": rows, "ratio_median": 1.2, "ratio_min": 1.2, "ratio_max": 1.2,
+             "fraction_of_best_median": fractions[1], "fraction_of_best_min": fractions[0],
+             "fraction_of_best_max": fractions[2]}
+    s = summarize(Workload(name="w", path="w.json", requests=[]), argparse.Namespace(dtype="float32", threads=2),
+                  {"kvfleet": ours, "vllm": _result(100.0, vllm="0.32.0", max_num_seqs=256, threads_bind="0-1")},
+                  probe, inter)
+    assert s["flops"]["fraction_of_best"] == pytest.approx(3.1 / 4.4)  # not 3 / 5 against the probe before
+    assert s["flops"]["best_matmul_flops"] == 5e11
+    table = format_table(s)
+    assert ("= 70% of the best matmul here (the median of the rounds', each round against that matmul timed again "
+            "right after it: 64-75%); the probe before the rounds: 500.0 GFLOP/s (onednn-packed, 1024 tokens") in table
+    assert "round 2 (kvfleet then vllm)" in table and "the best matmul right after kvfleet's: 440.0 GFLOP/s, kvfleet 70% of it" in table
