@@ -61,9 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="N > 1: kvfleet and vLLM both stay loaded and run the workload N times each, their rounds "
                         "alternating (kvfleet then vLLM, then vLLM then kvfleet, ...), each from an empty prefix "
                         "cache; the table gives every round's ratio and the median (a steadier ratio on a noisy "
-                        "machine than one run each); the matmul probe runs once before the rounds and its best "
-                        "case again after each kvfleet round, and the share of the best matmul is the median of "
-                        "the rounds' shares; needs vLLM's venv")
+                        "machine than one run each); the matmul probe's layer cases are also timed after each "
+                        "kvfleet round, and the share of the best matmul is the median of the rounds' shares (peak "
+                        "RSS: kvfleet's first round); needs vLLM's venv")
     p.add_argument("--profile-ops", action="store_true",
                    help="time kvfleet per step kind (prefill, decode: forward, sampling, the rest) and per operation "
                         "(linear layers, attention, norms, ...): a table after the results, `profile` in the JSON "
@@ -137,12 +137,12 @@ def throughput(args: argparse.Namespace) -> int:
         if args.rounds > 1:
             from services.bench.interleave import run_interleaved
 
-            results["kvfleet"], results["vllm"], interleaved, probe = run_interleaved(
+            results["kvfleet"], results["vllm"], interleaved = run_interleaved(
                 files.weights_dir, workload, shape, requests_json, args, progress=progress, probe=not args.no_probe)
         else:
             results["kvfleet"] = run_engine(files.weights_dir, workload, shape, args, progress=progress)
-            probe = None
-        if not args.no_probe and probe is None:
+        probe = None
+        if not args.no_probe:
             from services.bench.matmul_probe import probe_matmul
 
             _note("probing matmul FLOP/s at the model's shapes ...")

@@ -112,12 +112,12 @@ def _vllm_round(vllm: VllmRounds, label: str, progress: bool) -> dict:
 
 
 def run_interleaved(model_dir: Path, workload: Workload, shape: ModelShape, requests_json: Path,
-                    args: argparse.Namespace, *, progress: bool, probe: bool = False) -> tuple[dict, dict, dict, object]:
-    """(kvfleet's result, vLLM's result, the rounds, the matmul probe or None): each result is its median round's
-    (by output tokens/s), with every round in "rounds". probe: the matmul probe once before the rounds, and its
-    best case timed again right after each kvfleet round (vLLM still stopped), so that each round's FLOP/s is
-    compared with a reading a second away: the probe's best moves 5-10% from one minute to the next on a shared
-    VM, as the engine does."""
+                    args: argparse.Namespace, *, progress: bool, probe: bool = False) -> tuple[dict, dict, dict]:
+    """(kvfleet's result, vLLM's result, the rounds): each result is its median round's (by output tokens/s),
+    with every round in "rounds". probe: the matmul probe's layer cases timed right after each kvfleet round
+    (vLLM still stopped), so that each round's FLOP/s is set against the best matmul a few seconds away: the
+    probe's best moves 5-10% from one minute to the next on a shared VM, as the engine does. Its weights stay in
+    this process's heap, so kvfleet's peak RSS is then its first round's."""
     cmd, env = vllm_command(requests_json, args)
     cmd += ["--rounds", str(args.rounds)]
     print(f"vLLM CPU from {args.vllm_venv}, loaded first and kept (starting takes 1-2 min: it compiles) ...",
@@ -126,13 +126,8 @@ def run_interleaved(model_dir: Path, workload: Workload, shape: ModelShape, requ
     ours = None
     try:
         ours = EngineBench(model_dir, workload, shape, args, progress=progress)
-        probed = None
         if probe:
-            from services.bench.matmul_probe import probe_matmul, retime
-
-            print("probing matmul FLOP/s at the model's shapes ...", file=sys.stderr, flush=True)
-            with vllm.stopped():
-                probed = probe_matmul(shape, args.dtype)
+            from services.bench.matmul_probe import best_layer_now
         rounds, kv_rounds, vl_rounds = [], [], []
         for i in range(args.rounds):
             order = ("kvfleet", "vllm") if i % 2 == 0 else ("vllm", "kvfleet")
@@ -142,9 +137,11 @@ def run_interleaved(model_dir: Path, workload: Workload, shape: ModelShape, requ
                     idle0 = cpu_seconds(vllm.proc.pid, children=True)
                     with vllm.stopped():
                         kv = ours.round(label=f"kvfleet, round {i + 1}")
-                        if probed is not None:
-                            row["best_matmul_flops"] = retime(shape, probed)
-                            row["fraction_of_best"] = kv["achieved_flops"] / row["best_matmul_flops"]
+                        if probe:
+                            now = best_layer_now(shape, args.dtype)
+                            row["best_matmul_flops"] = now.best_flops
+                            row["best_matmul_case"] = f"{now.best_path}@{now.best_tokens}"
+                            row["fraction_of_best"] = kv["achieved_flops"] / now.best_flops
                     row["kvfleet"] = kv["output_tok_per_s"]
                     row["vllm_cpu_s_while_kvfleet_ran"] = round(cpu_seconds(vllm.proc.pid, children=True) - idle0, 2)
                     kv_rounds.append(kv)
@@ -164,12 +161,13 @@ def run_interleaved(model_dir: Path, workload: Workload, shape: ModelShape, requ
         if ours is not None:
             ours.close()
     kv_mid = sorted(kv_rounds, key=lambda r: r["output_tok_per_s"])[(len(kv_rounds) - 1) // 2]
-    kvfleet_result = kv_mid | {"rounds": [{k: r[k] for k in ("wall_s", "output_tok_per_s", "steps")}
-                                          for r in kv_rounds], "peak_rss_bytes": kv_rounds[-1]["peak_rss_bytes"]}
+    kvfleet_result = kv_mid | {"rounds": [{k: r[k] for k in ("wall_s", "output_tok_per_s", "steps", "peak_rss_bytes")}
+                                          for r in kv_rounds],
+                               "peak_rss_bytes": kv_rounds[0 if probe else -1]["peak_rss_bytes"]}
     ratios = [r["ratio"] for r in rounds]
     summary = {"rounds": rounds, "ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
                "ratio_max": max(ratios)}
     if fractions := [r["fraction_of_best"] for r in rounds if "fraction_of_best" in r]:
         summary |= {"fraction_of_best_median": statistics.median(fractions), "fraction_of_best_min": min(fractions),
                     "fraction_of_best_max": max(fractions)}
-    return kvfleet_result, vllm_result, summary, probed
+    return kvfleet_result, vllm_result, summary

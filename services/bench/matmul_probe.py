@@ -94,8 +94,7 @@ def _time(fn: Callable[[], object], min_s: float) -> float:
 
 def probe_matmul(shape: ModelShape, dtype_name: str, *, tokens: tuple[int, ...] = PROBE_TOKENS,
                  rounds: int = 5, min_s: float = 0.03, include_lm_head: bool = True,
-                 streamed_tokens: int | None = 64, peak: bool = True, paths: tuple[str, ...] | None = None) -> ProbeResult:
-    """paths: only these of torch's ways (None: all of them); `retime` re-times one probe's best case alone."""
+                 streamed_tokens: int | None = 64, peak: bool = True) -> ProbeResult:
     import torch
 
     from services.bench.peak_rate import peak_flops
@@ -109,8 +108,6 @@ def probe_matmul(shape: ModelShape, dtype_name: str, *, tokens: tuple[int, ...] 
     head_cases: dict[str, tuple[Callable, float]] = {}
     unavailable: dict[str, str] = {}
     for path, make in _linear_paths(dtype).items():
-        if paths is not None and path not in paths:
-            continue
         try:  # some paths need instructions this CPU lacks (oneDNN's packed bf16 GEMM: AVX-512 or AVX-NE-CONVERT)
             with torch.inference_mode():
                 make(weights[0], tokens[0])(torch.zeros(tokens[0], layer[0][0], dtype=dtype))
@@ -157,12 +154,11 @@ def probe_matmul(shape: ModelShape, dtype_name: str, *, tokens: tuple[int, ...] 
                        unavailable=unavailable, streamed_flops=streamed, peak_flops=peak_rate)
 
 
-def retime(shape: ModelShape, probe: ProbeResult) -> float:
-    """FLOP/s of `probe`'s best case (its path and token count, one layer's matmuls) timed again now: ~1 s, for a
-    reading next to each round of a run (`kvfleet bench throughput --rounds`) on a clock that moves."""
-    again = probe_matmul(shape, probe.dtype, tokens=(probe.best_tokens,), include_lm_head=False,
-                         streamed_tokens=None, peak=False, paths=(probe.best_path,))
-    return again.best_flops
+def best_layer_now(shape: ModelShape, dtype_name: str) -> ProbeResult:
+    """The probe's layer cases alone (no lm_head, no streamed weights, no peak): the best matmul at this moment, for
+    a reading next to each round of `kvfleet bench throughput --rounds` on a clock that moves (float32 ~4 s,
+    bfloat16 ~2 s on 2 Zen 5 cores)."""
+    return probe_matmul(shape, dtype_name, include_lm_head=False, streamed_tokens=None, peak=False)
 
 
 def _streamed(shape: ModelShape, dtype, make: Callable, m: int, lm_weight, rounds: int, min_s: float,

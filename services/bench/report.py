@@ -85,8 +85,9 @@ def format_table(summary: dict) -> str:
                      f"of the rounds' ratios, {inter['ratio_min']:.2f}-{inter['ratio_max']:.2f}x; vLLM stopped by SIGSTOP while "
                      f"kvfleet runs):")
         for r in inter["rounds"]:
-            best = (f"; the best matmul right after kvfleet's: {r['best_matmul_flops'] / 1e9:.1f} GFLOP/s, kvfleet "
-                    f"{100 * r['fraction_of_best']:.0f}% of it" if "fraction_of_best" in r else "")
+            best = (f"; the best matmul right after: {r['best_matmul_flops'] / 1e9:.1f} GFLOP/s "
+                    f"({r['best_matmul_case']}), kvfleet {100 * r['fraction_of_best']:.0f}% of it"
+                    if "fraction_of_best" in r else "")
             lines.append(f"  round {r['round']} ({' then '.join(r['order'])}): kvfleet {r['kvfleet']:.1f}, vLLM "
                          f"{r['vllm']:.1f} output tok/s, {r['ratio']:.2f}x; the idle one's CPU meanwhile: vLLM "
                          f"{r['vllm_cpu_s_while_kvfleet_ran']:.2f} s, kvfleet {r['kvfleet_cpu_s_while_vllm_ran']:.2f} s"
@@ -106,8 +107,8 @@ def format_table(summary: dict) -> str:
     if "best_matmul_flops" in f:
         if "fraction_of_best_min" in f:
             text += (f" = {100 * f['fraction_of_best']:.0f}% of the best matmul here (the median of the rounds', each "
-                     f"round against that matmul timed again right after it: {100 * f['fraction_of_best_min']:.0f}-"
-                     f"{100 * f['fraction_of_best_max']:.0f}%); the probe before the rounds: "
+                     f"round against the probe's layer cases timed right after it: {100 * f['fraction_of_best_min']:.0f}-"
+                     f"{100 * f['fraction_of_best_max']:.0f}%); the probe after the rounds: "
                      f"{f['best_matmul_flops'] / 1e9:.1f} GFLOP/s ({f['best_matmul_path']}, "
                      f"{f['best_matmul_tokens']} tokens x one layer's matmuls, {summary['dtype']})")
         else:

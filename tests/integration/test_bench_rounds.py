@@ -97,8 +97,8 @@ def test_rounds_alternate_with_the_peer_and_the_ratio_is_the_median_of_the_round
     workload = Workload(name="tiny x40", path="tiny.json",
                         requests=[BenchRequest(i, [1000 + i, *range(400, 420)], 60) for i in range(40)])
     requests_json.write_text(json.dumps(workload.to_peer_json(tiny_llama_dir)))
-    ours, peer, inter, probe = run_interleaved(tiny_llama_dir, workload, shape, requests_json, _args(tmp_path, 3),
-                                               progress=False, probe=True)
+    ours, peer, inter = run_interleaved(tiny_llama_dir, workload, shape, requests_json, _args(tmp_path, 3),
+                                        progress=False, probe=True)
     assert [r["order"] for r in inter["rounds"]] == [["kvfleet", "vllm"], ["vllm", "kvfleet"], ["kvfleet", "vllm"]]
     assert [r["vllm"] for r in inter["rounds"]] == [100.0, 101.0, 102.0]
     ratios = [r["kvfleet"] / r["vllm"] for r in inter["rounds"]]
@@ -108,11 +108,12 @@ def test_rounds_alternate_with_the_peer_and_the_ratio_is_the_median_of_the_round
     assert peer["rounds"] and len(peer["rounds"]) == 3
     kv = sorted(r["output_tok_per_s"] for r in ours["rounds"])
     assert len(kv) == 3 and ours["output_tok_per_s"] == kv[1]  # the median round's result
-    # the matmul probe once before the rounds, and its best case timed again after each kvfleet round
-    assert probe is not None and probe.best_flops > 0
+    # the probe's layer cases timed after each kvfleet round: each round's share of the best matmul then
     fractions = [r["fraction_of_best"] for r in inter["rounds"]]
-    assert all(r["best_matmul_flops"] > 0 for r in inter["rounds"])
+    assert all(r["best_matmul_flops"] > 0 and "@" in r["best_matmul_case"] for r in inter["rounds"])
     assert inter["fraction_of_best_median"] == pytest.approx(sorted(fractions)[1])
+    # the probes' weights stay in this process: the peak RSS reported is the first round's, taken before any
+    assert ours["peak_rss_bytes"] == ours["rounds"][0]["peak_rss_bytes"] > 0
     # the stand-in spins between its rounds: stopped while kvfleet runs, it uses no CPU then
     assert min(r["wall_s"] for r in ours["rounds"]) > 0.2, "kvfleet's rounds are too short to tell"
     assert all(r["vllm_cpu_s_while_kvfleet_ran"] <= 0.02 for r in inter["rounds"])

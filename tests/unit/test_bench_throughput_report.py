@@ -89,11 +89,11 @@ def test_with_rounds_the_share_of_the_best_matmul_is_the_median_of_each_rounds_a
     ours = _result(120.0, max_num_seqs=256, max_num_batched_tokens=2048, num_kv_blocks=100, kv_peak_used_blocks=10,
                    block_size=16, preemptions=0, kv_waste=0.02, kv_peak_waste=0.03, kv_waste_samples=5,
                    achieved_flops=3e11)
-    # the probe before the rounds read 5e11 (ours: 60% of it); the re-timed readings after each round differ
+    # the probe after the rounds read 5e11 (ours: 60% of it); the readings right after each round differ
     probe = ProbeResult(dtype="float32", best_flops=5e11, best_path="onednn-packed", best_tokens=1024)
     rows = [{"round": i + 1, "order": ["kvfleet", "vllm"], "kvfleet": 120.0, "vllm": 100.0, "ratio": 1.2,
              "vllm_cpu_s_while_kvfleet_ran": 0.0, "kvfleet_cpu_s_while_vllm_ran": 0.0, "best_matmul_flops": best,
-             "fraction_of_best": achieved / best}
+             "best_matmul_case": "onednn-packed@1024", "fraction_of_best": achieved / best}
             for i, (achieved, best) in enumerate([(3.0e11, 4.0e11), (3.1e11, 4.4e11), (2.9e11, 4.5e11)])]
     fractions = sorted(r["fraction_of_best"] for r in rows)
     inter = {"rounds": rows, "ratio_median": 1.2, "ratio_min": 1.2, "ratio_max": 1.2,
@@ -105,6 +105,7 @@ def test_with_rounds_the_share_of_the_best_matmul_is_the_median_of_each_rounds_a
     assert s["flops"]["fraction_of_best"] == pytest.approx(3.1 / 4.4)  # not 3 / 5 against the probe before
     assert s["flops"]["best_matmul_flops"] == 5e11
     table = format_table(s)
-    assert ("= 70% of the best matmul here (the median of the rounds', each round against that matmul timed again "
-            "right after it: 64-75%); the probe before the rounds: 500.0 GFLOP/s (onednn-packed, 1024 tokens") in table
-    assert "round 2 (kvfleet then vllm)" in table and "the best matmul right after kvfleet's: 440.0 GFLOP/s, kvfleet 70% of it" in table
+    assert ("= 70% of the best matmul here (the median of the rounds', each round against the probe's layer cases "
+            "timed right after it: 64-75%); the probe after the rounds: 500.0 GFLOP/s (onednn-packed, 1024 tokens") in table
+    assert ("round 2 (kvfleet then vllm)" in table
+            and "the best matmul right after: 440.0 GFLOP/s (onednn-packed@1024), kvfleet 70% of it" in table)
