@@ -31,7 +31,7 @@ def summarize(workload: Workload, args: argparse.Namespace, results: dict[str, d
                      best_matmul_tokens=probe.best_tokens,
                      fraction_of_best=ours["achieved_flops"] / probe.best_flops, probe=dataclasses.asdict(probe))
         if interleaved is not None and "fraction_of_best_median" in interleaved:
-            # each round against the best case timed again right after it: the median of those, as the vLLM ratio
+            # each round against the probe's layer cases timed right after it: the median, as the vLLM ratio is
             flops.update(fraction_of_best=interleaved["fraction_of_best_median"],
                          fraction_of_best_min=interleaved["fraction_of_best_min"],
                          fraction_of_best_max=interleaved["fraction_of_best_max"])
@@ -80,10 +80,12 @@ def format_table(summary: dict) -> str:
         lines.append(f"kvfleet / {other}: {r['output_tok_per_s']:.2f}x output tok/s, "
                      f"{r['total_tok_per_s']:.2f}x total tok/s")
     if (inter := summary.get("interleaved")) is not None:
+        probed = any("fraction_of_best" in r for r in inter["rounds"])
+        rss = "; kvfleet peak RSS: its first round, before the probes after each round" if probed else ""
         lines.append(f"kvfleet and vLLM loaded side by side, {len(inter['rounds'])} rounds each, alternating "
                      f"(the rows above: each system's median round; the kvfleet / vLLM CPU output ratio: the median "
                      f"of the rounds' ratios, {inter['ratio_min']:.2f}-{inter['ratio_max']:.2f}x; vLLM stopped by SIGSTOP while "
-                     f"kvfleet runs):")
+                     f"kvfleet runs{rss}):")
         for r in inter["rounds"]:
             best = (f"; the best matmul right after: {r['best_matmul_flops'] / 1e9:.1f} GFLOP/s "
                     f"({r['best_matmul_case']}), kvfleet {100 * r['fraction_of_best']:.0f}% of it"

@@ -107,5 +107,6 @@ def test_with_rounds_the_share_of_the_best_matmul_is_the_median_of_each_rounds_a
     table = format_table(s)
     assert ("= 70% of the best matmul here (the median of the rounds', each round against the probe's layer cases "
             "timed right after it: 64-75%); the probe after the rounds: 500.0 GFLOP/s (onednn-packed, 1024 tokens") in table
+    assert "kvfleet peak RSS: its first round, before the probes after each round" in table
     assert ("round 2 (kvfleet then vllm)" in table
             and "the best matmul right after: 440.0 GFLOP/s (onednn-packed@1024), kvfleet 70% of it" in table)
