@@ -4,7 +4,8 @@ torch's CPU path pays twice where these do not: decode attention gathers every s
 contiguous copy (the whole KV cache moves through memory three times a step), and each elementwise op of a
 layer (RMSNorm, rotary, SiLU-and-mul, KV store) is several torch ops, each a pass over memory and an OpenMP
 barrier. The C++ (no torch headers) is compiled on first use with the system's g++ (-O3 -march=native, a few
-seconds) into ~/.cache/kvfleet/cpu_kernels/<hash of source, flags and CPU>/ and loaded with ctypes; its OpenMP loops run on
+seconds; KVFLEET_CPU_MARCH names an older CPU's -march instead, to run its code paths here) into
+~/.cache/kvfleet/cpu_kernels/<hash of source, flags and CPU>/ and loaded with ctypes; its OpenMP loops run on
 torch's own OpenMP runtime (same soname, already loaded), so torch.set_num_threads governs them too.
 Without a compiler `load()` returns None and the model keeps the torch ops.
 """
