@@ -107,16 +107,15 @@ def format_table(summary: dict) -> str:
     text = (f"kvfleet compute: {f['achieved_flops'] / 1e9:.1f} GFLOP/s achieved ({f['model_flops'] / 1e12:.2f} "
             f"TFLOP in {ours['wall_s']:.1f} s)")
     if "best_matmul_flops" in f:
+        text += f" = {100 * f['fraction_of_best']:.0f}% of the best matmul here"
         if "fraction_of_best_min" in f:
-            text += (f" = {100 * f['fraction_of_best']:.0f}% of the best matmul here (the median of the rounds', each "
-                     f"round against the probe's layer cases timed right after it: {100 * f['fraction_of_best_min']:.0f}-"
-                     f"{100 * f['fraction_of_best_max']:.0f}%); the probe after the rounds: "
-                     f"{f['best_matmul_flops'] / 1e9:.1f} GFLOP/s ({f['best_matmul_path']}, "
-                     f"{f['best_matmul_tokens']} tokens x one layer's matmuls, {summary['dtype']})")
+            text += (f" (the median of the rounds', each round against the probe's layer cases timed right after it: "
+                     f"{100 * f['fraction_of_best_min']:.0f}-{100 * f['fraction_of_best_max']:.0f}%); the probe after "
+                     "the rounds:")
         else:
-            text += (f" = {100 * f['fraction_of_best']:.0f}% of the best matmul here, "
-                     f"{f['best_matmul_flops'] / 1e9:.1f} GFLOP/s ({f['best_matmul_path']}, "
-                     f"{f['best_matmul_tokens']} tokens x one layer's matmuls, {summary['dtype']})")
+            text += ","
+        text += (f" {f['best_matmul_flops'] / 1e9:.1f} GFLOP/s ({f['best_matmul_path']}, {f['best_matmul_tokens']} "
+                 f"tokens x one layer's matmuls, {summary['dtype']})")
         for key, value in f["probe"].get("streamed_flops", {}).items():
             path, rows = key.split("@")
             text += (f"; a decode step's linear layers can reach {value / 1e9:.1f} GFLOP/s ({path}, {rows} rows over "

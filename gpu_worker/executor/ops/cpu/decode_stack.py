@@ -61,9 +61,7 @@ class DecodeStack:
                                 ("q_norm", layer.q_norm), ("k_norm", layer.k_norm)):
                 setattr(entry, name, _ptr(value))
         self._caches: list | None = None  # the KV caches the table points at
-        self._fn = getattr(cpu_kernels.load(), f"kvf_decode_layers_{cpu_kernels.SUFFIX[self.dtype]}")
-        self._fn.argtypes = [_P, _I32, _P, _P, _P, _I64, _P, _P, _P, _P, _I64, _P, _P]
-        self._fn.restype = None
+        self._fn = cpu_kernels.kernel("decode_layers", self.dtype)
         # set (a profiler): called after each run with that run's seconds per op kind (OP_NAMES)
         self.on_profile: Callable[[dict[str, float]], None] | None = None
 

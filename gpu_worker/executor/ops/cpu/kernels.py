@@ -55,6 +55,9 @@ _SIGNATURES = {
     "rotary": [_P, _P, _I64, _P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32],
     "store_kv": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64],
     "prefill_attention": [_P, _P, _P, _P, _I32, _I32, _I32, _I32, _I32, _I32, _F, _P],
+    # layers, num_layers, shape, hidden, residual, rows, positions, cos_sin, slots, block tables, their stride,
+    # context lens, seconds per op kind (or NULL): decode_stack.py
+    "decode_layers": [_P, _I32, _P, _P, _P, _I64, _P, _P, _P, _P, _I64, _P, _P],
 }
 _RESTYPES = {"prefill_attention": ctypes.c_int}  # 1: done, 0: no kernel for this shape (use torch)
 # the panel GEMM: float32 (kvf_gemm_available() is 0 where the CPU has no AVX2 + FMA) and bfloat16
@@ -92,13 +95,19 @@ def march_flags(march: str) -> list[str]:
     return [flag for macro, flag in EXTENSIONS.items() if macro in defined]
 
 
+def _cpuinfo_lines(*keys: str) -> list[str] | None:
+    """The first /proc/cpuinfo line starting with each key ("" where none); None where there is no such file."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
+    return [next((ln for ln in lines if ln.startswith(k)), "") for k in keys]
+
+
 def cpu_flags() -> set[str]:
     """This CPU's instruction-set flags, from /proc/cpuinfo (empty where there is none)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    return set(next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), []))
+    found = _cpuinfo_lines("flags")
+    return set(found[0].partition(":")[2].split()) if found else set()
 
 
 def check_march(march: str) -> None:
@@ -122,13 +131,12 @@ def _compiler() -> str:
 def _cpu_identity() -> str:
     """The CPU's model and instruction-set flags: -march=native code built on one CPU may not run on another
     (a home directory shared between machines)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
+    found = _cpuinfo_lines("model name", "flags")
+    if found is None:
         import platform
 
         return platform.processor() or platform.machine()
-    return "\n".join(next((ln for ln in lines if ln.startswith(k)), "") for k in ("model name", "flags"))
+    return "\n".join(found)
 
 
 def build_library(source: str, flags: list[str], name: str) -> Path:
