@@ -32,6 +32,7 @@ from gpu_worker.executor.kv_prefault import KVPrefault
 from gpu_worker.executor.model_loader import ModelFiles
 from gpu_worker.executor.models.llama import LlamaForCausalLM
 from gpu_worker.executor.ops import AttentionMetadata
+from gpu_worker.executor.ops.cpu import kernels as cpu_kernels
 from gpu_worker.executor.ops.cpu import linear as cpu_linear
 from gpu_worker.executor.prompt_logprobs import PromptLogprobs, score_rows
 from gpu_worker.executor.tp_group import TPGroup
@@ -125,11 +126,17 @@ class ModelRunner:
                  f" of rank {self.tp.rank}/{self.tp.size}" if self.tp.size > 1 else "", self.num_blocks, block_size,
                  self.num_blocks * shape.bytes_per_block / 2**20, self.num_blocks * block_size)
         cache_shape = (self.num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
-        # kv_caches[layer] = (key_cache, value_cache): [num_blocks, block_size, Hkv, D] each. Left
-        # uninitialised (zeroing GiBs takes seconds); a block is zeroed when a block table first names it, so
-        # never-written slots hold no NaN (masked attention weights still multiply them by 0).
-        self.kv_caches = [(torch.empty(cache_shape, dtype=dtype, device=device),
-                           torch.empty(cache_shape, dtype=dtype, device=device)) for _ in range(arch.num_layers)]
+        # kv_caches[layer] = (key_cache, value_cache): [num_blocks, block_size, Hkv, D] each, as every op indexes
+        # them; on CPU head-major in memory (cpu_kernels.head_major_kv_cache: decode attention reads each head's
+        # rows of a block as one run). Left uninitialised (zeroing GiBs takes seconds); a block is zeroed when a
+        # block table first names it, so never-written slots hold no NaN (masked attention weights still multiply
+        # them by 0).
+
+        def cache() -> torch.Tensor:
+            if device.type == "cpu":
+                return cpu_kernels.head_major_kv_cache(*cache_shape, dtype=dtype)
+            return torch.empty(cache_shape, dtype=dtype, device=device)
+        self.kv_caches = [(cache(), cache()) for _ in range(arch.num_layers)]
         # CPU: the pages made resident in the background, so that no forward pays their first-touch faults
         self.kv_prefault = KVPrefault(self.kv_caches if prefault_kv else [], self.num_blocks)
         self._zeroed = torch.zeros(self.num_blocks, dtype=torch.bool)  # [num_blocks]

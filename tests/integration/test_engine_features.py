@@ -12,6 +12,7 @@ from gpu_worker.core.scheduler import RequestRejected
 from gpu_worker.engine.outputs import OutputAccumulator
 from gpu_worker.executor.model_loader import UnsupportedArchitecture, load_model_files
 from gpu_worker.executor.model_runner import ModelRunner
+from gpu_worker.executor.ops.cpu import kernels as cpu_kernels
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -178,6 +179,7 @@ def test_runner_keeps_a_copy_on_write_destination_it_has_not_zeroed_yet(tiny_lla
     # block 1 is named by a block table for the first time in the step that copies block 0 into it
     runner.execute(SchedulerOutput([ScheduledSeq("b", [8], 3, [1], [7], sample=True)], blocks_to_copy=[(0, 1)]))
     for key_cache, value_cache in runner.kv_caches:  # [num_blocks, block_size, Hkv, D] each
+        assert key_cache.shape[2] > 1 and cpu_kernels.kv_layout(key_cache, value_cache) == 1  # CPU: head-major
         assert key_cache[0, :3].abs().sum() > 0
         assert torch.equal(key_cache[1, :3], key_cache[0, :3]) and torch.equal(value_cache[1, :3], value_cache[0, :3])
         assert key_cache[1, 3].abs().sum() > 0  # the step's own token landed in the copy

@@ -17,6 +17,17 @@ from gpu_worker.executor.ops.cpu import native_ops as cpu_ops
 pytestmark = pytest.mark.kernels
 
 DTYPES = [torch.float32, torch.bfloat16]
+LAYOUTS = ["token-major", "head-major"]  # the caches' memory: contiguous, or as the CPU model runner allocates them
+
+
+def kv_cache(num_blocks, block_size, hkv, head_dim, g, dtype, layout):
+    """Random keys or values [num_blocks, block_size, Hkv, D], in the given memory layout (the same values)."""
+    values = torch.randn(num_blocks, block_size, hkv, head_dim, generator=g).to(dtype)
+    if layout == "token-major":
+        return values
+    cache = cpu_kernels.head_major_kv_cache(num_blocks, block_size, hkv, head_dim, dtype=dtype)
+    assert cpu_kernels.kv_layout(cache, cache) == 1  # (with one head the two coincide: 1 or 0 address alike)
+    return cache.copy_(values)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -58,13 +69,25 @@ def test_rms_norm_silu_rotary_store(dtype, rows):
         close(got[0], want[0].contiguous(), dtype)
         close(got[1], want[1].contiguous(), dtype)
 
-    caches = [torch.zeros(100, 4, hkv, head_dim, dtype=dtype) for _ in range(4)]
+    hkv = 2
+    kv = torch.randn(rows, 2 * hkv * head_dim, generator=g).to(dtype)
+    k, v = kv.split([hkv * head_dim, hkv * head_dim], dim=-1)  # strided row views, as from the qkv projection
     slots = torch.randperm(400, generator=g)[:rows]
     slots[0] = -1
     key, value = k.view(rows, hkv, head_dim), v.view(rows, hkv, head_dim)
-    ops.store_kv_cache(key, value, caches[0], caches[1], slots)
-    cpu_ops.store_kv_cache(key, value, caches[2], caches[3], slots)
-    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    want_k, want_v = torch.zeros(100, 4, hkv, head_dim, dtype=dtype), torch.zeros(100, 4, hkv, head_dim, dtype=dtype)
+    ops.store_kv_cache(key, value, want_k, want_v, slots)
+    assert torch.equal(want_k[slots[1] // 4, slots[1] % 4], key[1])
+    assert int(want_k.flatten(0, 1).any(-1).any(-1).sum()) == rows - 1  # slot -1: skipped
+    for layout in (0, 1):
+        pair = [torch.zeros(100, 4, hkv, head_dim, dtype=dtype) if layout == 0
+                else cpu_kernels.head_major_kv_cache(100, 4, hkv, head_dim, dtype=dtype).zero_() for _ in range(2)]
+        assert cpu_kernels.kv_layout(*pair) == layout
+        cpu_ops.store_kv_cache(key, value, *pair, slots)
+        assert torch.equal(pair[0], want_k) and torch.equal(pair[1], want_v), layout
+        torch_pair = [torch.zeros_like(t) for t in pair]  # the torch op into the same layout
+        ops.store_kv_cache(key, value, *torch_pair, slots)
+        assert torch.equal(torch_pair[0], want_k) and torch.equal(torch_pair[1], want_v), layout
 
 
 @pytest.mark.skipif(cpu_kernels.isa() in ("none", "scalar"), reason="no SIMD build on this CPU")
@@ -73,15 +96,16 @@ def test_every_simd_build_has_the_native_prefill_kernel():
     assert [d for d in (16, 32, 48, 64, 96, 128) if cpu_kernels.prefill_covers(d)] == [16, 32, 64, 128]
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hq,hkv,head_dim,block_size", [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 64, 16),
                                                          (10, 2, 64, 16), (6, 2, 32, 4), (9, 3, 64, 8),
                                                          (14, 1, 64, 16), (16, 2, 128, 16), (11, 1, 64, 16)])
-def test_decode_attention_reads_the_paged_cache(dtype, hq, hkv, head_dim, block_size):
+def test_decode_attention_reads_the_paged_cache(dtype, hq, hkv, head_dim, block_size, layout):
     g = torch.Generator().manual_seed(hq * head_dim + block_size)
     num_blocks = 200
-    key_cache = torch.randn(num_blocks, block_size, hkv, head_dim, generator=g).to(dtype)
-    value_cache = torch.randn(num_blocks, block_size, hkv, head_dim, generator=g).to(dtype)
+    key_cache = kv_cache(num_blocks, block_size, hkv, head_dim, g, dtype, layout)
+    value_cache = kv_cache(num_blocks, block_size, hkv, head_dim, g, dtype, layout)
     lens = torch.tensor([1, 2, block_size - 1, block_size, block_size + 1, 33, 100], dtype=torch.int32)
     width = -(-int(lens.max()) // block_size)
     tables = torch.randperm(num_blocks, generator=g)[: len(lens) * width].view(len(lens), width).to(torch.int32)
@@ -95,12 +119,13 @@ def test_decode_attention_reads_the_paged_cache(dtype, hq, hkv, head_dim, block_
         torch.testing.assert_close(out.float(), want.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_paged_attention_mixed_batch_matches_the_torch_op(dtype):
+def test_paged_attention_mixed_batch_matches_the_torch_op(dtype, layout):
     g = torch.Generator().manual_seed(1)
     hq, hkv, head_dim, block_size, num_blocks = 6, 2, 64, 8, 64
-    key_cache = torch.randn(num_blocks, block_size, hkv, head_dim, generator=g).to(dtype)
-    value_cache = torch.randn(num_blocks, block_size, hkv, head_dim, generator=g).to(dtype)
+    key_cache = kv_cache(num_blocks, block_size, hkv, head_dim, g, dtype, layout)
+    value_cache = kv_cache(num_blocks, block_size, hkv, head_dim, g, dtype, layout)
     q_lens, ctx = [20, 1, 7, 1, 33], [20, 50, 40, 3, 33]  # prefill, decode, chunk after a prefix, decode, prefill
     width = max(-(-c // block_size) for c in ctx)
     tables = torch.randperm(num_blocks, generator=g)[: len(ctx) * width].view(len(ctx), width).to(torch.int32)
@@ -118,6 +143,19 @@ def test_unsupported_inputs_fall_back_to_the_torch_ops():
     torch.testing.assert_close(cpu_ops.rms_norm(x, w, 1e-6), ops.rms_norm(x, w, 1e-6))
     gate_up = torch.randn(4, 32, dtype=torch.float16)
     assert torch.equal(cpu_ops.silu_and_mul(gate_up), ops.silu_and_mul(gate_up))
+    # caches in neither layout the kernels read (here [block_size, num_blocks, ...] in memory): the torch ops
+    g = torch.Generator().manual_seed(2)
+    hq, hkv, d, bs, nb = 4, 2, 64, 16, 8
+    caches = [torch.randn(bs, nb, hkv, d, generator=g).transpose(0, 1) for _ in range(2)]
+    assert cpu_kernels.kv_layout(*caches) is None and cpu_kernels.kv_layout(caches[0], caches[1].contiguous()) is None
+    query = torch.randn(3, hq, d, generator=g)
+    args = (query, *caches, torch.tensor([[3, 1, 4]], dtype=torch.int32).expand(3, 3).contiguous(),
+            torch.arange(4, dtype=torch.int32), torch.tensor([40, 17, 33], dtype=torch.int32), d**-0.5)
+    torch.testing.assert_close(cpu_ops.paged_attention(*args), ops.paged_attention(*args))
+    key = torch.randn(2, hkv, d, generator=g)
+    slots = torch.tensor([5, 70])
+    cpu_ops.store_kv_cache(key, key, *caches, slots)
+    assert torch.equal(caches[0][0, 5], key[0]) and torch.equal(caches[1][4, 6], key[1])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -125,11 +163,12 @@ def test_unsupported_inputs_fall_back_to_the_torch_ops():
                                                          (4, 2, 16, 16),  # 16: bf16 query pairs fill half a register
                                                          (6, 2, 48, 8)])  # 48: no native variant
 @pytest.mark.parametrize("q_len,ctx", [(37, 37), (20, 53), (16, 16), (2, 90)])
-def test_prefill_chunks_match_the_torch_op(dtype, hq, hkv, head_dim, block_size, q_len, ctx):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_prefill_chunks_match_the_torch_op(dtype, hq, hkv, head_dim, block_size, q_len, ctx, layout):
     g = torch.Generator().manual_seed(q_len * ctx + head_dim)
     num_blocks = 40
-    key_cache = torch.randn(num_blocks, block_size, hkv, head_dim, generator=g).to(dtype)
-    value_cache = torch.randn(num_blocks, block_size, hkv, head_dim, generator=g).to(dtype)
+    key_cache = kv_cache(num_blocks, block_size, hkv, head_dim, g, dtype, layout)
+    value_cache = kv_cache(num_blocks, block_size, hkv, head_dim, g, dtype, layout)
     table = torch.randperm(num_blocks, generator=g)[: -(-ctx // block_size)].to(torch.int32)[None]  # [1, nb]
     query = torch.randn(q_len, hq, head_dim, generator=g).to(dtype)
     args = (query, key_cache, value_cache, table, torch.tensor([0, q_len], dtype=torch.int32),

@@ -25,11 +25,15 @@ def _model(model_dir, dtype, plan):
     return model
 
 
-def _caches(model, dtype, gen):
+def _caches(model, dtype, gen, head_major=False):
+    """Random caches, contiguous or head-major in memory as the CPU model runner allocates them."""
     arch = model.arch
     shape = (BLOCKS, BLOCK, arch.num_kv_heads, arch.head_dim)
-    return [(torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype))
-            for _ in range(arch.num_layers)]
+
+    def one():
+        values = torch.randn(shape, generator=gen).to(dtype)
+        return cpu_kernels.head_major_kv_cache(*shape, dtype=dtype).copy_(values) if head_major else values
+    return [(one(), one()) for _ in range(arch.num_layers)]
 
 
 def _decode_batch(lens, gen):
@@ -55,19 +59,22 @@ def _python_forward(model, ids, positions, caches, meta):
 PANEL = cpu_linear.LinearPlan("panel", None, bf16_gemm=True)
 
 
+@pytest.mark.parametrize("head_major", [False, True], ids=["token-major", "head-major"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_a_decode_step_through_the_stack_equals_the_python_forward(request, dtype, family):
+def test_a_decode_step_through_the_stack_equals_the_python_forward(request, dtype, family, head_major):
+    """The Python forward on contiguous copies of the caches: the stack on head-major ones gives the same bits."""
     if not cpu_kernels.gemm_available(dtype):
         pytest.skip(f"no panel GEMM for {dtype} on this CPU: the stack does not apply")
     model = _model(request.getfixturevalue(f"tiny_{family}_dir"), dtype, PANEL)
     assert model.decode_stack is not None
     gen = torch.Generator().manual_seed(0)
-    caches = _caches(model, dtype, gen)
+    caches = _caches(model, dtype, gen, head_major)
+    assert {cpu_kernels.kv_layout(k, v) for k, v in caches} == {int(head_major)}
     positions, meta = _decode_batch([1, 17, 40, 16, 33, 5, 64], gen)
     ids = torch.randint(0, model.arch.vocab_size, (len(positions),), generator=gen)
     with torch.inference_mode():
-        theirs_caches = [(k.clone(), v.clone()) for k, v in caches]
+        theirs_caches = [(k.contiguous().clone(), v.contiguous().clone()) for k, v in caches]
         ours = model(ids, positions, caches, meta)
         theirs = _python_forward(model, ids, positions, theirs_caches, meta)
     assert torch.equal(ours, theirs)
@@ -89,6 +96,11 @@ def test_steps_and_models_it_does_not_cover_take_the_python_forward(tiny_llama_d
                                 query_start_loc=torch.tensor([0, 2, 3], dtype=torch.int32),
                                 context_lens=meta.context_lens)  # a chunk of 2 tokens: not all decode
     assert model.decode_stack.run(hidden, torch.tensor([7, 8, 19]), caches, prefill, model.cos_sin_cache) is None
+    # caches the kernels cannot read (another memory layout), or layers in different layouts
+    odd = [(k.transpose(0, 1).contiguous().transpose(0, 1), v) for k, v in caches]
+    mixed = [*caches[:1], *_caches(model, dtype, gen, head_major=True)[1:]]
+    for bad in (odd, mixed):
+        assert model.decode_stack.run(hidden[:2], positions, bad, meta, model.cos_sin_cache) is None
     # a plan whose many-rows path is oneDNN: a decode batch of that many rows is oneDNN's, so the Python forward's
     rows = cpu_linear.MANY_ROWS
     model = _model(tiny_llama_dir, dtype, cpu_linear.LinearPlan("panel", "onednn", False))

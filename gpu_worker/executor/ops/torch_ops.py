@@ -19,15 +19,15 @@ def store_kv_cache(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
 ) -> None:
-    """Write each token's key/value into its slot (block_id * block_size + offset)."""
-    num_slots = key_cache.shape[0] * key_cache.shape[1]
-    flat_k = key_cache.view(num_slots, *key_cache.shape[2:])  # [num_slots, Hkv, D]
-    flat_v = value_cache.view(num_slots, *value_cache.shape[2:])
+    """Write each token's key/value into its slot (block_id * block_size + offset). The caches may be any strided
+    view of that shape (the CPU runner's are head-major in memory)."""
     if bool((slot_mapping < 0).any()):
         keep = slot_mapping >= 0
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-    flat_k.index_copy_(0, slot_mapping, key.to(flat_k.dtype))
-    flat_v.index_copy_(0, slot_mapping, value.to(flat_v.dtype))
+    block_size = key_cache.shape[1]
+    blocks, offsets = slot_mapping.div(block_size, rounding_mode="floor"), slot_mapping.remainder(block_size)
+    key_cache.index_put_((blocks, offsets), key.to(key_cache.dtype))
+    value_cache.index_put_((blocks, offsets), value.to(value_cache.dtype))
 
 
 _DECODE_BUCKET_FILL = 0.75  # a decode group pads to its longest context; start a new group below this fill

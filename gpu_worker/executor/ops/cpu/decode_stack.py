@@ -34,7 +34,7 @@ class _Layer(ctypes.Structure):
 
 class _Shape(ctypes.Structure):
     _fields_ = [("hidden", _I64), ("inter", _I64), ("hq", _I32), ("hkv", _I32), ("d", _I32), ("block_size", _I32),
-                ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+                ("head_major", _I32), ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -50,7 +50,7 @@ class DecodeStack:
         self.max_rows = cpu_linear.MANY_ROWS if few_rows_only else None  # more rows: another matmul path
         self.num_layers = len(model.layers)
         self.shape = _Shape(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                            0, cfg.eps, cfg.scale)
+                            0, 0, cfg.eps, cfg.scale)
         self.table = (_Layer * self.num_layers)()  # pointers into the model's tensors (the model holds this stack)
         for entry, layer in zip(self.table, model.layers, strict=True):
             p = layer.packed
@@ -89,9 +89,12 @@ class DecodeStack:
         if n != meta.context_lens.shape[0] or (self.max_rows is not None and n >= self.max_rows):
             return None
         if self._caches is not kv_caches:
+            layouts = {cpu_kernels.kv_layout(key_cache, value_cache) for key_cache, value_cache in kv_caches}
+            if len(layouts) != 1 or None in layouts:
+                return None  # caches the kernels cannot read (odd strides, mixed layouts): the Python forward
             for entry, (key_cache, value_cache) in zip(self.table, kv_caches, strict=True):
                 entry.key_cache, entry.value_cache = key_cache.data_ptr(), value_cache.data_ptr()
-            self.shape.block_size = kv_caches[0][0].shape[1]
+            self.shape.block_size, self.shape.head_major = kv_caches[0][0].shape[1], layouts.pop()
             self._caches = kv_caches
         hidden = hidden.contiguous()
         residual = torch.empty_like(hidden)

@@ -49,12 +49,12 @@ SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}  # dtypes with kernels
 
 _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
-    "decode_attention": [_P, _P, _P, _P, _I64, _P, _P, _I32, _I32, _I32, _I32, _I32, _F, _I32, _P, _I32],
+    "decode_attention": [_P, _P, _P, _P, _I64, _P, _P, _I32, _I32, _I32, _I32, _I32, _I32, _F, _I32, _P, _I32],
     "rms_norm": [_P, _P, _P, _P, _P, _I64, _I64, _F],
     "silu_and_mul": [_P, _P, _I64, _I64],
     "rotary": [_P, _P, _I64, _P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32],
-    "store_kv": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64],
-    "prefill_attention": [_P, _P, _P, _P, _I32, _I32, _I32, _I32, _I32, _I32, _F, _P],
+    "store_kv": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32],
+    "prefill_attention": [_P, _P, _P, _P, _I32, _I32, _I32, _I32, _I32, _I32, _I32, _F, _P],
     # layers, num_layers, shape, hidden, residual, rows, positions, cos_sin, slots, block tables, their stride,
     # context lens, seconds per op kind (or NULL): decode_stack.py
     "decode_layers": [_P, _I32, _P, _P, _P, _I64, _P, _P, _P, _P, _I64, _P, _P],
@@ -226,9 +226,34 @@ def as_index(t: torch.Tensor, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
 
 
+def kv_layout(key_cache: torch.Tensor, value_cache: torch.Tensor) -> int | None:
+    """How a layer's caches, both [num_blocks, block_size, Hkv, D], lie in memory: 0 token-major (contiguous), 1
+    head-major (a contiguous [num_blocks, Hkv, block_size, D] seen through that shape: the CPU model runner's,
+    each head's rows of a block side by side), None otherwise (the native kernels take neither; the torch ops
+    do)."""
+    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape or key_cache.stride() != value_cache.stride():
+        return None
+    _, block_size, heads, dim = key_cache.shape
+    if key_cache.stride() == (block_size * heads * dim, heads * dim, dim, 1):
+        return 0
+    if key_cache.stride() == (block_size * heads * dim, dim, block_size * dim, 1):
+        return 1
+    return None
+
+
+def head_major_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, *,
+                        dtype: torch.dtype) -> torch.Tensor:
+    """A layer's key (or value) cache for the CPU: [num_blocks, block_size, Hkv, D] as every op indexes it, head-major
+    in memory (kv_layout 1). Decode attention reads a block one head at a time: here each head's rows are one run
+    (2 KiB at head dim 64 in bfloat16) where token-major gives 16 runs of 128 bytes. 2-core Zen 5, 64 sequences of
+    200-440 tokens, 30 layers' caches from memory: bfloat16 11.2-11.8 ms a step against 11.8-12.4, float32
+    23.4-23.7 against 25.0-26.3. Left uninitialised, as torch.empty."""
+    return torch.empty(num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype).transpose(1, 2)
+
+
 def decode_attention(
     query: torch.Tensor,  # [T, Hq, D] contiguous
-    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] contiguous
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], token- or head-major (kv_layout)
     value_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [S, max_blocks] int32
     context_lens: torch.Tensor,  # [S] int32
@@ -241,12 +266,13 @@ def decode_attention(
     """Single-token attention of S sequences over their paged keys/values, straight from the cache."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    assert query.is_contiguous() and out.is_contiguous() and key_cache.is_contiguous() and value_cache.is_contiguous()
+    layout = kv_layout(key_cache, value_cache)
+    assert query.is_contiguous() and out.is_contiguous() and layout is not None
     assert num_heads % num_kv_heads == 0 and out.dtype == query.dtype == key_cache.dtype
     tables, lens, rows = as_index(block_tables, torch.int32), as_index(context_lens, torch.int32), as_index(rows)
     kernel("decode_attention", query.dtype)(
         query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
-        lens.data_ptr(), rows.data_ptr(), rows.shape[0], num_heads, num_kv_heads, head_dim, block_size,
+        lens.data_ptr(), rows.data_ptr(), rows.shape[0], num_heads, num_kv_heads, head_dim, block_size, layout,
         float(scale), max(1, max_context_len), out.data_ptr(), int(simd))
 
 

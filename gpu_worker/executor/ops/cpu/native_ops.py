@@ -26,12 +26,14 @@ def store_kv_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
     """ops.store_kv_cache: key, value [T, Hkv, D] -> their slots (-1 skips)."""
     num_tokens = key.shape[0]
     k2, v2 = key.reshape(num_tokens, -1), value.reshape(num_tokens, -1)  # views when rows are contiguous
-    if not (_rows_ok(k2) and _rows_ok(v2) and key_cache.dtype == key.dtype == value.dtype
-            and key_cache.is_contiguous() and value_cache.is_contiguous() and k2.shape[1] == v2.shape[1]):
+    layout = cpu_kernels.kv_layout(key_cache, value_cache)
+    if not (_rows_ok(k2) and _rows_ok(v2) and key_cache.dtype == key.dtype == value.dtype and layout is not None
+            and key.shape[1:] == value.shape[1:] == key_cache.shape[2:]):
         return torch_ops.store_kv_cache(key, value, key_cache, value_cache, slot_mapping)
     slots = as_index(slot_mapping)
     kernel("store_kv", key.dtype)(k2.data_ptr(), k2.stride(0), v2.data_ptr(), v2.stride(0), key_cache.data_ptr(),
-                                   value_cache.data_ptr(), slots.data_ptr(), num_tokens, k2.shape[1])
+                                   value_cache.data_ptr(), slots.data_ptr(), num_tokens, key_cache.shape[2],
+                                   key_cache.shape[3], key_cache.shape[1], layout)
 
 
 def rms_norm(x, weight, eps, residual=None):
@@ -111,7 +113,9 @@ def _plan(block_tables: torch.Tensor, query_start_loc: torch.Tensor, context_len
 def paged_attention(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale):
     """ops.paged_attention: decode tokens (one query each) through the native decode kernel, each prefill chunk
     through the native causal flash kernel, both straight from the cache."""
-    if not (query.device.type == "cpu" and query.dtype in SUFFIX and key_cache.dtype == query.dtype):
+    layout = cpu_kernels.kv_layout(key_cache, value_cache)
+    if not (query.device.type == "cpu" and query.dtype in SUFFIX and key_cache.dtype == query.dtype
+            and layout is not None):
         return torch_ops.paged_attention(query, key_cache, value_cache, block_tables, query_start_loc,
                                          context_lens, scale)
     plan = _plan(block_tables, query_start_loc, context_lens)
@@ -124,7 +128,7 @@ def paged_attention(query, key_cache, value_cache, block_tables, query_start_loc
         end = plan.starts[s + 1]
         if not kernel("prefill_attention", query.dtype)(
                 query[start].data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), plan.tables[s].data_ptr(),
-                ctx, end - start, query.shape[1], key_cache.shape[2], query.shape[2], key_cache.shape[1],
+                ctx, end - start, query.shape[1], key_cache.shape[2], query.shape[2], key_cache.shape[1], layout,
                 float(scale), out[start].data_ptr()):  # no native kernel for this head dim / CPU: torch's SDPA
             out[start:end] = prefill_attention(query[start:end], key_cache, value_cache, block_tables[s], ctx, scale)
     return out

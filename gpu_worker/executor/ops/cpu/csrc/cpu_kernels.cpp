@@ -26,7 +26,7 @@ inline __m256 first_n_mask8(int n) {  // lanes < n all ones
   return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), idx));
 }
 
-// The lines of a block ahead, prefetched (into L2) a line of each array every `every` (steps / lines, rounded
+// The lines of a block ahead, prefetched (into L1, PREFETCHT0) a line of each array every `every` (steps / lines, rounded
 // down) steps of the work on the current block, so that they spread over all of it. The burst this replaced
 // (every line of the block two ahead, at the block's start) overflowed the core's miss buffers: on a Zen 4, one
 // thread read shuffled float32 blocks at 8.5-8.9 GB/s with it and 15-18 GB/s with the prefetches spread, which is
@@ -34,6 +34,10 @@ inline __m256 first_n_mask8(int n) {  // lanes < n all ones
 // prefetches overlap the block's work: on a Zen 5, bfloat16 decode attention (96 lines a block, 192 steps; 64
 // sequences of 200-440 tokens, 30 layers' caches, shuffled blocks) took 16.1 ms a step where it took 19.1 with a
 // line per step (the work and the reads had added up).
+// T0 rather than T1 (into L2 only, since Zen 4): on a 2-core Zen 5 (64 sequences of 200-440 tokens, 30 layers'
+// caches, from memory, 10 interleaved rounds) bfloat16 took 10.2-12.9 ms a step where T1 took 10.6-17.5, and
+// float32 24.9-26.9 where T1 took 26.4-28.4 (T1 prefetches are sometimes dropped on Zen 4; Zen 3 fills L1 for
+// every hint, and its AVX2 kernel here measured the same with both).
 struct SpreadPrefetch {
   const char *k = nullptr, *v = nullptr;
   int64_t i = 0, n = 0;
@@ -44,16 +48,16 @@ struct SpreadPrefetch {
   }
   inline void step() {
     if (--wait == 0 && i < n) {
-      _mm_prefetch(k + 64 * i, _MM_HINT_T1);
-      _mm_prefetch(v + 64 * i, _MM_HINT_T1);
+      _mm_prefetch(k + 64 * i, _MM_HINT_T0);
+      _mm_prefetch(v + 64 * i, _MM_HINT_T0);
       ++i;
       wait = every;
     }
   }
   void finish() {
     for (; i < n; ++i) {
-      _mm_prefetch(k + 64 * i, _MM_HINT_T1);
-      _mm_prefetch(v + 64 * i, _MM_HINT_T1);
+      _mm_prefetch(k + 64 * i, _MM_HINT_T0);
+      _mm_prefetch(v + 64 * i, _MM_HINT_T0);
     }
   }
 };
@@ -88,6 +92,20 @@ inline float exp_neg(float x) {
   float scale; std::memcpy(&scale, &bits, 4);
   return y * scale;
 }
+
+// Where a KV head's row of a block slot lies in a layer's paged cache, in elements. Blocks are dense either
+// way: token-major [block, slot, kv head, d] (every backend's logical layout, and the GPU's memory) or head-major
+// [block, kv head, slot, d] (the CPU worker's memory: each head's keys of a block contiguous, 2 KiB at head dim
+// 64 in bfloat16, so decode attention reads it as one run instead of 16 runs of 128 bytes).
+struct KVLayout {
+  int bs;
+  int64_t blk, tok, head;
+  KVLayout(int block_size, int hkv, int d, int head_major)
+      : bs(block_size), blk(int64_t(block_size) * hkv * d), tok(head_major ? d : int64_t(hkv) * d),
+        head(head_major ? int64_t(block_size) * d : d) {}
+  // token t of a sequence (its block table given), kv head h
+  int64_t at(const int32_t* table, int t, int h) const { return int64_t(table[t / bs]) * blk + (t % bs) * tok + h * head; }
+};
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 // AVX2 + FMA (CPUs without AVX-512, e.g. AMD Zen 2/3): 8 lanes. The same algorithms as the AVX-512 code.
@@ -164,11 +182,11 @@ inline __m256 hsum8x8(const __m256* v) {
 // ms, was 30-35, the per-step test in the inner loops costing more than the prefetch wins).
 template <int C, typename T>
 void decode_seq_avx2(const T* __restrict q, const T* __restrict kc, const T* __restrict vc, const int32_t* table,
-                     int len, int64_t row, int hq, int hkv, float scale, float* __restrict qf,
+                     int len, int64_t row, int hq, int hkv, const KVLayout& kv, float scale, float* __restrict qf,
                      float* __restrict acc, float* __restrict ml, float* __restrict sc, T* __restrict out) {
   constexpr int D = 8 * C, BS = 16, PF = 1;
   const int g_size = hq / hkv;
-  const int64_t tok_stride = int64_t(hkv) * D, blk_stride = int64_t(BS) * hkv * D;
+  const int64_t tok_stride = kv.tok, head_stride = kv.head, blk_stride = kv.blk;
   const int64_t blk_bytes = blk_stride * int64_t(sizeof(T));
   constexpr bool spread = std::is_same_v<T, float>;
   const int num_blocks = (len + BS - 1) / BS;
@@ -210,7 +228,7 @@ void decode_seq_avx2(const T* __restrict q, const T* __restrict kc, const T* __r
             if constexpr (spread) pf.step();
             const __m256 qc = _mm256_loadu_ps(qg + 8 * c);
             for (int j = 0; j < 8; ++j)
-              dots[j] = _mm256_fmadd_ps(qc, load8(kb + (8 * half + j) * tok_stride + h * D + 8 * c), dots[j]);
+              dots[j] = _mm256_fmadd_ps(qc, load8(kb + (8 * half + j) * tok_stride + h * head_stride + 8 * c), dots[j]);
           }
           _mm256_storeu_ps(sc + hh * BS + 8 * half, hsum8x8(dots));
         }
@@ -244,7 +262,7 @@ void decode_seq_avx2(const T* __restrict q, const T* __restrict kc, const T* __r
         for (int j = 0; j < n; ++j) {
           if constexpr (spread) pf.step();
           const __m256 pj = _mm256_set1_ps(p[j]);
-          const T* v = vb + j * tok_stride + h * D;
+          const T* v = vb + j * tok_stride + h * head_stride;
           for (int c = 0; c < C; ++c) av[c] = _mm256_fmadd_ps(pj, load8(v + 8 * c), av[c]);
         }
         for (int c = 0; c < C; ++c) _mm256_storeu_ps(a + 8 * c, av[c]);
@@ -302,10 +320,10 @@ inline __m512 exp16(__m512 x) {
 // prefetched; running max, sum and output of every head stay in L1 (acc).
 template <int C, int G, typename T>
 void decode_seq_avx512(const T* __restrict q, const T* __restrict kc, const T* __restrict vc,
-                       const int32_t* table, int len, int64_t row, int hq, int hkv, float scale,
+                       const int32_t* table, int len, int64_t row, int hq, int hkv, const KVLayout& kv, float scale,
                        float* __restrict qf, float* __restrict acc, float* __restrict ml, T* __restrict out) {
   constexpr int D = 16 * C, BS = 16, PF = 1;  // blocks ahead: 1 measured best (2 and 4 slower)
-  const int64_t tok_stride = int64_t(hkv) * D, blk_stride = int64_t(BS) * hkv * D;
+  const int64_t tok_stride = kv.tok, head_stride = kv.head, blk_stride = kv.blk;
   const int64_t blk_lines = blk_stride * int64_t(sizeof(T)) / 64;
   const int64_t steps = int64_t(hkv) * BS * (G + 1);  // pf.step()s a block: a key per head, then per kv head
   const int num_blocks = (len + BS - 1) / BS;
@@ -346,7 +364,7 @@ void decode_seq_avx512(const T* __restrict q, const T* __restrict kc, const T* _
           for (int c = 0; c < C / 2; ++c) qb[c] = _mm512_loadu_si512(q + (row * hq + hh) * D + 32 * c);
           for (int j = 0; j < BS; ++j) {
             pf.step();
-            const T* k = kb + j * tok_stride + h * D;
+            const T* k = kb + j * tok_stride + h * head_stride;
             __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)qb[0], (__m512bh)_mm512_loadu_si512(k));
             for (int c = 1; c < C / 2; ++c)
               a = _mm512_dpbf16_ps(a, (__m512bh)qb[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
@@ -360,7 +378,7 @@ void decode_seq_avx512(const T* __restrict q, const T* __restrict kc, const T* _
           for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(qf + hh * D + 16 * c);
           for (int j = 0; j < BS; ++j) {
             pf.step();
-            const T* k = kb + j * tok_stride + h * D;
+            const T* k = kb + j * tok_stride + h * head_stride;
             __m512 a = _mm512_mul_ps(qv[0], load16(k));
             for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[c], load16(k + 16 * c), a);
             dots[j] = a;
@@ -381,7 +399,7 @@ void decode_seq_avx512(const T* __restrict q, const T* __restrict kc, const T* _
           a[g][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (h * G + g) * D + 16 * c), _mm512_set1_ps(corr[g]));
       for (int j = 0; j < n; ++j) {
         pf.step();
-        const T* v = vb + j * tok_stride + h * D;
+        const T* v = vb + j * tok_stride + h * head_stride;
         __m512 vv[C];
         for (int c = 0; c < C; ++c) vv[c] = load16(v + 16 * c);
         for (int g = 0; g < G; ++g) {
@@ -403,16 +421,16 @@ void decode_seq_avx512(const T* __restrict q, const T* __restrict kc, const T* _
 
 template <int C, typename T>
 bool decode_seq_fast(int g_size, const T* q, const T* kc, const T* vc, const int32_t* table, int len, int64_t row,
-                     int hq, int hkv, float scale, float* qf, float* acc, float* ml, T* out) {
+                     int hq, int hkv, const KVLayout& kv, float scale, float* qf, float* acc, float* ml, T* out) {
   switch (g_size) {
-    case 1: decode_seq_avx512<C, 1>(q, kc, vc, table, len, row, hq, hkv, scale, qf, acc, ml, out); return true;
-    case 2: decode_seq_avx512<C, 2>(q, kc, vc, table, len, row, hq, hkv, scale, qf, acc, ml, out); return true;
-    case 3: decode_seq_avx512<C, 3>(q, kc, vc, table, len, row, hq, hkv, scale, qf, acc, ml, out); return true;
-    case 4: decode_seq_avx512<C, 4>(q, kc, vc, table, len, row, hq, hkv, scale, qf, acc, ml, out); return true;
-    case 5: decode_seq_avx512<C, 5>(q, kc, vc, table, len, row, hq, hkv, scale, qf, acc, ml, out); return true;
-    case 6: decode_seq_avx512<C, 6>(q, kc, vc, table, len, row, hq, hkv, scale, qf, acc, ml, out); return true;
-    case 7: decode_seq_avx512<C, 7>(q, kc, vc, table, len, row, hq, hkv, scale, qf, acc, ml, out); return true;
-    case 8: decode_seq_avx512<C, 8>(q, kc, vc, table, len, row, hq, hkv, scale, qf, acc, ml, out); return true;
+    case 1: decode_seq_avx512<C, 1>(q, kc, vc, table, len, row, hq, hkv, kv, scale, qf, acc, ml, out); return true;
+    case 2: decode_seq_avx512<C, 2>(q, kc, vc, table, len, row, hq, hkv, kv, scale, qf, acc, ml, out); return true;
+    case 3: decode_seq_avx512<C, 3>(q, kc, vc, table, len, row, hq, hkv, kv, scale, qf, acc, ml, out); return true;
+    case 4: decode_seq_avx512<C, 4>(q, kc, vc, table, len, row, hq, hkv, kv, scale, qf, acc, ml, out); return true;
+    case 5: decode_seq_avx512<C, 5>(q, kc, vc, table, len, row, hq, hkv, kv, scale, qf, acc, ml, out); return true;
+    case 6: decode_seq_avx512<C, 6>(q, kc, vc, table, len, row, hq, hkv, kv, scale, qf, acc, ml, out); return true;
+    case 7: decode_seq_avx512<C, 7>(q, kc, vc, table, len, row, hq, hkv, kv, scale, qf, acc, ml, out); return true;
+    case 8: decode_seq_avx512<C, 8>(q, kc, vc, table, len, row, hq, hkv, kv, scale, qf, acc, ml, out); return true;
     default: return false;
   }
 }
@@ -420,28 +438,28 @@ bool decode_seq_fast(int g_size, const T* q, const T* kc, const T* vc, const int
 // the AVX-512 kernel when it covers the shape (block size 16, head dim 64 or 128, common group sizes)
 template <typename T>
 bool decode_seq_simd(int bs, int d, int g_size, const T* q, const T* kc, const T* vc, const int32_t* table,
-                     int len, int64_t row, int hq, int hkv, float scale, float* qf, float* acc, float* ml, float*,
-                     T* out) {
+                     int len, int64_t row, int hq, int hkv, const KVLayout& kv, float scale, float* qf, float* acc,
+                     float* ml, float*, T* out) {
   if (bs != 16) return false;
-  if (d == 64) return decode_seq_fast<4>(g_size, q, kc, vc, table, len, row, hq, hkv, scale, qf, acc, ml, out);
-  if (d == 128) return decode_seq_fast<8>(g_size, q, kc, vc, table, len, row, hq, hkv, scale, qf, acc, ml, out);
+  if (d == 64) return decode_seq_fast<4>(g_size, q, kc, vc, table, len, row, hq, hkv, kv, scale, qf, acc, ml, out);
+  if (d == 128) return decode_seq_fast<8>(g_size, q, kc, vc, table, len, row, hq, hkv, kv, scale, qf, acc, ml, out);
   return false;
 }
 #elif defined(KVF_AVX2)
 // the AVX2 kernel when it covers the shape (block size 16, head dim 64 or 128, any group size)
 template <typename T>
 bool decode_seq_simd(int bs, int d, int, const T* q, const T* kc, const T* vc, const int32_t* table,
-                     int len, int64_t row, int hq, int hkv, float scale, float* qf, float* acc, float* ml,
-                     float* sc, T* out) {
+                     int len, int64_t row, int hq, int hkv, const KVLayout& kv, float scale, float* qf, float* acc,
+                     float* ml, float* sc, T* out) {
   if (bs != 16) return false;
-  if (d == 64) { decode_seq_avx2<8>(q, kc, vc, table, len, row, hq, hkv, scale, qf, acc, ml, sc, out); return true; }
-  if (d == 128) { decode_seq_avx2<16>(q, kc, vc, table, len, row, hq, hkv, scale, qf, acc, ml, sc, out); return true; }
+  if (d == 64) { decode_seq_avx2<8>(q, kc, vc, table, len, row, hq, hkv, kv, scale, qf, acc, ml, sc, out); return true; }
+  if (d == 128) { decode_seq_avx2<16>(q, kc, vc, table, len, row, hq, hkv, kv, scale, qf, acc, ml, sc, out); return true; }
   return false;
 }
 #else
 template <typename T>
-bool decode_seq_simd(int, int, int, const T*, const T*, const T*, const int32_t*, int, int64_t, int, int, float,
-                     float*, float*, float*, float*, T*) {
+bool decode_seq_simd(int, int, int, const T*, const T*, const T*, const int32_t*, int, int64_t, int, int,
+                     const KVLayout&, float, float*, float*, float*, float*, T*) {
   return false;
 }
 #endif
@@ -451,10 +469,10 @@ bool decode_seq_simd(int, int, int, const T*, const T*, const T*, const int32_t*
 // time (0: d at run time).
 template <int D_, typename T>
 void decode_one(const T* __restrict q, const T* __restrict kc, const T* __restrict vc, const int32_t* table,
-                int len, int64_t row, int hq, int hkv, int d_rt, int bs, float scale, float* __restrict qf,
-                float* __restrict acc, float* __restrict sc, T* __restrict out) {
-  const int d = D_ ? D_ : d_rt, g_size = hq / hkv;
-  const int64_t tok_stride = int64_t(hkv) * d, blk_stride = int64_t(bs) * hkv * d;
+                int len, int64_t row, int hq, int hkv, int d_rt, const KVLayout& kv, float scale,
+                float* __restrict qf, float* __restrict acc, float* __restrict sc, T* __restrict out) {
+  const int d = D_ ? D_ : d_rt, g_size = hq / hkv, bs = kv.bs;
+  const int64_t tok_stride = kv.tok, head_stride = kv.head, blk_stride = kv.blk;
   float m[256], l[256];  // per query head: running max and sum (hq <= 256)
   for (int hh = 0; hh < hq; ++hh) {
     for (int i = 0; i < d; ++i) qf[hh * d + i] = to_f(q[(row * hq + hh) * d + i]) * scale;
@@ -483,7 +501,7 @@ void decode_one(const T* __restrict q, const T* __restrict kc, const T* __restri
         float* s = sc + hh * bs;
         float bmax = m[hh];
         for (int j = 0; j < n; ++j) {
-          const T* k = kb + j * tok_stride + h * d;
+          const T* k = kb + j * tok_stride + h * head_stride;
           float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
           for (int i = 0; i < d; ++i) dot += qg[i] * to_f(k[i]);
@@ -501,7 +519,7 @@ void decode_one(const T* __restrict q, const T* __restrict kc, const T* __restri
           for (int i = 0; i < d; ++i) a[i] *= correction;
       }
       for (int j = 0; j < n; ++j) {  // acc[g] += p[g][j] * v_j
-        const T* v = vb + j * tok_stride + h * d;
+        const T* v = vb + j * tok_stride + h * head_stride;
         for (int g = 0; g < g_size; ++g) {
           const int hh = h * g_size + g;
           const float p = sc[hh * bs + j];
@@ -521,24 +539,26 @@ void decode_one(const T* __restrict q, const T* __restrict kc, const T* __restri
 template <typename T>
 void decode_attention(const T* q, const T* kc, const T* vc, const int32_t* bt, int64_t bt_stride,
                       const int32_t* ctx_lens, const int64_t* rows, int num_seqs, int hq, int hkv, int d,
-                      int bs, float scale, int max_ctx, T* out, int simd) {
+                      int bs, int head_major, float scale, int max_ctx, T* out, int simd) {
   (void)max_ctx;
+  const KVLayout kv(bs, hkv, d, head_major);
 #pragma omp parallel
   {
     std::vector<float> qf(size_t(hq) * d), acc(size_t(hq) * d), sc(size_t(hq) * bs), ml(size_t(hq) * 3);
 #pragma omp for schedule(dynamic, 1)
     for (int s = 0; s < num_seqs; ++s) {
       const int32_t* table = bt + s * bt_stride;
-      if (simd && decode_seq_simd(bs, d, hq / hkv, q, kc, vc, table, ctx_lens[s], rows[s], hq, hkv, scale, qf.data(), acc.data(), ml.data(), sc.data(), out))
+      if (simd && decode_seq_simd(bs, d, hq / hkv, q, kc, vc, table, ctx_lens[s], rows[s], hq, hkv, kv, scale, qf.data(),
+                                   acc.data(), ml.data(), sc.data(), out))
         continue;
       if (d == 64)
-        decode_one<64>(q, kc, vc, table, ctx_lens[s], rows[s], hq, hkv, d, bs, scale, qf.data(), acc.data(),
+        decode_one<64>(q, kc, vc, table, ctx_lens[s], rows[s], hq, hkv, d, kv, scale, qf.data(), acc.data(),
                        sc.data(), out);
       else if (d == 128)
-        decode_one<128>(q, kc, vc, table, ctx_lens[s], rows[s], hq, hkv, d, bs, scale, qf.data(), acc.data(),
+        decode_one<128>(q, kc, vc, table, ctx_lens[s], rows[s], hq, hkv, d, kv, scale, qf.data(), acc.data(),
                         sc.data(), out);
       else
-        decode_one<0>(q, kc, vc, table, ctx_lens[s], rows[s], hq, hkv, d, bs, scale, qf.data(), acc.data(),
+        decode_one<0>(q, kc, vc, table, ctx_lens[s], rows[s], hq, hkv, d, kv, scale, qf.data(), acc.data(),
                       sc.data(), out);
     }
   }
@@ -905,7 +925,7 @@ inline void for_head_groups(int g_size, F&& f) {
 
 template <int C, typename T>
 void prefill_tile(const T* __restrict q, const T* __restrict kc, const T* __restrict vc, const int32_t* table,
-                  int ctx, int q_len, int i0, int h, int hq, int hkv, int g_size, int bs, float scale,
+                  int ctx, int q_len, int i0, int h, int hq, int hkv, int g_size, const KVLayout& kv, float scale,
                   float* __restrict buf, T* __restrict out) {
   constexpr int D = 16 * C, TILE = 16;
   const int rows = std::min(TILE, q_len - i0), first_pos = ctx - q_len + i0, last_pos = first_pos + rows - 1;
@@ -917,7 +937,6 @@ void prefill_tile(const T* __restrict q, const T* __restrict kc, const T* __rest
   float* vt = kt + TILE * D;            // [TILE][D]
   float* pt = vt + TILE * D;            // [g][TILE keys][TILE rows]: probabilities
   float* corr = pt + g_size * TILE * TILE;  // [g][TILE]
-  const int64_t tok_stride = int64_t(hkv) * D;
   prefill_load_transposed16<D>(q, rows, i0, h, hq, g_size, scale, qt);
   for (int g = 0; g < g_size; ++g) {
     for (int d = 0; d < D; ++d) _mm512_storeu_ps(acc + (g * D + d) * TILE, _mm512_setzero_ps());
@@ -929,9 +948,8 @@ void prefill_tile(const T* __restrict q, const T* __restrict kc, const T* __rest
     for (int j = 0; j < TILE; ++j) {
       if (j < nk) {
         const int t = t0 + j;
-        const int64_t slot = int64_t(table[t / bs]) * bs + t % bs;
-        const T* kr = kc + slot * tok_stride + int64_t(h) * D;
-        const T* vr = vc + slot * tok_stride + int64_t(h) * D;
+        const T* kr = kc + kv.at(table, t, h);
+        const T* vr = vc + kv.at(table, t, h);
         for (int c = 0; c < C; ++c) {
           _mm512_storeu_ps(kt + j * D + 16 * c, load16(kr + 16 * c));
           _mm512_storeu_ps(vt + j * D + 16 * c, load16(vr + 16 * c));
@@ -979,8 +997,8 @@ void prefill_tile(const T* __restrict q, const T* __restrict kc, const T* __rest
 // keys (2 jp, 2 jp + 1) against the values' pairs.
 template <int C>
 void prefill_tile_bf16(const uint16_t* __restrict q, const uint16_t* __restrict kc, const uint16_t* __restrict vc,
-                       const int32_t* table, int ctx, int q_len, int i0, int h, int hq, int hkv, int g_size, int bs,
-                       float scale, float* __restrict buf, uint16_t* __restrict out) {
+                       const int32_t* table, int ctx, int q_len, int i0, int h, int hq, int hkv, int g_size,
+                       const KVLayout& kv, float scale, float* __restrict buf, uint16_t* __restrict out) {
   constexpr int D = 16 * C, TILE = 16, DP = D / 2;
   const int rows = std::min(TILE, q_len - i0), first_pos = ctx - q_len + i0, last_pos = first_pos + rows - 1;
   uint32_t* qp = reinterpret_cast<uint32_t*>(buf);  // [g][DP][TILE]: row i's query pair (2 dp, 2 dp + 1)
@@ -992,7 +1010,6 @@ void prefill_tile_bf16(const uint16_t* __restrict q, const uint16_t* __restrict 
   uint32_t* pp = vp + TILE / 2 * D;                 // [g][TILE / 2][TILE]: row i's probabilities of keys 2 jp, 2 jp + 1
   float* corr = reinterpret_cast<float*>(pp + g_size * TILE / 2 * TILE);  // [g][TILE]
   float* sc = corr + g_size * TILE;                 // [g][TILE keys][TILE rows]: scores
-  const int64_t tok_stride = int64_t(hkv) * D;
   __m512i interleave;  // words: a0 b0 a1 b1 ... a15 b15 from [a0..a15 | b0..b15]
   {
     alignas(64) uint16_t idx[32];
@@ -1021,9 +1038,8 @@ void prefill_tile_bf16(const uint16_t* __restrict q, const uint16_t* __restrict 
     for (int j = 0; j < TILE; ++j) {
       if (j < nk) {
         const int t = t0 + j;
-        const int64_t slot = int64_t(table[t / bs]) * bs + t % bs;
-        const uint16_t* kr = kc + slot * tok_stride + int64_t(h) * D;
-        vrow[j] = vc + slot * tok_stride + int64_t(h) * D;
+        const uint16_t* kr = kc + kv.at(table, t, h);
+        vrow[j] = vc + kv.at(table, t, h);
         std::memcpy(kp + j * DP, kr, D * 2);
       } else {
         vrow[j] = nullptr;
@@ -1075,7 +1091,7 @@ void prefill_tile_bf16(const uint16_t* __restrict q, const uint16_t* __restrict 
 
 template <int C, typename T>
 void prefill_attention_c(const T* q, const T* kc, const T* vc, const int32_t* table, int ctx, int q_len, int hq,
-                         int hkv, int bs, float scale, T* out) {
+                         int hkv, const KVLayout& kv, float scale, T* out) {
   constexpr int D = 16 * C, TILE = 16;
   const int g_size = hq / hkv, tiles = (q_len + TILE - 1) / TILE, items = hkv * tiles;
   const size_t floats = size_t(2) * g_size * TILE * D + 2 * g_size * TILE + 2 * D * TILE + g_size * (TILE + 1) * TILE +
@@ -1088,23 +1104,24 @@ void prefill_attention_c(const T* q, const T* kc, const T* vc, const int32_t* ta
       const int i0 = (tiles - 1 - w / hkv) * TILE, h = w % hkv;
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<T, uint16_t>) {
-        prefill_tile_bf16<C>(q, kc, vc, table, ctx, q_len, i0, h, hq, hkv, g_size, bs, scale, buf.data(), out);
+        prefill_tile_bf16<C>(q, kc, vc, table, ctx, q_len, i0, h, hq, hkv, g_size, kv, scale, buf.data(), out);
         continue;
       }
 #endif
-      prefill_tile<C>(q, kc, vc, table, ctx, q_len, i0, h, hq, hkv, g_size, bs, scale, buf.data(), out);
+      prefill_tile<C>(q, kc, vc, table, ctx, q_len, i0, h, hq, hkv, g_size, kv, scale, buf.data(), out);
     }
   }
 }
 
 template <typename T>
 bool prefill_attention(const T* q, const T* kc, const T* vc, const int32_t* table, int ctx, int q_len, int hq,
-                       int hkv, int d, int bs, float scale, T* out) {
+                       int hkv, int d, int bs, int head_major, float scale, T* out) {
+  const KVLayout kv(bs, hkv, d, head_major);
   switch (d) {
-    case 16: prefill_attention_c<1>(q, kc, vc, table, ctx, q_len, hq, hkv, bs, scale, out); return true;
-    case 32: prefill_attention_c<2>(q, kc, vc, table, ctx, q_len, hq, hkv, bs, scale, out); return true;
-    case 64: prefill_attention_c<4>(q, kc, vc, table, ctx, q_len, hq, hkv, bs, scale, out); return true;
-    case 128: prefill_attention_c<8>(q, kc, vc, table, ctx, q_len, hq, hkv, bs, scale, out); return true;
+    case 16: prefill_attention_c<1>(q, kc, vc, table, ctx, q_len, hq, hkv, kv, scale, out); return true;
+    case 32: prefill_attention_c<2>(q, kc, vc, table, ctx, q_len, hq, hkv, kv, scale, out); return true;
+    case 64: prefill_attention_c<4>(q, kc, vc, table, ctx, q_len, hq, hkv, kv, scale, out); return true;
+    case 128: prefill_attention_c<8>(q, kc, vc, table, ctx, q_len, hq, hkv, kv, scale, out); return true;
     default: return false;
   }
 }
@@ -1118,7 +1135,7 @@ inline bool prefill_covers(int d) { return d == 16 || d == 32 || d == 64 || d ==
 // in Hugging Face's bf16 attention.
 template <int C, typename T>
 void prefill_tile8(const T* __restrict q, const T* __restrict kc, const T* __restrict vc, const int32_t* table,
-                   int ctx, int q_len, int i0, int h, int hq, int hkv, int g_size, int bs, float scale,
+                   int ctx, int q_len, int i0, int h, int hq, int hkv, int g_size, const KVLayout& kv, float scale,
                    float* __restrict buf, T* __restrict out) {
   constexpr int D = 8 * C, TILE = 8;
   const int rows = std::min(TILE, q_len - i0), first_pos = ctx - q_len + i0, last_pos = first_pos + rows - 1;
@@ -1130,7 +1147,6 @@ void prefill_tile8(const T* __restrict q, const T* __restrict kc, const T* __res
   float* vt = kt + TILE * D;            // [TILE][D]
   float* pt = vt + TILE * D;            // [g][TILE keys][TILE rows]: probabilities
   float* corr = pt + g_size * TILE * TILE;  // [g][TILE]
-  const int64_t tok_stride = int64_t(hkv) * D;
   prefill_load_transposed<D, TILE>(q, rows, i0, h, hq, g_size, scale, qt);
   for (int g = 0; g < g_size; ++g) {
     for (int d = 0; d < D; ++d) _mm256_storeu_ps(acc + (g * D + d) * TILE, _mm256_setzero_ps());
@@ -1144,9 +1160,8 @@ void prefill_tile8(const T* __restrict q, const T* __restrict kc, const T* __res
     for (int j = 0; j < TILE; ++j) {
       if (j < nk) {
         const int t = t0 + j;
-        const int64_t slot = int64_t(table[t / bs]) * bs + t % bs;
-        const T* kr = kc + slot * tok_stride + int64_t(h) * D;
-        const T* vr = vc + slot * tok_stride + int64_t(h) * D;
+        const T* kr = kc + kv.at(table, t, h);
+        const T* vr = vc + kv.at(table, t, h);
         for (int c = 0; c < C; ++c) {
           _mm256_storeu_ps(kt + j * D + 8 * c, load8(kr + 8 * c));
           _mm256_storeu_ps(vt + j * D + 8 * c, load8(vr + 8 * c));
@@ -1203,7 +1218,7 @@ void prefill_tile8(const T* __restrict q, const T* __restrict kc, const T* __res
 
 template <int C, typename T>
 void prefill_attention_c8(const T* q, const T* kc, const T* vc, const int32_t* table, int ctx, int q_len, int hq,
-                          int hkv, int bs, float scale, T* out) {
+                          int hkv, const KVLayout& kv, float scale, T* out) {
   constexpr int D = 8 * C, TILE = 8;
   const int g_size = hq / hkv, tiles = (q_len + TILE - 1) / TILE, items = hkv * tiles;
   const size_t floats = size_t(2) * g_size * TILE * D + 2 * g_size * TILE + 2 * D * TILE + g_size * (TILE + 1) * TILE +
@@ -1214,40 +1229,50 @@ void prefill_attention_c8(const T* q, const T* kc, const T* vc, const int32_t* t
 #pragma omp for schedule(dynamic, 1)
     for (int w = 0; w < items; ++w) {  // longest tiles (the last queries) first
       const int i0 = (tiles - 1 - w / hkv) * TILE, h = w % hkv;
-      prefill_tile8<C>(q, kc, vc, table, ctx, q_len, i0, h, hq, hkv, g_size, bs, scale, buf.data(), out);
+      prefill_tile8<C>(q, kc, vc, table, ctx, q_len, i0, h, hq, hkv, g_size, kv, scale, buf.data(), out);
     }
   }
 }
 
 template <typename T>
 bool prefill_attention(const T* q, const T* kc, const T* vc, const int32_t* table, int ctx, int q_len, int hq,
-                       int hkv, int d, int bs, float scale, T* out) {
+                       int hkv, int d, int bs, int head_major, float scale, T* out) {
+  const KVLayout kv(bs, hkv, d, head_major);
   switch (d) {
-    case 16: prefill_attention_c8<2>(q, kc, vc, table, ctx, q_len, hq, hkv, bs, scale, out); return true;
-    case 32: prefill_attention_c8<4>(q, kc, vc, table, ctx, q_len, hq, hkv, bs, scale, out); return true;
-    case 64: prefill_attention_c8<8>(q, kc, vc, table, ctx, q_len, hq, hkv, bs, scale, out); return true;
-    case 128: prefill_attention_c8<16>(q, kc, vc, table, ctx, q_len, hq, hkv, bs, scale, out); return true;
+    case 16: prefill_attention_c8<2>(q, kc, vc, table, ctx, q_len, hq, hkv, kv, scale, out); return true;
+    case 32: prefill_attention_c8<4>(q, kc, vc, table, ctx, q_len, hq, hkv, kv, scale, out); return true;
+    case 64: prefill_attention_c8<8>(q, kc, vc, table, ctx, q_len, hq, hkv, kv, scale, out); return true;
+    case 128: prefill_attention_c8<16>(q, kc, vc, table, ctx, q_len, hq, hkv, kv, scale, out); return true;
     default: return false;
   }
 }
 inline bool prefill_covers(int d) { return d == 16 || d == 32 || d == 64 || d == 128; }
 #else
 template <typename T>
-bool prefill_attention(const T*, const T*, const T*, const int32_t*, int, int, int, int, int, int, float, T*) {
+bool prefill_attention(const T*, const T*, const T*, const int32_t*, int, int, int, int, int, int, int, float, T*) {
   return false;
 }
 inline bool prefill_covers(int) { return false; }
 #endif
 
-// KV store: token t's key and value rows (width elements, row strides given) into slot slots[t]; -1 skips.
+// KV store: token t's key and value rows (hkv heads of d elements, row strides given) into slot slots[t]
+// (block * block size + offset) of a cache laid out as kv says; -1 skips.
 template <typename T>
 void store_kv(const T* __restrict k, int64_t k_stride, const T* __restrict v, int64_t v_stride, T* __restrict kc,
-              T* __restrict vc, const int64_t* __restrict slots, int64_t n, int64_t width) {
+              T* __restrict vc, const int64_t* __restrict slots, int64_t n, int hkv, int d, const KVLayout& kv) {
   for (int64_t t = 0; t < n; ++t) {
     const int64_t s = slots[t];
     if (s < 0) continue;
-    std::memcpy(kc + s * width, k + t * k_stride, size_t(width) * sizeof(T));
-    std::memcpy(vc + s * width, v + t * v_stride, size_t(width) * sizeof(T));
+    const int64_t at = s / kv.bs * kv.blk + s % kv.bs * kv.tok;
+    if (kv.head == d) {  // token-major: the heads side by side
+      std::memcpy(kc + at, k + t * k_stride, size_t(hkv) * d * sizeof(T));
+      std::memcpy(vc + at, v + t * v_stride, size_t(hkv) * d * sizeof(T));
+      continue;
+    }
+    for (int h = 0; h < hkv; ++h) {
+      std::memcpy(kc + at + h * kv.head, k + t * k_stride + h * d, size_t(d) * sizeof(T));
+      std::memcpy(vc + at + h * kv.head, v + t * v_stride + h * d, size_t(d) * sizeof(T));
+    }
   }
 }
 
@@ -1605,7 +1630,7 @@ struct DecodeLayer {  // one layer's weights (panel-packed matmuls; a bias or q/
 };
 struct DecodeShape {
   int64_t hidden, inter;
-  int hq, hkv, d, block_size;
+  int hq, hkv, d, block_size, head_major;
   float eps, scale;
 };
 enum DecodeOp { kOpRmsNorm, kOpLinear, kOpRotary, kOpStoreKv, kOpAttention, kOpSilu };  // decode_stack.OP_NAMES
@@ -1664,10 +1689,11 @@ void decode_layers(const DecodeLayer* layers, int num_layers, const DecodeShape&
     rotary<T>(positions, q, q_stride, k, k_stride, cos_sin, q_rot.data(), k_rot.data(), n, sh.hq, sh.hkv, sh.d, 1);
     lap(kOpRotary);
     T *kc = (T*)w.key_cache, *vc = (T*)w.value_cache;
-    store_kv<T>(k_rot.data(), kvs, qkv.data() + qs + kvs, qkv_n, kc, vc, slots, n, kvs);
+    const KVLayout kv(sh.block_size, sh.hkv, sh.d, sh.head_major);
+    store_kv<T>(k_rot.data(), kvs, qkv.data() + qs + kvs, qkv_n, kc, vc, slots, n, sh.hkv, sh.d, kv);
     lap(kOpStoreKv);
     decode_attention<T>(q_rot.data(), kc, vc, tables, table_stride, lens, rows.data(), int(n), sh.hq, sh.hkv, sh.d,
-                        sh.block_size, sh.scale, 0, attn.data(), 1);  // (max_ctx: unused there)
+                        sh.block_size, sh.head_major, sh.scale, 0, attn.data(), 1);  // (max_ctx: unused there)
     lap(kOpAttention);
     panel_gemm(attn.data(), n, qs, w.o, H, w.o_bias, o_out.data());
     lap(kOpLinear);
@@ -1687,13 +1713,13 @@ void decode_layers(const DecodeLayer* layers, int num_layers, const DecodeShape&
 extern "C" {
 void kvf_decode_attention_f32(const float* q, const float* kc, const float* vc, const int32_t* bt,
                               int64_t bt_stride, const int32_t* ctx, const int64_t* rows, int s, int hq, int hkv,
-                              int d, int bs, float scale, int max_ctx, float* out, int simd) {
-  decode_attention(q, kc, vc, bt, bt_stride, ctx, rows, s, hq, hkv, d, bs, scale, max_ctx, out, simd);
+                              int d, int bs, int head_major, float scale, int max_ctx, float* out, int simd) {
+  decode_attention(q, kc, vc, bt, bt_stride, ctx, rows, s, hq, hkv, d, bs, head_major, scale, max_ctx, out, simd);
 }
 void kvf_decode_attention_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int32_t* bt,
                                int64_t bt_stride, const int32_t* ctx, const int64_t* rows, int s, int hq, int hkv,
-                               int d, int bs, float scale, int max_ctx, uint16_t* out, int simd) {
-  decode_attention(q, kc, vc, bt, bt_stride, ctx, rows, s, hq, hkv, d, bs, scale, max_ctx, out, simd);
+                               int d, int bs, int head_major, float scale, int max_ctx, uint16_t* out, int simd) {
+  decode_attention(q, kc, vc, bt, bt_stride, ctx, rows, s, hq, hkv, d, bs, head_major, scale, max_ctx, out, simd);
 }
 #define KVF_TYPED(SUFFIX, T)                                                                                       \
   void kvf_rms_norm_##SUFFIX(const T* x, const T* residual, const T* w, T* out, T* new_residual, int64_t rows,    \
@@ -1708,12 +1734,13 @@ void kvf_decode_attention_bf16(const uint16_t* q, const uint16_t* kc, const uint
     rotary(pos, q, q_stride, k, k_stride, cos_sin, q_out, k_out, n, hq, hkv, d, neox);                         \
   }                                                                                                              \
   int kvf_prefill_attention_##SUFFIX(const T* q, const T* kc, const T* vc, const int32_t* table, int ctx,       \
-                                     int q_len, int hq, int hkv, int d, int bs, float scale, T* out) {            \
-    return prefill_attention(q, kc, vc, table, ctx, q_len, hq, hkv, d, bs, scale, out) ? 1 : 0;                 \
+                                     int q_len, int hq, int hkv, int d, int bs, int head_major, float scale,      \
+                                     T* out) {                                                                    \
+    return prefill_attention(q, kc, vc, table, ctx, q_len, hq, hkv, d, bs, head_major, scale, out) ? 1 : 0;     \
   }                                                                                                              \
   void kvf_store_kv_##SUFFIX(const T* k, int64_t k_stride, const T* v, int64_t v_stride, T* kc, T* vc,           \
-                             const int64_t* slots, int64_t n, int64_t width) {                                    \
-    store_kv(k, k_stride, v, v_stride, kc, vc, slots, n, width);                                                 \
+                             const int64_t* slots, int64_t n, int hkv, int d, int bs, int head_major) {          \
+    store_kv(k, k_stride, v, v_stride, kc, vc, slots, n, hkv, d, KVLayout(bs, hkv, d, head_major));             \
   }                                                                                                              \
   /* a decode step's decoder layers; only where the dtype's panel GEMM is compiled in (kvf_gemm*available) */     \
   void kvf_decode_layers_##SUFFIX(const DecodeLayer* layers, int num_layers, const DecodeShape* shape, T* hidden, \
