@@ -686,6 +686,13 @@ void silu_and_mul(const T* __restrict x, T* __restrict out, int64_t rows, int64_
     T* o = out + r * inter;
     int64_t i = 0;
 #if defined(__AVX512F__)
+    // four registers at a time: their exps' dependency chains interleaved (one at a time the loop ran at 2.3-2.5
+    // G elements/s a thread on a Zen 5, prefill-sized bfloat16 rows; four: 2.8-2.9)
+    for (; i + 64 <= iv; i += 64) {
+      __m512 s[4];
+      for (int c = 0; c < 4; ++c) s[c] = silu16(load16(g + i + 16 * c));
+      for (int c = 0; c < 4; ++c) store16(o + i + 16 * c, _mm512_mul_ps(round16(s[c], o), load16(u + i + 16 * c)));
+    }
     for (; i < iv; i += 16) store16(o + i, _mm512_mul_ps(round16(silu16(load16(g + i)), o), load16(u + i)));
 #elif defined(KVF_AVX2)
     for (; i + 8 <= inter; i += 8) store8(o + i, _mm256_mul_ps(round8(silu8(load8(g + i)), o), load8(u + i)));
