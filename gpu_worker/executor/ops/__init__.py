@@ -4,7 +4,8 @@
 native CPU kernels (cpu/native_ops, built from cpu/csrc) and the Triton kernels (kernels/). `select_ops` picks
 one implementation per operation, once, when a model is built. `AttentionMetadata` holds the paged-attention
 inputs of one step, shared by every layer. KV cache per layer: key_cache, value_cache:
-[num_blocks, block_size, num_kv_heads, head_dim].
+[num_blocks, block_size, num_kv_heads, head_dim] as every op indexes them (on CPU head-major in memory:
+cpu/kernels.head_major_kv_cache; every implementation takes the strides).
 """
 
 from __future__ import annotations

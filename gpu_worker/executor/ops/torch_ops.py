@@ -1,7 +1,7 @@
 """Torch reference implementations of the model's hot operations (the `Ops` protocol of this package): the
 ground truth the native CPU kernels and the Triton kernels are tested against, and the fallback for any input
 they do not cover.
-KV cache per layer: key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim].
+KV cache per layer: key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim], any strides.
 """
 
 from __future__ import annotations
