@@ -121,6 +121,11 @@ def test_one_request_is_one_trace_from_gateway_to_worker(fleet, receiver):
     assert by["kvfleet.prefill"].attributes["kvfleet.kv.blocks"] == w["kvfleet.kv.blocks"]
 
 
+# tokens per request: long enough that the poller (a scrape every ~20 ms) sees the two running together on a busy
+# CI machine (48 took the tiny model ~0.1 s, and a run once saw at most one running)
+TOKENS = 160
+
+
 def test_metrics_move_while_requests_run(fleet):
     gw, wk = fleet.url(), f"http://127.0.0.1:{fleet.metrics_port}"
     before = scrape(wk)
@@ -131,7 +136,7 @@ def test_metrics_move_while_requests_run(fleet):
     model = os.path.basename(fleet.model)
 
     def one(i: int):
-        return client.completions.create(model=model, prompt=f"Request {i}: tell me a long story about", max_tokens=48,
+        return client.completions.create(model=model, prompt=f"Request {i}: tell me a long story about", max_tokens=TOKENS,
                                          temperature=0, extra_body={"ignore_eos": True})
 
     seen = {"running": 0.0, "waiting": 0.0, "min_free": float(BLOCKS), "usage": 0.0}
@@ -145,7 +150,7 @@ def test_metrics_move_while_requests_run(fleet):
             seen["usage"] = max(seen["usage"], value(s, "vllm:kv_cache_usage_perc"))
             time.sleep(0.02)
         results = [f.result() for f in futures]
-    assert all(r.usage.completion_tokens == 48 for r in results)
+    assert all(r.usage.completion_tokens == TOKENS for r in results)
     assert seen["running"] == 2 and seen["waiting"] >= 1, seen
     assert seen["min_free"] < BLOCKS and seen["usage"] > 0, seen
 
@@ -157,7 +162,7 @@ def test_metrics_move_while_requests_run(fleet):
     after = fleet.wait_for(settled, what="free blocks back up")
     assert value(after, "vllm:num_requests_running") == 0 and value(after, "vllm:num_requests_waiting") == 0
     gen = value(after, "vllm:generation_tokens_total") - value(before, "vllm:generation_tokens_total")
-    assert gen == 4 * 48
+    assert gen == 4 * TOKENS
     prompt = value(after, "vllm:prompt_tokens_total") - value(before, "vllm:prompt_tokens_total")
     assert prompt == sum(r.usage.prompt_tokens for r in results)
     assert value(after, "vllm:request_success_total", finished_reason="length") >= 4
@@ -166,7 +171,11 @@ def test_metrics_move_while_requests_run(fleet):
     assert value(after, "vllm:prefix_cache_queries_total") >= prompt
     assert value(after, "vllm:inter_token_latency_seconds_count") >= 4
 
-    g = scrape(gw)
+    def gateway_settled():  # its view of the fleet is the worker's last published status (every heartbeat)
+        s = scrape(gw)
+        return s if value(s, "kvfleet_fleet_free_blocks", worker="w0") == BLOCKS else None
+
+    g = fleet.wait_for(gateway_settled, what="the gateway's view of w0's free blocks back up")
     assert value(g, "kvfleet_http_requests_total", endpoint="/v1/completions", status="200") == 4
     assert value(g, "kvfleet_routing_decisions_total", policy="free_blocks", worker="w0") >= 5
     assert value(g, "kvfleet_gateway_time_to_first_token_seconds_count") >= 5
