@@ -437,10 +437,10 @@ bool decode_seq_fast(int g_size, const T* q, const T* kc, const T* vc, const int
 
 // the AVX-512 kernel when it covers the shape (block size 16, head dim 64 or 128, common group sizes)
 template <typename T>
-bool decode_seq_simd(int bs, int d, int g_size, const T* q, const T* kc, const T* vc, const int32_t* table,
+bool decode_seq_simd(int d, int g_size, const T* q, const T* kc, const T* vc, const int32_t* table,
                      int len, int64_t row, int hq, int hkv, const KVLayout& kv, float scale, float* qf, float* acc,
                      float* ml, float*, T* out) {
-  if (bs != 16) return false;
+  if (kv.bs != 16) return false;
   if (d == 64) return decode_seq_fast<4>(g_size, q, kc, vc, table, len, row, hq, hkv, kv, scale, qf, acc, ml, out);
   if (d == 128) return decode_seq_fast<8>(g_size, q, kc, vc, table, len, row, hq, hkv, kv, scale, qf, acc, ml, out);
   return false;
@@ -448,17 +448,17 @@ bool decode_seq_simd(int bs, int d, int g_size, const T* q, const T* kc, const T
 #elif defined(KVF_AVX2)
 // the AVX2 kernel when it covers the shape (block size 16, head dim 64 or 128, any group size)
 template <typename T>
-bool decode_seq_simd(int bs, int d, int, const T* q, const T* kc, const T* vc, const int32_t* table,
+bool decode_seq_simd(int d, int, const T* q, const T* kc, const T* vc, const int32_t* table,
                      int len, int64_t row, int hq, int hkv, const KVLayout& kv, float scale, float* qf, float* acc,
                      float* ml, float* sc, T* out) {
-  if (bs != 16) return false;
+  if (kv.bs != 16) return false;
   if (d == 64) { decode_seq_avx2<8>(q, kc, vc, table, len, row, hq, hkv, kv, scale, qf, acc, ml, sc, out); return true; }
   if (d == 128) { decode_seq_avx2<16>(q, kc, vc, table, len, row, hq, hkv, kv, scale, qf, acc, ml, sc, out); return true; }
   return false;
 }
 #else
 template <typename T>
-bool decode_seq_simd(int, int, int, const T*, const T*, const T*, const int32_t*, int, int64_t, int, int,
+bool decode_seq_simd(int, int, const T*, const T*, const T*, const int32_t*, int, int64_t, int, int,
                      const KVLayout&, float, float*, float*, float*, float*, T*) {
   return false;
 }
@@ -548,8 +548,8 @@ void decode_attention(const T* q, const T* kc, const T* vc, const int32_t* bt, i
 #pragma omp for schedule(dynamic, 1)
     for (int s = 0; s < num_seqs; ++s) {
       const int32_t* table = bt + s * bt_stride;
-      if (simd && decode_seq_simd(bs, d, hq / hkv, q, kc, vc, table, ctx_lens[s], rows[s], hq, hkv, kv, scale, qf.data(),
-                                   acc.data(), ml.data(), sc.data(), out))
+      if (simd && decode_seq_simd(d, hq / hkv, q, kc, vc, table, ctx_lens[s], rows[s], hq, hkv, kv, scale, qf.data(),
+                                  acc.data(), ml.data(), sc.data(), out))
         continue;
       if (d == 64)
         decode_one<64>(q, kc, vc, table, ctx_lens[s], rows[s], hq, hkv, d, kv, scale, qf.data(), acc.data(),
