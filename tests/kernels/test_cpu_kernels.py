@@ -119,6 +119,37 @@ def test_decode_attention_reads_the_paged_cache(dtype, hq, hkv, head_dim, block_
         torch.testing.assert_close(out.float(), want.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("trend", ["rising", "falling", "spike-last"])
+def test_decode_attention_follows_a_running_max_that_moves_late_or_never(dtype, trend):
+    """The AVX-512 kernel rescales only where a block's scores pass the running max: scores that rise block after
+    block (a rescale every block), that fall (never after the first), and one key far above the rest in the
+    last, partial block (softmax all but one-hot there) against the torch op."""
+    g = torch.Generator().manual_seed(7)
+    hq, hkv, head_dim, block_size, length = 9, 3, 64, 16, 87
+    key_cache = kv_cache(8, block_size, hkv, head_dim, g, dtype, "head-major")
+    value_cache = kv_cache(8, block_size, hkv, head_dim, g, dtype, "head-major")
+    query = torch.ones(1, hq, head_dim).to(dtype)
+    base = torch.ones(head_dim) / head_dim
+    ramp = torch.linspace(-4, 4, length) if trend == "rising" else torch.linspace(4, -4, length)
+    if trend == "spike-last":
+        ramp = torch.zeros(length)
+        ramp[-1] = 60.0
+    table = torch.tensor([[3, 0, 6, 1, 7, 2]], dtype=torch.int32)
+    for t in range(length):  # the score of token t is ramp[t] * sqrt(head_dim) / sqrt(head_dim)
+        key_cache[int(table[0, t // block_size]), t % block_size] = (base * ramp[t] * head_dim**0.5).to(dtype)
+    lens = torch.tensor([length], dtype=torch.int32)
+    want = ops._decode_attention(query, key_cache, value_cache, table, lens, head_dim**-0.5)
+    out = torch.zeros_like(query)
+    cpu_kernels.decode_attention(query, key_cache, value_cache, table, lens, torch.arange(1), head_dim**-0.5, out,
+                                 length)
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-6
+    torch.testing.assert_close(out.float(), want.float(), atol=tol, rtol=tol)
+    if trend == "spike-last":  # all but one-hot on the last token: its value row
+        last = value_cache[int(table[0, (length - 1) // block_size]), (length - 1) % block_size]
+        torch.testing.assert_close(out[0].float(), last.repeat_interleave(hq // hkv, 0).float(), atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_paged_attention_mixed_batch_matches_the_torch_op(dtype, layout):
@@ -221,6 +252,9 @@ def test_bf16_panel_gemm_rounds_as_torch(m, k, n, with_bias):
     torch.testing.assert_close(out.double(), want, atol=1e-3 * k**0.5, rtol=2**-7)
     if m:
         assert (out == torch.nn.functional.linear(x, w, b)).float().mean() > 0.99
+    wide = cpu_kernels.gemm(x, packed, n, b, float_out=True)  # the logits' form: the same values in float32
+    assert wide.dtype == torch.float32 and wide.shape == (m, n)
+    assert torch.equal(wide, out.float())
 
 
 @needs_gemm

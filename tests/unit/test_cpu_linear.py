@@ -29,8 +29,8 @@ def test_every_plan_computes_the_same_linear(plan, rows, monkeypatch):
     assert (packed.many_data is not None) == (plan.many_rows in ("onednn", "panel"))
     taken = []
     real_run = cpu_linear._run
-    monkeypatch.setattr(cpu_linear, "_run", lambda x, p, b, many=False: taken.append(
-        p.many if many else p.kind) or real_run(x, p, b, many))
+    monkeypatch.setattr(cpu_linear, "_run", lambda x, p, b, many=False, float_out=False: taken.append(
+        p.many if many else p.kind) or real_run(x, p, b, many, float_out))
     monkeypatch.setattr(cpu_linear.F, "linear", lambda *a, real=cpu_linear.F.linear: taken.append("aten") or real(*a))
     torch.testing.assert_close(cpu_linear.linear(x, w, b, packed), x @ w.T + b, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(cpu_linear.linear(x, w, None, packed), x @ w.T, atol=1e-4, rtol=1e-5)
@@ -161,6 +161,27 @@ def test_native_bfloat16_plans_keep_bfloat16_weights(few, many, rows):
     out = cpu_linear.linear(x, w, b, packed)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out, torch.nn.functional.linear(x, w, b), atol=2e-2, rtol=2**-7)
+    wide = cpu_linear.linear(x, w, b, packed, float_out=True)  # the logits: rounded to bf16, then widened
+    assert wide.dtype == torch.float32 and torch.equal(wide, out.float())
+
+
+@pytest.mark.parametrize("packing", ["none", "aten", "upcast-onednn", "upcast-panel", "float32-panel"])
+def test_float_out_is_the_result_widened_on_every_path(packing):
+    """linear(..., float_out=True) == linear(...).float(), whichever path runs (the logits' form)."""
+    if packing.endswith("panel") and not cpu_kernels.gemm_available():
+        pytest.skip("the panel GEMM needs AVX2 + FMA")
+    g = torch.Generator().manual_seed(3)
+    dtype = torch.float32 if packing.startswith("float32") else torch.bfloat16
+    w, x = torch.randn(50, 40, generator=g).to(dtype), torch.randn(300, 40, generator=g).to(dtype)
+    if packing == "aten":
+        w, x = w.float(), x.float()
+    packed = {"none": lambda: None, "aten": lambda: cpu_linear.LinearPlan("onednn", "aten", False).pack(w),
+              "upcast-onednn": lambda: cpu_linear._pack(w, "onednn", upcast=True),
+              "upcast-panel": lambda: cpu_linear._pack(w, "panel", upcast=True),
+              "float32-panel": lambda: cpu_linear._pack(w, "panel", upcast=False)}[packing]()
+    out, wide = cpu_linear.linear(x, w, None, packed), cpu_linear.linear(x, w, None, packed, float_out=True)
+    assert out.dtype == x.dtype and wide.dtype == torch.float32
+    assert torch.equal(wide, out.float())
 
 
 @pytest.mark.skipif(not (cpu_kernels.gemm_available(torch.bfloat16) and cpu_linear._has_bf16_gemm(torch.ones(1, 1))),

@@ -180,8 +180,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> float32 logits [N, V] (under tensor parallelism: on every rank, gathered)."""
         weight = self.embed if self.lm_head is None else self.lm_head
-        logits = cpu_linear.linear(hidden, weight, None, self.lm_head_packed)  # [N, V / tp]
-        return self.tp.gather_vocab(logits, self.arch.vocab_size).float()
+        logits = cpu_linear.linear(hidden, weight, None, self.lm_head_packed, float_out=True)  # [N, V / tp]
+        return self.tp.gather_vocab(logits, self.arch.vocab_size)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -71,7 +71,7 @@ _GEMM_SIGNATURES = {
     "kvf_gemm_bf16_available": ([], ctypes.c_int),
     "kvf_gemm_packed_size_bf16": ([_I64, _I64], _I64),
     "kvf_gemm_pack_bf16": ([_P, _I64, _I64, _P], None),
-    "kvf_gemm_bf16": ([_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64], None),
+    "kvf_gemm_bf16": ([_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I32], None),
     "kvf_gemm_packed_size": ([_I64, _I64], _I64),
     "kvf_gemm_pack_f32": ([_P, _I64, _I64, _P], None),
     "kvf_gemm_f32": ([_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64], None),
@@ -316,16 +316,23 @@ def pack_gemm_weight(weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-def gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+def gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,
+         float_out: bool = False) -> torch.Tensor:
     """x [M, K] @ the packed weight [N, K]^T (+ bias [N]) -> [M, N], in the packed weight's dtype (float32 or
-    bfloat16, x the same), on this thread (or on torch's threads when it has several and the weight is big)."""
+    bfloat16, x the same), on this thread (or on torch's threads when it has several and the weight is big).
+    float_out: float32 whatever the dtype (a bfloat16 GEMM's results rounded to bfloat16 all the same, as
+    `gemm(...).float()` gives them, written once)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
-    out = torch.empty(m, n, dtype=packed.dtype)
+    bf16 = packed.dtype == torch.bfloat16
+    out = torch.empty(m, n, dtype=torch.float32 if float_out else packed.dtype)
     if bias is not None:
         bias = bias.to(packed.dtype).contiguous()
-    fn = _lib.kvf_gemm_bf16 if packed.dtype == torch.bfloat16 else _lib.kvf_gemm_f32
-    fn(x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), n, None if bias is None else bias.data_ptr(),
-       out.data_ptr(), n)
+    args = (x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), n, None if bias is None else bias.data_ptr(),
+            out.data_ptr(), n)
+    if bf16:
+        _lib.kvf_gemm_bf16(*args, int(float_out))
+    else:
+        _lib.kvf_gemm_f32(*args)
     return out

@@ -130,16 +130,19 @@ def _pack(weight: torch.Tensor, kind: str, upcast: bool, many: str | None = None
     return PackedWeight(kind, _layout(w, kind), w.shape[0], upcast, many, many_data)
 
 
-def _run(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, many: bool = False) -> torch.Tensor:
+def _run(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, many: bool = False,
+         float_out: bool = False) -> torch.Tensor:
     """x through the packed weight's few-rows path, or its many-rows one (a packed layout, not "aten")."""
     kind, data = (packed.many, packed.many_data) if many else (packed.kind, packed.data)
     xx = x.float() if packed.upcast else x
     if kind == "panel":
-        out = cpu_kernels.gemm(xx, data, packed.out_features, bias)
+        out = cpu_kernels.gemm(xx, data, packed.out_features, bias, float_out=float_out and not packed.upcast)
     else:
         b = bias.float() if packed.upcast and bias is not None else bias
         out = torch.ops.mkldnn._linear_pointwise(xx, data, b, "none", [], "")
-    return out.to(x.dtype) if packed.upcast else out
+    if packed.upcast:
+        out = out.to(x.dtype)
+    return out.float() if float_out else out
 
 
 def _fastest(cases: dict[str, Callable[[], object]], rounds: int = 4) -> dict[str, float]:
@@ -233,11 +236,10 @@ def linear(
     weight: torch.Tensor | None,  # [N, K]; None where packed does not read it (PackedWeight.reads_weight)
     bias: torch.Tensor | None = None,  # [N]
     packed: PackedWeight | None = None,  # LinearPlan.pack(weight)
+    float_out: bool = False,  # float32 out: the result in x's dtype, widened (the logits)
 ) -> torch.Tensor:
     """x @ weight.T + bias -> [T, N], by the path the plan chose for this many rows."""
-    if packed is None:
-        return F.linear(x, weight, bias)
-    many = packed.many is not None and x.shape[0] >= MANY_ROWS
-    if many and packed.many == "aten":
-        return F.linear(x, weight, bias)
-    return _run(x, packed, bias, many)
+    if packed is None or (packed.many == "aten" and x.shape[0] >= MANY_ROWS):
+        out = F.linear(x, weight, bias)
+        return out.float() if float_out else out
+    return _run(x, packed, bias, packed.many is not None and x.shape[0] >= MANY_ROWS, float_out)
