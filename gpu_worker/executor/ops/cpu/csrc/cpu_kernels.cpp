@@ -987,9 +987,12 @@ void prefill_tile(const T* __restrict q, const T* __restrict kc, const T* __rest
       // online softmax, all 16 rows at once: the max and the sums run across registers, not lanes
       float* sg = pt + g * TILE * TILE;
       const __m512 m_old = _mm512_loadu_ps(m + g * TILE);
-      __m512 mx = m_old;
+      __m512 mt[TILE];  // the rows' max over the tile as a tree (4 levels, not a chain of 16)
       for (int j = 0; j < TILE; ++j)
-        mx = _mm512_max_ps(mx, _mm512_mask_mov_ps(_mm512_set1_ps(-3.0e38f), visible[j], _mm512_loadu_ps(sg + j * TILE)));
+        mt[j] = _mm512_mask_mov_ps(_mm512_set1_ps(-3.0e38f), visible[j], _mm512_loadu_ps(sg + j * TILE));
+      for (int w = TILE / 2; w > 0; w /= 2)
+        for (int j = 0; j < w; ++j) mt[j] = _mm512_max_ps(mt[j], mt[j + w]);
+      const __m512 mx = _mm512_max_ps(m_old, mt[0]);
       __m512 sum = _mm512_setzero_ps();
       for (int j = 0; j < TILE; ++j) {
         const __m512 p = _mm512_maskz_mov_ps(visible[j], exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + j * TILE), mx)));
@@ -1082,17 +1085,21 @@ void prefill_tile_bf16(const uint16_t* __restrict q, const uint16_t* __restrict 
       __m512 s[TILE];
       for (int j = 0; j < TILE; ++j) s[j] = _mm512_loadu_ps(sc + (g * TILE + j) * TILE);
       const __m512 m_old = _mm512_loadu_ps(m + g * TILE), sv = _mm512_set1_ps(scale);
-      __m512 mx = m_old;
+      __m512 mt[TILE];  // the rows' max over the tile as a tree (4 levels, not a chain of 16)
       for (int j = 0; j < TILE; ++j) {
         s[j] = _mm512_mask_mov_ps(_mm512_set1_ps(-3.0e38f), visible[j], _mm512_mul_ps(s[j], sv));
-        mx = _mm512_max_ps(mx, s[j]);
+        mt[j] = s[j];
       }
+      for (int w = TILE / 2; w > 0; w /= 2)
+        for (int j = 0; j < w; ++j) mt[j] = _mm512_max_ps(mt[j], mt[j + w]);
+      const __m512 mx = _mm512_max_ps(m_old, mt[0]);
       __m512 sum = _mm512_setzero_ps();
       for (int jp = 0; jp < TILE / 2; ++jp) {
         const __m512 p0 = _mm512_maskz_mov_ps(visible[2 * jp], exp16(_mm512_sub_ps(s[2 * jp], mx)));
         const __m512 p1 = _mm512_maskz_mov_ps(visible[2 * jp + 1], exp16(_mm512_sub_ps(s[2 * jp + 1], mx)));
         sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
-        const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(bf16_bits_of_exp(p0)), bf16_bits_of_exp(p1), 1);
+        // exp16's results: never subnormal, so vcvtne2ps2bf16 rounds them as torch; p0's in the low half
+        const __m512i ab = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
         _mm512_storeu_si512(pp + (g * TILE / 2 + jp) * TILE, _mm512_permutexvar_epi16(interleave, ab));
       }
       const __m512 cv = exp16(_mm512_sub_ps(m_old, mx));
@@ -1202,11 +1209,14 @@ void prefill_tile8(const T* __restrict q, const T* __restrict kc, const T* __res
         for (int j = 0; j < TILE; ++j) s[j] = _mm256_fmadd_ps(qv, _mm256_broadcast_ss(kt + j * D + d), s[j]);
       }
       const __m256 m_old = _mm256_loadu_ps(m + g * TILE);
-      __m256 mx = m_old;
+      __m256 mt[TILE];  // the rows' max over the tile as a tree, not a chain
       for (int j = 0; j < TILE; ++j) {
         s[j] = _mm256_blendv_ps(neg, s[j], visible[j]);
-        mx = _mm256_max_ps(mx, s[j]);
+        mt[j] = s[j];
       }
+      for (int w = TILE / 2; w > 0; w /= 2)
+        for (int j = 0; j < w; ++j) mt[j] = _mm256_max_ps(mt[j], mt[j + w]);
+      const __m256 mx = _mm256_max_ps(m_old, mt[0]);
       __m256 sum = _mm256_setzero_ps();
       for (int j = 0; j < TILE; ++j) {
         const __m256 p = round8(_mm256_and_ps(visible[j], exp8(_mm256_sub_ps(s[j], mx))), q);
