@@ -610,8 +610,6 @@ inline __m256i bf16_bits(__m512 v) {
     return bf16_bits_portable(v);
   return (__m256i)_mm512_cvtneps_pbh(v);
 }
-// exp16's results (0, or e^-87 and up): never subnormal, so no check
-inline __m256i bf16_bits_of_exp(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
 #else
 inline __m256i bf16_bits(__m512 v) { return bf16_bits_portable(v); }
 #endif
