@@ -168,6 +168,21 @@ def test_paged_attention_mixed_batch_matches_the_torch_op(dtype, layout):
                                atol=tol, rtol=tol)
 
 
+def test_bf16_results_that_are_subnormal_round_as_torch_rounds_them():
+    """bfloat16 stores through vcvtneps2bf16, which flushes float32 subnormals to zero; torch rounds them to bf16
+    subnormals. SiLU-and-mul of gates under 2^-24 is exactly gate / 2 * up, so every lane here is a subnormal (or a
+    tie, or zero) to round, next to normal ones, and the kernel's bits must be torch's."""
+    tiny = torch.tensor([2.0**-133, -(2.0**-133), 3 * 2.0**-133, 2.0**-127, -(2.0**-126), 2.0**-130 * 1.5, 0.0,
+                         1e-30, 2.0**-126, 5e-39, -7e-39, 2.0**-132, 2.0**-128 * 1.25, 3e-40, 1e-39, 2.0**-120])
+    gate = tiny.repeat(3, 4).bfloat16()  # 64 columns: the kernel's four-register loop
+    up = torch.tensor([1.0, 0.5, 3.0, -1.0]).repeat_interleave(16).repeat(3, 1).bfloat16()
+    up[2] = 1.5
+    got = cpu_ops.silu_and_mul(torch.cat([gate, up], dim=1))
+    want = (torch.nn.functional.silu(gate.float()).bfloat16().float() * up.float()).bfloat16()
+    assert (want.float().abs() < 2.0**-126).sum() > 20  # subnormal results, the point of the test
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
 def test_unsupported_inputs_fall_back_to_the_torch_ops():
     x = torch.randn(4, 16, dtype=torch.float64)
     w = torch.ones(16, dtype=torch.float64)

@@ -603,11 +603,18 @@ inline __m256i bf16_bits_portable(__m512 v) {  // round to nearest even, NaN sta
 #if defined(__AVX512BF16__)
 // One vcvtneps2bf16 where no lane is a float32 subnormal, which that instruction flushes to zero (torch
 // rounds it to a bf16 subnormal): the same bits as bf16_bits_portable, NaN included, in one instruction of ~8.
+// The subnormal test is one vfpclassps (AVX512DQ, which every AVX512_BF16 CPU has) where a test and a masked
+// test had cost bfloat16 RMSNorm 17%, rotary 21% and SiLU-and-mul 7% of their time (Zen 5, 512 rows).
 inline __m256i bf16_bits(__m512 v) {
+#if defined(__AVX512DQ__)
+  if (_mm512_fpclass_ps_mask(v, 0x20))  // 0x20: subnormal, either sign
+    return bf16_bits_portable(v);
+#else
   const __m512i u = _mm512_castps_si512(v);
   if (_mm512_mask_test_epi32_mask(_mm512_testn_epi32_mask(u, _mm512_set1_epi32(0x7f800000)), u,
                                   _mm512_set1_epi32(0x007fffff)))
     return bf16_bits_portable(v);
+#endif
   return (__m256i)_mm512_cvtneps_pbh(v);
 }
 #else
