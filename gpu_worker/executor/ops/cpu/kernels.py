@@ -325,13 +325,12 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | Non
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
-    bf16 = packed.dtype == torch.bfloat16
     out = torch.empty(m, n, dtype=torch.float32 if float_out else packed.dtype)
     if bias is not None:
         bias = bias.to(packed.dtype).contiguous()
     args = (x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), n, None if bias is None else bias.data_ptr(),
             out.data_ptr(), n)
-    if bf16:
+    if packed.dtype == torch.bfloat16:
         _lib.kvf_gemm_bf16(*args, int(float_out))
     else:
         _lib.kvf_gemm_f32(*args)

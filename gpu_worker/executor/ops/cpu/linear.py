@@ -239,7 +239,8 @@ def linear(
     float_out: bool = False,  # float32 out: the result in x's dtype, widened (the logits)
 ) -> torch.Tensor:
     """x @ weight.T + bias -> [T, N], by the path the plan chose for this many rows."""
-    if packed is None or (packed.many == "aten" and x.shape[0] >= MANY_ROWS):
+    many = packed is not None and packed.many is not None and x.shape[0] >= MANY_ROWS
+    if packed is None or (many and packed.many == "aten"):
         out = F.linear(x, weight, bias)
         return out.float() if float_out else out
-    return _run(x, packed, bias, packed.many is not None and x.shape[0] >= MANY_ROWS, float_out)
+    return _run(x, packed, bias, many, float_out)
