@@ -38,8 +38,7 @@ def _load(seed: int) -> list[list[int]]:
             for i in range(N_REQUESTS)]
 
 
-def _counts(fleet: Fleet, port: int) -> dict[str, int]:
-    workers = fleet.fleet_status(port)["workers"]
+def _counts(workers: list[dict]) -> dict[str, int]:
     return {"preemptions": sum(w["num_preemptions"] for w in workers)} | {
         w["worker_id"]: w["num_finished"] for w in workers}
 
@@ -48,7 +47,7 @@ def _run(fleet: Fleet, policy: str, prompts: list[list[int]]) -> tuple[list[tupl
     """Send the load at once; return (prompt length, routed-to) per request and what each worker served,
     with the preemptions."""
     port = fleet.ports[policy]
-    before = _counts(fleet, port)
+    before = _counts(fleet.fleet_status(port)["workers"])
 
     def post(prompt: list[int]) -> tuple[int, str]:
         body = {"model": fleet.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
@@ -61,9 +60,17 @@ def _run(fleet: Fleet, policy: str, prompts: list[list[int]]) -> tuple[list[tupl
 
     with ThreadPoolExecutor(N_REQUESTS) as pool:
         routed = list(pool.map(post, prompts))
-    fleet.wait_for(lambda: all(w["running"] == 0 and w["waiting"] == 0 for w in fleet.fleet_status(port)["workers"]),
-                   what="the fleet to go idle")
-    after = _counts(fleet, port)
+
+    def settled() -> dict[str, int] | None:
+        # idle, and every answered request counted: a worker's status is its last heartbeat, which can show the
+        # engine empty while the count of its last output is a heartbeat behind (a CI run read 29 of 30 so)
+        workers = fleet.fleet_status(port)["workers"]
+        counts = _counts(workers)
+        idle = all(w["running"] == 0 and w["waiting"] == 0 for w in workers)
+        served = sum(counts[w] - before.get(w, 0) for w in counts if w != "preemptions")
+        return counts if idle and served >= len(prompts) else None
+
+    after = fleet.wait_for(settled, what="the fleet to go idle with every answered request counted")
     return routed, {k: after[k] - before[k] for k in after}
 
 
