@@ -38,6 +38,7 @@ class ProbeResult:
     # the cores' multiply-add peak in this dtype right after (services.bench.peak_rate, torch's thread count);
     # None: not measured, or no such instructions here
     peak_flops: float | None = None
+    peak_instruction: str | None = None  # what reached peak_flops: "FMA", "vdpbf16ps", "AMX tdpbf16ps"
 
 
 def _linear_paths(dtype) -> dict[str, Callable]:
@@ -151,7 +152,8 @@ def probe_matmul(shape: ModelShape, dtype_name: str, *, tokens: tuple[int, ...] 
     peak_rate = peak_flops(torch.get_num_threads()).get(dtype_name) if peak else None
     return ProbeResult(dtype=dtype_name, best_flops=layer_flops[best_key], best_path=path,
                        best_tokens=int(tokens_text), layer_flops=layer_flops, lm_head_flops=head_flops,
-                       unavailable=unavailable, streamed_flops=streamed, peak_flops=peak_rate)
+                       unavailable=unavailable, streamed_flops=streamed,
+                       peak_flops=peak_rate and peak_rate.flops, peak_instruction=peak_rate and peak_rate.instruction)
 
 
 def best_layer_now(shape: ModelShape, dtype_name: str) -> ProbeResult:

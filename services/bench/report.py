@@ -121,7 +121,7 @@ def format_table(summary: dict) -> str:
             text += (f"; a decode step's linear layers can reach {value / 1e9:.1f} GFLOP/s ({path}, {rows} rows over "
                      f"every layer's own weights and the lm_head, read from memory)")
         if peak := f["probe"].get("peak_flops"):
-            instruction = "vdpbf16ps" if summary["dtype"] == "bfloat16" else "FMA"
+            instruction = f["probe"].get("peak_instruction") or "multiply-adds"
             text += (f"; the cores' multiply-add peak right after: {peak / 1e9:.1f} GFLOP/s ({summary['threads']} "
                      f"threads, {instruction} in registers), the best matmul "
                      f"{100 * f['best_matmul_flops'] / peak:.0f}% of it, kvfleet {100 * f['achieved_flops'] / peak:.0f}%")

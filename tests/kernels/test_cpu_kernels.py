@@ -245,14 +245,29 @@ def test_panel_gemm_against_float64(m, k, n, with_bias):
     torch.testing.assert_close(out.double(), want, atol=1e-4 * k**0.5, rtol=1e-5)
 
 
-@pytest.mark.skipif(not cpu_kernels.gemm_available(torch.bfloat16), reason="the bf16 panel GEMM needs AVX512_BF16")
+@pytest.fixture(params=["vdpbf16ps", "amx"])
+def bf16_gemm_path(request):
+    """The bf16 panel GEMM on each of its paths this CPU runs: vdpbf16ps, and AMX tiles where the CPU has them
+    (skipped elsewhere)."""
+    if not cpu_kernels.gemm_available(torch.bfloat16):
+        pytest.skip("the bf16 panel GEMM needs AVX512_BF16")
+    amx = request.param == "amx"
+    if amx and not cpu_kernels.gemm_bf16_amx():
+        pytest.skip("no AMX-BF16 here (or Linux does not lend the tile state)")
+    was = cpu_kernels.gemm_bf16_amx()
+    assert cpu_kernels.gemm_bf16_amx(amx) == amx
+    yield request.param
+    cpu_kernels.gemm_bf16_amx(was)
+
+
 @pytest.mark.parametrize("m,k,n", [(1, 1, 1), (3, 5, 7), (8, 130, 48), (5, 577, 25), (33, 64, 960), (64, 576, 97),
-                                   (9, 1536, 576), (0, 64, 48)])
+                                   (9, 1536, 576), (0, 64, 48), (16, 32, 16), (70, 96, 100), (130, 64, 47)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_bf16_panel_gemm_rounds_as_torch(m, k, n, with_bias):
-    """Row tails (m % 8), column tails (n % 48), an odd k (its last element paired with a zero, never with what
-    lies past the row): within one bf16 rounding of a float64 product, and the same values as F.linear's bf16
-    GEMM but for a rare last-bit difference (fp32 sums in another order)."""
+def test_bf16_panel_gemm_rounds_as_torch(m, k, n, with_bias, bf16_gemm_path):
+    """Row tails (m % 8; on AMX, m % 16 and more than one block of 64 rows), column tails (n % 48, and % 16), an
+    odd k (its last element paired with a zero, never with what lies past the row; AMX takes k % 32 == 0 and
+    leaves the rest to vdpbf16ps): within one bf16 rounding of a float64 product, and the same values as
+    F.linear's bf16 GEMM but for a rare last-bit difference (fp32 sums in another order)."""
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x, w = torch.randn(m, k + 1, generator=g).bfloat16()[:, :k], torch.randn(n, k, generator=g).bfloat16()
     x[:, -1:] = 1.0  # an odd k's last element, next to a NaN past it in the row (row stride k + 1)

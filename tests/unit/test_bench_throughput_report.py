@@ -40,7 +40,7 @@ def test_the_compute_line_sets_the_engine_against_the_probe_and_the_cores_peak()
                    block_size=16, preemptions=0, kv_waste=0.02, kv_peak_waste=0.03, kv_waste_samples=5,
                    achieved_flops=6e11)
     probe = ProbeResult(dtype="bfloat16", best_flops=9e11, best_path="onednn-packed", best_tokens=1024,
-                        peak_flops=1.2e12)
+                        peak_flops=1.2e12, peak_instruction="vdpbf16ps")
     workload = Workload(name="w", path="w.json", requests=[])
     s = summarize(workload, argparse.Namespace(dtype="bfloat16", threads=2), {"kvfleet": ours}, probe)
     assert s["flops"]["fraction_of_best"] == pytest.approx(2 / 3) and s["flops"]["probe"]["peak_flops"] == 1.2e12

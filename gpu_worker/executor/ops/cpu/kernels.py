@@ -69,6 +69,7 @@ _GEMM_SIGNATURES = {
     "kvf_gemm_available": ([], ctypes.c_int),
     "kvf_gemm_panel_width": ([], ctypes.c_int),
     "kvf_gemm_bf16_available": ([], ctypes.c_int),
+    "kvf_gemm_bf16_amx": ([_I32], ctypes.c_int),
     "kvf_gemm_packed_size_bf16": ([_I64, _I64], _I64),
     "kvf_gemm_pack_bf16": ([_P, _I64, _I64, _P], None),
     "kvf_gemm_bf16": ([_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I32], None),
@@ -294,6 +295,15 @@ def gemm_available(dtype: torch.dtype = torch.float32) -> bool:
     if dtype == torch.bfloat16:
         return bool(_lib.kvf_gemm_bf16_available())
     return dtype == torch.float32 and bool(_lib.kvf_gemm_available())
+
+
+def gemm_bf16_amx(use: bool | None = None) -> bool:
+    """Does the bfloat16 panel GEMM multiply on AMX tiles here (built with AMX-BF16, Linux lends the process the
+    tile state, k a multiple of 32)? Else on vdpbf16ps. use=False / True turns the tiles off / on again (to
+    compare the two paths)."""
+    if not gemm_available(torch.bfloat16):
+        return False
+    return bool(_lib.kvf_gemm_bf16_amx(-1 if use is None else int(use)))
 
 
 def gemm_panel_width() -> int:

@@ -10,10 +10,12 @@ one thread, as each of the model runner's forward threads runs:
   or 4 x 24 AVX2 ones; bfloat16 with AVX512_BF16 dot products), timed over copies of the weight that no cache
   holds. 2-core AMD Zen 3, float32, 32 rows: panel 76, oneDNN 64 GFLOP/s. 2-core Zen 5, the model's 30 layers
   and lm_head streaming, 64 rows on 2 threads: float32 panel ~410-430, oneDNN ~340-360; bfloat16 670 against
-  534.
+  534. 2-core Xeon with AMX (family 6 model 167), the same: bfloat16 on AMX tiles 12.6 ms a step, oneDNN (also
+  AMX) 13.4.
 - many rows (prefill chunks, MANY_ROWS rows or more): F.linear, oneDNN packed or the panel GEMM, whichever is
   fastest at CALIBRATION_ROWS, the weight cache-resident (float32: Zen 3 MKL ~7% over the panel GEMM, ~12%
-  over oneDNN; Zen 5 oneDNN 229, panel 212, MKL 99 GFLOP/s a thread; bfloat16, Zen 5: panel 455, oneDNN 446).
+  over oneDNN; Zen 5 oneDNN 229, panel 212, MKL 99 GFLOP/s a thread; bfloat16, Zen 5: panel 455, oneDNN 446;
+  Xeon with AMX: oneDNN 1,691, panel on AMX tiles 952).
   A weight whose two paths differ keeps the layout of each (one more copy of the weights in memory).
 With P > 1 threads it also measures how a decode step should use them (`one_forward_below`): P concurrent
 single-threaded calls, each with its share of the rows and each streaming the whole weight, or one call on
@@ -21,7 +23,7 @@ all P threads, which split the output columns, so that each streams 1 / P of it.
 model's 30 layers streaming, a step of 64 rows (oneDNN): Zen 5 one call 52 against 62 ms (bfloat16 28
 against 36); Zen 4 level; Zen 3 (panel GEMM) 160 against 175.
 bfloat16 weights: a bf16 GEMM where the CPU has one (oneDNN's: AVX-512 BF16 / AMX; the panel GEMM's:
-AVX512_BF16); elsewhere neither oneDNN nor aten has a fast bf16 GEMM, and a float32 copy of each weight gives
+AMX tiles where the CPU has them, else AVX512_BF16); elsewhere neither oneDNN nor aten has a fast bf16 GEMM, and a float32 copy of each weight gives
 the same result (bf16 x bf16 products are exact in float32, summed in float32 as a bf16 GEMM does) at float32
 speed, for twice the weights' memory.
 """
@@ -93,11 +95,14 @@ class LinearPlan:
         """The path in words, e.g. "kvfleet's panel GEMM below 256 rows, oneDNN packed from 256"."""
         if dtype == torch.bfloat16 and not self.bf16_gemm:
             return f"a float32 copy of each bf16 weight ({PATH_NAMES[self.few_rows]}): no bf16 GEMM here"
-        name = PATH_NAMES[self.few_rows]
+        def name(kind: str) -> str:
+            amx = kind == "panel" and dtype == torch.bfloat16 and cpu_kernels.gemm_bf16_amx()
+            return f"{PATH_NAMES[kind]} on AMX tiles" if amx else PATH_NAMES[kind]
+
         if self._many():
-            text = f"{name} below {MANY_ROWS} rows, {PATH_NAMES[self.many_rows]} from {MANY_ROWS}"
+            text = f"{name(self.few_rows)} below {MANY_ROWS} rows, {name(self.many_rows)} from {MANY_ROWS}"
         else:
-            text = f"{name} for any number of rows"
+            text = f"{name(self.few_rows)} for any number of rows"
         return f"{text}, bf16 x bf16 natively" if dtype == torch.bfloat16 else text
 
     def splits_columns(self, num_rows: int) -> bool:

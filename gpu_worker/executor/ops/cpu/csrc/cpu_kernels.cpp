@@ -17,6 +17,10 @@
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#if defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -1619,11 +1623,146 @@ inline void gemm_rows_bf16(int rows, const uint16_t* x, int64_t xs, int64_t k, c
   gemm_tile_bf16<R>(x, xs, k, b, out, os, ncols, bias, pf, pf_lines, pf_step);
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// ---- the same bfloat16 GEMM on AMX tiles (Sapphire Rapids and later) ----------------------------------------
+// The packed panels above are what a tile multiply wants: [pairs][48][2] holds, for 16 pairs of k and 16 of a
+// panel's columns, 16 rows of 64 bytes 192 bytes apart (a B tile, k pairs side by side as tdpbf16ps reads them).
+// An A tile is 16 rows of x, 32 values of k each, read where x lies. Per 16 output columns, up to 4 C tiles (64
+// rows) accumulate fp32 from the bias, over k in steps of 32 (one B tile, then each row group's A tile and
+// tdpbf16ps); then each is stored, rounded to bfloat16 once, as gemm_tile_bf16 does. Tiles: C 0-3, B 4, A 5 and
+// 6 (alternating, so that a load overlaps the previous multiply). The next panel is prefetched into L2 (T1; T0
+// measured ~1.5x slower: a panel outgrows L1), a third during each column tile of the first row block. Needs k %
+// 32 == 0 (every model here; else gemm_bf16 takes the vdpbf16ps kernel) and Linux's permission for the tile
+// state, asked once per process (amx_permitted). 2-core Xeon with AMX (family 6 model 167), a decode step's
+// matmuls (the model's 30 layers and lm_head, weights streamed, 64 rows on 2 threads): 12.6 ms, where oneDNN's
+// AMX GEMM took 13.4 and the vdpbf16ps kernel 74.5 (one port's dot products: the float32 FMA rate there). For
+// prefill-sized inputs oneDNN's blocking is ~1.8x faster (512 rows, one thread): the calibration gives it those.
+
+struct AmxTileConfig {  // LDTILECFG's 64 bytes, palette 1
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+bool amx_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+  return ok;
+}
+bool g_gemm_amx = true;  // kvf_gemm_bf16_use_amx: off runs the vdpbf16ps kernel (to compare the two)
+
+inline void amx_load_config() {  // every tile 16 rows of 64 bytes; per thread, and per call (oneDNN sets its own)
+  AmxTileConfig cfg{};
+  cfg.palette = 1;
+  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+  _tile_loadconfig(&cfg);
+}
+
+// Groups (1-4: a constant, as the tile registers are named in the instructions) row groups of 16 x 16 output
+// columns over all of k: a[g] the group's first row of x (row stride `as` bytes), b the B tiles' first row (192
+// bytes apart), c the fp32 results (16 x 16 per group, 64 bytes a row); init: 16 rows of the bias, or null
+template <int Groups>
+inline void amx_column_tile(const uint16_t* const* a, int64_t as, int64_t k, const uint16_t* b, const float* init,
+                            float* c, const char* pf, int pf_lines) {
+  if (init) {
+    _tile_loadd(0, init, 64);
+    if constexpr (Groups > 1) _tile_loadd(1, init, 64);
+    if constexpr (Groups > 2) _tile_loadd(2, init, 64);
+    if constexpr (Groups > 3) _tile_loadd(3, init, 64);
+  } else {
+    _tile_zero(0);
+    if constexpr (Groups > 1) _tile_zero(1);
+    if constexpr (Groups > 2) _tile_zero(2);
+    if constexpr (Groups > 3) _tile_zero(3);
+  }
+  for (int64_t k0 = 0; k0 < k; k0 += 32) {
+    _tile_loadd(4, b + k0 * kGemmBf16NR, 192);  // pairs k0 / 2 .. + 16: rows of 48 x 2 values
+    for (int l = 0; l < pf_lines; ++l) _mm_prefetch(pf + 64 * l, _MM_HINT_T1);
+    pf += 64 * pf_lines;
+    _tile_loadd(5, a[0] + k0, as);
+    _tile_dpbf16ps(0, 5, 4);
+    if constexpr (Groups > 1) {
+      _tile_loadd(6, a[1] + k0, as);
+      _tile_dpbf16ps(1, 6, 4);
+    }
+    if constexpr (Groups > 2) {
+      _tile_loadd(5, a[2] + k0, as);
+      _tile_dpbf16ps(2, 5, 4);
+    }
+    if constexpr (Groups > 3) {
+      _tile_loadd(6, a[3] + k0, as);
+      _tile_dpbf16ps(3, 6, 4);
+    }
+  }
+  _tile_stored(0, c, 64);
+  if constexpr (Groups > 1) _tile_stored(1, c + 256, 64);
+  if constexpr (Groups > 2) _tile_stored(2, c + 512, 64);
+  if constexpr (Groups > 3) _tile_stored(3, c + 768, 64);
+}
+
+template <typename O>
+void gemm_bf16_amx(const uint16_t* __restrict x, int64_t xs, int64_t m, int64_t k, const uint16_t* __restrict packed,
+                   int64_t n, const uint16_t* __restrict bias, O* __restrict out, int64_t os) {
+  const int64_t panels = (n + kGemmBf16NR - 1) / kGemmBf16NR, panel_elems = k / 2 * kGemmBf16NR * 2;
+  const int64_t full_rows = m / 16 * 16;  // a last group of fewer rows is read from a zero-padded copy
+  const int64_t pf_third = panel_elems * 2 / 3;  // bytes
+  const int pf_per_step = int((pf_third / 64 + k / 32 - 1) / (k / 32));  // lines a k step
+#pragma omp parallel if (omp_get_max_threads() > 1 && n * k >= (int64_t(1) << 18))
+  {
+    amx_load_config();
+    thread_local std::vector<uint16_t> tail;  // the last rows (m % 16 of them), zero-padded to 16
+    if (full_rows < m) {
+      tail.assign(16 * k, 0);
+      for (int64_t r = full_rows; r < m; ++r) std::memcpy(&tail[(r - full_rows) * k], x + r * xs, 2 * k);
+    }
+    alignas(64) float c[4 * 256], init[256];
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < panels; ++p) {
+      for (int j = 0; j < kGemmBf16NR / 16 && p * kGemmBf16NR + 16 * j < n; ++j) {
+        const int64_t col = p * kGemmBf16NR + 16 * j;
+        const __mmask16 mask = first_n_mask16(int(std::min<int64_t>(16, n - col)));
+        if (bias) {
+          const __m512 bv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+              _mm256_maskz_loadu_epi16(mask, bias + col)), 16));
+          for (int r = 0; r < 16; ++r) _mm512_store_ps(init + 16 * r, bv);
+        }
+        const float* ini = bias ? init : nullptr;
+        int pf_lines = p + 1 < panels ? pf_per_step : 0;
+        const uint16_t* b = packed + p * panel_elems + 32 * j;
+        // the next panel's lines, prefetched over this panel's first row block: a third during each column tile
+        const char* pf = (const char*)(packed + (p + 1) * panel_elems) + j * pf_third;
+        for (int64_t r0 = 0; r0 < m; r0 += 64, pf_lines = 0) {
+          const int64_t rows = std::min<int64_t>(64, m - r0);
+          const int groups = int((rows + 15) / 16), full = int(rows / 16);
+          const uint16_t* a[4];
+          for (int g = 0; g < full; ++g) a[g] = x + (r0 + 16 * g) * xs;
+          switch (full) {  // whole groups from x; a partial last one from the tail copy (its own row stride)
+            case 4: amx_column_tile<4>(a, 2 * xs, k, b, ini, c, pf, pf_lines); break;
+            case 3: amx_column_tile<3>(a, 2 * xs, k, b, ini, c, pf, pf_lines); break;
+            case 2: amx_column_tile<2>(a, 2 * xs, k, b, ini, c, pf, pf_lines); break;
+            case 1: amx_column_tile<1>(a, 2 * xs, k, b, ini, c, pf, pf_lines); break;
+            default: break;
+          }
+          const uint16_t* t = tail.data();
+          if (full < groups) amx_column_tile<1>(&t, 2 * k, k, b, ini, c + 256 * full, pf, full ? 0 : pf_lines);
+          for (int64_t r = 0; r < rows; ++r)
+            store_rounded(out + (r0 + r) * os + col, mask, _mm512_load_ps(c + 16 * r));
+        }
+      }
+    }
+    _tile_release();
+  }
+}
+#define KVF_GEMM_BF16_AMX 1
+#endif
+
 // out: bfloat16, or float32 holding the bfloat16-rounded results (O = float)
 template <typename O>
 void gemm_bf16(const uint16_t* __restrict x, int64_t xs, int64_t m, int64_t k, const uint16_t* __restrict packed,
                int64_t n, const uint16_t* __restrict bias, O* __restrict out, int64_t os) {
   if (m <= 0) return;
+#ifdef KVF_GEMM_BF16_AMX
+  if (g_gemm_amx && k % 32 == 0 && amx_permitted()) return gemm_bf16_amx(x, xs, m, k, packed, n, bias, out, os);
+#endif
   const int64_t panels = (n + kGemmBf16NR - 1) / kGemmBf16NR, panel_elems = (k + 1) / 2 * kGemmBf16NR * 2;
   const int lines = int(panel_elems * 2 / 64), tiles = int((m + kGemmBf16MR - 1) / kGemmBf16MR);
   const int per_tile = (lines + tiles - 1) / tiles, step = int((per_tile + (k + 1) / 2 - 1) / ((k + 1) / 2));
@@ -1819,6 +1958,16 @@ int kvf_argmax_f32(const float* x, int64_t rows, int64_t cols, int64_t stride, i
 // the panel GEMMs (no-ops where not compiled in: the *_available functions say 0 there)
 int kvf_gemm_available() { return kGemmCompiled; }
 int kvf_gemm_bf16_available() { return kGemmBf16Compiled; }
+// Does the bfloat16 panel GEMM run on AMX tiles (built with them, and Linux lends this process the tile state)?
+// use: 1 or 0 turns that on or off (off: the vdpbf16ps kernel, to compare the two), -1 leaves it.
+int kvf_gemm_bf16_amx(int use) {
+#ifdef KVF_GEMM_BF16_AMX
+  if (use >= 0) g_gemm_amx = use != 0;
+  return g_gemm_amx && amx_permitted() ? 1 : 0;
+#else
+  return 0 * use;
+#endif
+}
 int kvf_gemm_panel_width() { return kGemmCompiled ? kGemmNR : 0; }  // output columns per packed panel
 int64_t kvf_gemm_packed_size(int64_t n, int64_t k) { return (n + kGemmNR - 1) / kGemmNR * kGemmNR * k; }
 int64_t kvf_gemm_packed_size_bf16(int64_t n, int64_t k) {  // uint16 elements
