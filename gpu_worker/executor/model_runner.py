@@ -174,6 +174,8 @@ class ModelRunner:
         prefill = attention
         if attention.startswith("native") and not kernels.prefill_covers(head_dim):
             prefill = f"torch SDPA (no native kernel for head dim {head_dim} here)"
+        elif attention.startswith("native") and dtype == torch.bfloat16 and head_dim % 32 == 0 and kernels.amx():
+            prefill += ", on AMX tiles"
         return {"linear": (self.linear_plan.describe(dtype) if self.linear_plan is not None
                            else "F.linear (torch)"),
                 "decode attention": attention, "prefill attention": prefill,

@@ -96,6 +96,19 @@ def test_every_simd_build_has_the_native_prefill_kernel():
     assert [d for d in (16, 32, 48, 64, 96, 128) if cpu_kernels.prefill_covers(d)] == [16, 32, 64, 128]
 
 
+@pytest.fixture(params=["no-amx", "amx"])
+def bf16_kernels(request):
+    """The native bf16 kernels on each path this CPU runs: without AMX tiles (vdpbf16ps; AVX2 or scalar code where
+    the CPU has no AVX512_BF16), and on AMX tiles where it has them (skipped elsewhere)."""
+    on = request.param == "amx"
+    was = cpu_kernels.amx()
+    if on and not was:
+        pytest.skip("no AMX-BF16 here (or Linux does not lend this process the tile state)")
+    assert cpu_kernels.amx(on) == on
+    yield request.param
+    cpu_kernels.amx(was)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hq,hkv,head_dim,block_size", [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 64, 16),
@@ -210,7 +223,11 @@ def test_unsupported_inputs_fall_back_to_the_torch_ops():
                                                          (6, 2, 48, 8)])  # 48: no native variant
 @pytest.mark.parametrize("q_len,ctx", [(37, 37), (20, 53), (16, 16), (2, 90)])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_prefill_chunks_match_the_torch_op(dtype, hq, hkv, head_dim, block_size, q_len, ctx, layout):
+def test_prefill_chunks_match_the_torch_op(dtype, hq, hkv, head_dim, block_size, q_len, ctx, layout, bf16_kernels):
+    """Causal chunks (a whole prompt, a chunk after a cached prefix, lengths that end mid-tile and mid-block), grouped
+    heads, both KV layouts; bfloat16 on each of its kernels here (vdpbf16ps; AMX tiles where the CPU has them)."""
+    if dtype != torch.bfloat16 and bf16_kernels == "amx":
+        pytest.skip("AMX multiplies bfloat16 only")
     g = torch.Generator().manual_seed(q_len * ctx + head_dim)
     num_blocks = 40
     key_cache = kv_cache(num_blocks, block_size, hkv, head_dim, g, dtype, layout)
@@ -245,25 +262,11 @@ def test_panel_gemm_against_float64(m, k, n, with_bias):
     torch.testing.assert_close(out.double(), want, atol=1e-4 * k**0.5, rtol=1e-5)
 
 
-@pytest.fixture(params=["vdpbf16ps", "amx"])
-def bf16_gemm_path(request):
-    """The bf16 panel GEMM on each of its paths this CPU runs: vdpbf16ps, and AMX tiles where the CPU has them
-    (skipped elsewhere)."""
-    if not cpu_kernels.gemm_available(torch.bfloat16):
-        pytest.skip("the bf16 panel GEMM needs AVX512_BF16")
-    amx = request.param == "amx"
-    if amx and not cpu_kernels.gemm_bf16_amx():
-        pytest.skip("no AMX-BF16 here (or Linux does not lend the tile state)")
-    was = cpu_kernels.gemm_bf16_amx()
-    assert cpu_kernels.gemm_bf16_amx(amx) == amx
-    yield request.param
-    cpu_kernels.gemm_bf16_amx(was)
-
-
+@pytest.mark.skipif(not cpu_kernels.gemm_available(torch.bfloat16), reason="the bf16 panel GEMM needs AVX512_BF16")
 @pytest.mark.parametrize("m,k,n", [(1, 1, 1), (3, 5, 7), (8, 130, 48), (5, 577, 25), (33, 64, 960), (64, 576, 97),
                                    (9, 1536, 576), (0, 64, 48), (16, 32, 16), (70, 96, 100), (130, 64, 47)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_bf16_panel_gemm_rounds_as_torch(m, k, n, with_bias, bf16_gemm_path):
+def test_bf16_panel_gemm_rounds_as_torch(m, k, n, with_bias, bf16_kernels):
     """Row tails (m % 8; on AMX, m % 16 and more than one block of 64 rows), column tails (n % 48, and % 16), an
     odd k (its last element paired with a zero, never with what lies past the row; AMX takes k % 32 == 0 and
     leaves the rest to vdpbf16ps): within one bf16 rounding of a float64 product, and the same values as

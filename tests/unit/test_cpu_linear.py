@@ -199,15 +199,15 @@ def test_calibrate_measures_the_bf16_panel_gemm_too(monkeypatch):
         torch.set_num_threads(before)
     assert calls == [["onednn", "panel"], ["aten", "onednn", "panel"]]
     assert plan == cpu_linear.LinearPlan("panel", None, bf16_gemm=True)
-    amx = cpu_kernels.gemm_bf16_amx()
+    amx = cpu_kernels.amx()
     on = " on AMX tiles" if amx else ""
     assert plan.describe(torch.bfloat16) == f"kvfleet's panel GEMM{on} for any number of rows, bf16 x bf16 natively"
     if amx:  # the vdpbf16ps kernel, where the tiles are turned off: its plain name
         try:
-            cpu_kernels.gemm_bf16_amx(False)
+            cpu_kernels.amx(False)
             assert plan.describe(torch.bfloat16).startswith("kvfleet's panel GEMM for any")
         finally:
-            cpu_kernels.gemm_bf16_amx(True)
+            cpu_kernels.amx(True)
 
 
 def test_a_linear_that_reads_only_its_packed_forms_needs_no_weight():

@@ -40,7 +40,7 @@ def test_every_path_is_timed_or_reported_unavailable(dtype):
         assert res.peak_flops is not None and res.peak_flops * 2 > res.best_flops
         # bfloat16's from AMX tiles where the CPU has them (oneDNN's bf16 GEMM runs on them there: vdpbf16ps's rate
         # would be below what the matmul reaches)
-        amx = dtype == "bfloat16" and cpu_kernels.gemm_bf16_amx()
+        amx = dtype == "bfloat16" and cpu_kernels.amx()
         assert res.peak_instruction == {"float32": "FMA", "bfloat16": "AMX tdpbf16ps" if amx else "vdpbf16ps"}[dtype]
     else:
         assert res.peak_flops is None and res.peak_instruction is None

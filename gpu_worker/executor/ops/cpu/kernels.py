@@ -69,7 +69,7 @@ _GEMM_SIGNATURES = {
     "kvf_gemm_available": ([], ctypes.c_int),
     "kvf_gemm_panel_width": ([], ctypes.c_int),
     "kvf_gemm_bf16_available": ([], ctypes.c_int),
-    "kvf_gemm_bf16_amx": ([_I32], ctypes.c_int),
+    "kvf_amx": ([_I32], ctypes.c_int),
     "kvf_gemm_packed_size_bf16": ([_I64, _I64], _I64),
     "kvf_gemm_pack_bf16": ([_P, _I64, _I64, _P], None),
     "kvf_gemm_bf16": ([_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I32], None),
@@ -297,13 +297,13 @@ def gemm_available(dtype: torch.dtype = torch.float32) -> bool:
     return dtype == torch.float32 and bool(_lib.kvf_gemm_available())
 
 
-def gemm_bf16_amx(use: bool | None = None) -> bool:
-    """Does the bfloat16 panel GEMM multiply on AMX tiles here (built with AMX-BF16, Linux lends the process the
-    tile state, k a multiple of 32)? Else on vdpbf16ps. use=False / True turns the tiles off / on again (to
-    compare the two paths)."""
-    if not gemm_available(torch.bfloat16):
+def amx(use: bool | None = None) -> bool:
+    """Do the bfloat16 panel GEMM (for k a multiple of 32) and prefill attention (head dims a multiple of 32)
+    multiply on AMX tiles here: built with AMX-BF16, and Linux lends the process the tile state? Else on
+    vdpbf16ps. use=False / True turns the tiles off / on again (to compare the two)."""
+    if load() is None:
         return False
-    return bool(_lib.kvf_gemm_bf16_amx(-1 if use is None else int(use)))
+    return bool(_lib.kvf_amx(-1 if use is None else int(use)))
 
 
 def gemm_panel_width() -> int:

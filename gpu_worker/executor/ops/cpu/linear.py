@@ -96,7 +96,7 @@ class LinearPlan:
         if dtype == torch.bfloat16 and not self.bf16_gemm:
             return f"a float32 copy of each bf16 weight ({PATH_NAMES[self.few_rows]}): no bf16 GEMM here"
         def name(kind: str) -> str:
-            amx = kind == "panel" and dtype == torch.bfloat16 and cpu_kernels.gemm_bf16_amx()
+            amx = kind == "panel" and dtype == torch.bfloat16 and cpu_kernels.amx()
             return f"{PATH_NAMES[kind]} on AMX tiles" if amx else PATH_NAMES[kind]
 
         if self._many():

@@ -111,6 +111,33 @@ struct KVLayout {
   int64_t at(const int32_t* table, int t, int h) const { return int64_t(table[t / bs]) * blk + (t % bs) * tok + h * head; }
 };
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// AMX tiles (Sapphire Rapids and later): the bf16 panel GEMM and bf16 prefill attention use them where the CPU has
+// them and Linux lends the process the tile state (asked once per process); kvf_amx turns them off and on, to
+// compare with the vdpbf16ps kernels.
+#define KVF_AMX 1
+struct AmxTileConfig {  // LDTILECFG's 64 bytes, palette 1
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+bool amx_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+  return ok;
+}
+bool g_amx = true;  // kvf_amx(0): the vdpbf16ps kernels instead
+inline bool use_amx() { return g_amx && amx_permitted(); }
+
+inline void amx_load_config() {  // every tile 16 rows of 64 bytes; per thread, and per call (oneDNN sets its own)
+  AmxTileConfig cfg{};
+  cfg.palette = 1;
+  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+  _tile_loadconfig(&cfg);
+}
+
+#endif
+
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 // AVX2 + FMA (CPUs without AVX-512, e.g. AMD Zen 2/3): 8 lanes. The same algorithms as the AVX-512 code.
 #define KVF_AVX2 1
@@ -1125,6 +1152,156 @@ void prefill_tile_bf16(const uint16_t* __restrict q, const uint16_t* __restrict 
 }
 #endif
 
+#if defined(KVF_AMX)
+// bfloat16 prefill on AMX tiles: the same work item (16 query rows, one KV head and its g_size query heads) over
+// blocks of 32 keys. Per block, the keys as B tiles (16 pairs of d x 16 keys: a 16 x 16 transpose of 32-bit
+// pairs) and the values as B tiles (16 pairs of keys x 16 of d, interleaved as in prefill_tile_bf16), made once
+// for the group's heads; per head, S = Q K^T in two C tiles (16 rows x 16 keys each, D / 32 tdpbf16ps each), the
+// online softmax on the stored scores a row at a time (the rows' block maxima, then one exp16 for the 16 rows'
+// corrections), P rounded to bfloat16 (as Hugging Face's bf16 attention and prefill_tile_bf16 do) into one A
+// tile, P V into D / 16 C tiles, stored and folded into the fp32 output (out = out * correction + P V). The
+// softmax's sums stay in 16 lanes a row until the end. Tiles: S 0-1, Q 2, K 3-4; then P 5, V 6-7, P V 0-3.
+template <int C>
+void prefill_tile_amx(const uint16_t* __restrict q, const uint16_t* __restrict kc, const uint16_t* __restrict vc,
+                      const int32_t* table, int ctx, int q_len, int i0, int h, int hq, int g_size, const KVLayout& kv,
+                      float scale, float* __restrict buf, uint16_t* __restrict out) {
+  constexpr int D = 16 * C, TILE = 16, KB = 32, QC = D / 32, VC = D / 16;
+  static_assert(D % 32 == 0, "a Q tile holds 32 of d");
+  const int rows = std::min(TILE, q_len - i0), first_pos = ctx - q_len + i0, last_pos = first_pos + rows - 1;
+  float* acc = buf;                                  // [g][TILE][D]: the output so far
+  float* lsum = acc + g_size * TILE * D;             // [g][TILE][16]: the softmax's sums, in lanes
+  float* m = lsum + g_size * TILE * 16;              // [g][TILE]
+  float* sc = m + g_size * TILE;                     // [TILE][KB]: a head's scores
+  float* pv = sc + TILE * KB;                        // [TILE][D]: a head's P V of the block
+  float* corr = pv + TILE * D;                       // [TILE]
+  float* bmax = corr + TILE;                         // [TILE]
+  uint16_t* qt = reinterpret_cast<uint16_t*>(bmax + TILE);  // [g][TILE][D]: the rows' queries (a tail repeats its last)
+  uint16_t* kt = qt + g_size * TILE * D;             // [QC][2][16 pairs][16 keys][2]
+  uint16_t* vt = kt + QC * 2 * TILE * 32;            // [VC][16 key pairs][16][2]
+  uint16_t* pt = vt + VC * TILE * 32;                // [TILE][KB]: the probabilities, bfloat16
+  __m512i interleave;  // words: a0 b0 a1 b1 ... a15 b15 from [a0..a15 | b0..b15]
+  {
+    alignas(64) uint16_t idx[32];
+    for (int i = 0; i < 16; ++i) { idx[2 * i] = uint16_t(i); idx[2 * i + 1] = uint16_t(16 + i); }
+    interleave = _mm512_load_si512(idx);
+  }
+  for (int g = 0; g < g_size; ++g) {
+    for (int i = 0; i < TILE; ++i) {
+      std::memcpy(qt + (g * TILE + i) * D, q + (int64_t(i0 + std::min(i, rows - 1)) * hq + h * g_size + g) * D, 2 * D);
+      for (int d = 0; d < D; d += 16) _mm512_storeu_ps(acc + (g * TILE + i) * D + d, _mm512_setzero_ps());
+      _mm512_storeu_ps(lsum + (g * TILE + i) * 16, _mm512_setzero_ps());
+    }
+    for (int i = 0; i < TILE; i += 16) _mm512_storeu_ps(m + g * TILE + i, _mm512_set1_ps(-3.0e38f));
+  }
+  const __m256i zero256 = _mm256_setzero_si256();
+  for (int t0 = 0; t0 <= last_pos; t0 += KB) {
+    const int nk = std::min(KB, last_pos + 1 - t0);
+    const uint16_t* krow[KB];
+    for (int j = 0; j < KB; ++j) krow[j] = j < nk ? kc + kv.at(table, t0 + j, h) : nullptr;
+    for (int c = 0; c < QC; ++c)  // keys as B tiles: row dp holds the 16 keys' pair (32 c + 2 dp, + 1)
+      for (int half = 0; half < 2; ++half) {
+        __m512 r[16];
+        for (int j = 0; j < 16; ++j) {
+          const uint16_t* kr = krow[16 * half + j];
+          r[j] = kr ? _mm512_loadu_ps(reinterpret_cast<const float*>(kr + 32 * c)) : _mm512_setzero_ps();
+        }
+        transpose16x16(r);
+        for (int dp = 0; dp < 16; ++dp) _mm512_storeu_ps(reinterpret_cast<float*>(kt + ((c * 2 + half) * 16 + dp) * 32), r[dp]);
+      }
+    for (int jp = 0; jp < KB / 2; ++jp) {  // values as B tiles: row jp holds d's pair of keys (2 jp, 2 jp + 1)
+      const uint16_t* va = 2 * jp < nk ? vc + kv.at(table, t0 + 2 * jp, h) : nullptr;
+      const uint16_t* vb = 2 * jp + 1 < nk ? vc + kv.at(table, t0 + 2 * jp + 1, h) : nullptr;
+      for (int c = 0; c < VC; ++c) {
+        const __m256i a = va ? _mm256_loadu_si256((const __m256i*)(va + 16 * c)) : zero256;
+        const __m256i b = vb ? _mm256_loadu_si256((const __m256i*)(vb + 16 * c)) : zero256;
+        const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+        _mm512_storeu_si512(vt + (c * 16 + jp) * 32, _mm512_permutexvar_epi16(interleave, ab));
+      }
+    }
+    for (int g = 0; g < g_size; ++g) {
+      _tile_zero(0);
+      _tile_zero(1);
+      for (int c = 0; c < QC; ++c) {
+        _tile_loadd(2, qt + g * TILE * D + 32 * c, 2 * D);
+        _tile_loadd(3, kt + (c * 2 + 0) * 16 * 32, 64);
+        _tile_loadd(4, kt + (c * 2 + 1) * 16 * 32, 64);
+        _tile_dpbf16ps(0, 2, 3);
+        _tile_dpbf16ps(1, 2, 4);
+      }
+      _tile_stored(0, sc, 4 * KB);
+      _tile_stored(1, sc + 16, 4 * KB);
+      float* mg = m + g * TILE;
+      for (int i = 0; i < TILE; ++i) {  // the rows' maxima over the block's visible keys
+        const int seen = first_pos + i + 1 - t0;  // keys t0 .. t0 + seen - 1 are at or before row i
+        const __mmask16 v0 = first_n_mask16(std::min(seen, nk)), v1 = first_n_mask16(std::min(seen, nk) - 16);
+        const __m512 s0 = _mm512_mask_mov_ps(_mm512_set1_ps(-3.0e38f), v0, _mm512_mul_ps(_mm512_loadu_ps(sc + i * KB), _mm512_set1_ps(scale)));
+        const __m512 s1 = _mm512_mask_mov_ps(_mm512_set1_ps(-3.0e38f), v1, _mm512_mul_ps(_mm512_loadu_ps(sc + i * KB + 16), _mm512_set1_ps(scale)));
+        _mm512_storeu_ps(sc + i * KB, s0);
+        _mm512_storeu_ps(sc + i * KB + 16, s1);
+        bmax[i] = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+      }
+      const __m512 m_old = _mm512_loadu_ps(mg), m_new = _mm512_max_ps(m_old, _mm512_loadu_ps(bmax));
+      _mm512_storeu_ps(corr, exp16(_mm512_sub_ps(m_old, m_new)));
+      _mm512_storeu_ps(mg, m_new);
+      for (int i = 0; i < TILE; ++i) {
+        const __m512 mx = _mm512_set1_ps(mg[i]);
+        const int seen = first_pos + i + 1 - t0;
+        const __mmask16 v0 = first_n_mask16(std::min(seen, nk)), v1 = first_n_mask16(std::min(seen, nk) - 16);
+        const __m512 p0 = _mm512_maskz_mov_ps(v0, exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + i * KB), mx)));
+        const __m512 p1 = _mm512_maskz_mov_ps(v1, exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + i * KB + 16), mx)));
+        float* ls = lsum + (g * TILE + i) * 16;
+        _mm512_storeu_ps(ls, _mm512_fmadd_ps(_mm512_loadu_ps(ls), _mm512_set1_ps(corr[i]), _mm512_add_ps(p0, p1)));
+        // exp16's results: never subnormal, so vcvtne2ps2bf16 rounds them as torch; keys 0-15 in the low half
+        _mm512_storeu_si512(pt + i * KB, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+      }
+      _tile_loadd(5, pt, 2 * KB);
+      for (int c0 = 0; c0 < VC; c0 += 4) {  // P V, up to 4 C tiles of 16 of d at a time
+        _tile_zero(0);
+        _tile_loadd(6, vt + (c0 + 0) * 16 * 32, 64);
+        _tile_dpbf16ps(0, 5, 6);
+        _tile_stored(0, pv + 16 * (c0 + 0), 4 * D);
+        if (c0 + 1 < VC) {
+          _tile_zero(1);
+          _tile_loadd(7, vt + (c0 + 1) * 16 * 32, 64);
+          _tile_dpbf16ps(1, 5, 7);
+          _tile_stored(1, pv + 16 * (c0 + 1), 4 * D);
+        }
+        if (c0 + 2 < VC) {
+          _tile_zero(2);
+          _tile_loadd(6, vt + (c0 + 2) * 16 * 32, 64);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_stored(2, pv + 16 * (c0 + 2), 4 * D);
+        }
+        if (c0 + 3 < VC) {
+          _tile_zero(3);
+          _tile_loadd(7, vt + (c0 + 3) * 16 * 32, 64);
+          _tile_dpbf16ps(3, 5, 7);
+          _tile_stored(3, pv + 16 * (c0 + 3), 4 * D);
+        }
+      }
+      for (int i = 0; i < TILE; ++i) {
+        const __m512 cv = _mm512_set1_ps(corr[i]);
+        float* o = acc + (g * TILE + i) * D;
+        for (int d = 0; d < D; d += 16)
+          _mm512_storeu_ps(o + d, _mm512_fmadd_ps(_mm512_loadu_ps(o + d), cv, _mm512_loadu_ps(pv + i * D + d)));
+      }
+    }
+  }
+  for (int g = 0; g < g_size; ++g)
+    for (int i = 0; i < rows; ++i) {
+      const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_loadu_ps(lsum + (g * TILE + i) * 16)));
+      const float* o = acc + (g * TILE + i) * D;
+      for (int d = 0; d < D; d += 16)
+        store16(out + (int64_t(i0 + i) * hq + h * g_size + g) * D + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), inv));
+    }
+}
+// floats of prefill_tile_amx's buffer
+constexpr size_t prefill_amx_floats(int d, int g_size) {
+  return size_t(g_size) * 16 * d + g_size * 16 * 16 + g_size * 16 + 16 * 32 + 16 * d + 32 +
+         (size_t(g_size) * 16 * d + d / 32 * 2 * 16 * 32 + d / 16 * 16 * 32 + 16 * 32) / 2;
+}
+#endif
+
 template <int C, typename T>
 void prefill_attention_c(const T* q, const T* kc, const T* vc, const int32_t* table, int ctx, int q_len, int hq,
                          int hkv, const KVLayout& kv, float scale, T* out) {
@@ -1132,12 +1309,29 @@ void prefill_attention_c(const T* q, const T* kc, const T* vc, const int32_t* ta
   const int g_size = hq / hkv, tiles = (q_len + TILE - 1) / TILE, items = hkv * tiles;
   const size_t floats = size_t(2) * g_size * TILE * D + 2 * g_size * TILE + 2 * D * TILE + g_size * (TILE + 1) * TILE +
                         4 * TILE + g_size * TILE * TILE;  // the last: the bf16 kernel's scores
+#if defined(KVF_AMX)
+  const bool amx = std::is_same_v<T, uint16_t> && D % 32 == 0 && use_amx();
+#endif
 #pragma omp parallel if (items >= 4)
   {
     std::vector<float> buf(floats);
+#if defined(KVF_AMX)
+    if (amx) {
+      amx_load_config();
+      buf.resize(std::max(floats, prefill_amx_floats(D, g_size)));
+    }
+#endif
 #pragma omp for schedule(dynamic, 1)
     for (int w = 0; w < items; ++w) {  // longest tiles (the last queries) first
       const int i0 = (tiles - 1 - w / hkv) * TILE, h = w % hkv;
+#if defined(KVF_AMX)
+      if constexpr (std::is_same_v<T, uint16_t> && D % 32 == 0) {
+        if (amx) {
+          prefill_tile_amx<C>(q, kc, vc, table, ctx, q_len, i0, h, hq, g_size, kv, scale, buf.data(), out);
+          continue;
+        }
+      }
+#endif
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<T, uint16_t>) {
         prefill_tile_bf16<C>(q, kc, vc, table, ctx, q_len, i0, h, hq, hkv, g_size, kv, scale, buf.data(), out);
@@ -1146,6 +1340,9 @@ void prefill_attention_c(const T* q, const T* kc, const T* vc, const int32_t* ta
 #endif
       prefill_tile<C>(q, kc, vc, table, ctx, q_len, i0, h, hq, hkv, g_size, kv, scale, buf.data(), out);
     }
+#if defined(KVF_AMX)
+    if (amx) _tile_release();
+#endif
   }
 }
 
@@ -1623,7 +1820,7 @@ inline void gemm_rows_bf16(int rows, const uint16_t* x, int64_t xs, int64_t k, c
   gemm_tile_bf16<R>(x, xs, k, b, out, os, ncols, bias, pf, pf_lines, pf_step);
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(KVF_AMX)
 // ---- the same bfloat16 GEMM on AMX tiles (Sapphire Rapids and later) ----------------------------------------
 // The packed panels above are what a tile multiply wants: [pairs][48][2] holds, for 16 pairs of k and 16 of a
 // panel's columns, 16 rows of 64 bytes 192 bytes apart (a B tile, k pairs side by side as tdpbf16ps reads them).
@@ -1637,25 +1834,6 @@ inline void gemm_rows_bf16(int rows, const uint16_t* x, int64_t xs, int64_t k, c
 // matmuls (the model's 30 layers and lm_head, weights streamed, 64 rows on 2 threads): 12.6 ms, where oneDNN's
 // AMX GEMM took 13.4 and the vdpbf16ps kernel 74.5 (one port's dot products: the float32 FMA rate there). For
 // prefill-sized inputs oneDNN's blocking is ~1.8x faster (512 rows, one thread): the calibration gives it those.
-
-struct AmxTileConfig {  // LDTILECFG's 64 bytes, palette 1
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-bool amx_permitted() {
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
-  return ok;
-}
-bool g_gemm_amx = true;  // kvf_gemm_bf16_use_amx: off runs the vdpbf16ps kernel (to compare the two)
-
-inline void amx_load_config() {  // every tile 16 rows of 64 bytes; per thread, and per call (oneDNN sets its own)
-  AmxTileConfig cfg{};
-  cfg.palette = 1;
-  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
-  _tile_loadconfig(&cfg);
-}
 
 // Groups (1-4: a constant, as the tile registers are named in the instructions) row groups of 16 x 16 output
 // columns over all of k: a[g] the group's first row of x (row stride `as` bytes), b the B tiles' first row (192
@@ -1761,7 +1939,7 @@ void gemm_bf16(const uint16_t* __restrict x, int64_t xs, int64_t m, int64_t k, c
                int64_t n, const uint16_t* __restrict bias, O* __restrict out, int64_t os) {
   if (m <= 0) return;
 #ifdef KVF_GEMM_BF16_AMX
-  if (g_gemm_amx && k % 32 == 0 && amx_permitted()) return gemm_bf16_amx(x, xs, m, k, packed, n, bias, out, os);
+  if (k % 32 == 0 && use_amx()) return gemm_bf16_amx(x, xs, m, k, packed, n, bias, out, os);
 #endif
   const int64_t panels = (n + kGemmBf16NR - 1) / kGemmBf16NR, panel_elems = (k + 1) / 2 * kGemmBf16NR * 2;
   const int lines = int(panel_elems * 2 / 64), tiles = int((m + kGemmBf16MR - 1) / kGemmBf16MR);
@@ -1958,12 +2136,12 @@ int kvf_argmax_f32(const float* x, int64_t rows, int64_t cols, int64_t stride, i
 // the panel GEMMs (no-ops where not compiled in: the *_available functions say 0 there)
 int kvf_gemm_available() { return kGemmCompiled; }
 int kvf_gemm_bf16_available() { return kGemmBf16Compiled; }
-// Does the bfloat16 panel GEMM run on AMX tiles (built with them, and Linux lends this process the tile state)?
-// use: 1 or 0 turns that on or off (off: the vdpbf16ps kernel, to compare the two), -1 leaves it.
-int kvf_gemm_bf16_amx(int use) {
-#ifdef KVF_GEMM_BF16_AMX
-  if (use >= 0) g_gemm_amx = use != 0;
-  return g_gemm_amx && amx_permitted() ? 1 : 0;
+// Do the bfloat16 panel GEMM and prefill attention run on AMX tiles (built with them, and Linux lends this process
+// the tile state)? use: 1 or 0 turns that on or off (off: the vdpbf16ps kernels, to compare), -1 leaves it.
+int kvf_amx(int use) {
+#ifdef KVF_AMX
+  if (use >= 0) g_amx = use != 0;
+  return use_amx() ? 1 : 0;
 #else
   return 0 * use;
 #endif
