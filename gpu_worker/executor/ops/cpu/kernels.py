@@ -313,7 +313,7 @@ def gemm_panel_width() -> int:
 
 def pack_gemm_weight(weight: torch.Tensor) -> torch.Tensor:
     """weight [N, K] -> the panel layout `gemm` reads. float32: [ceil(N / W), K, W], W = gemm_panel_width();
-    bfloat16: [ceil(N / 48), ceil(K / 2), 48, 2] (a k pair per column). Zero-padded."""
+    bfloat16: [ceil(N / 48), 3, ceil(K / 2), 16, 2] (groups of 16 columns; a k pair per column). Zero-padded."""
     assert weight.dim() == 2 and gemm_available(weight.dtype)
     w = weight.detach().contiguous()
     n, k = w.shape
