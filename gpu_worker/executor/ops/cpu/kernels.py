@@ -7,7 +7,9 @@ barrier. The C++ (no torch headers) is compiled on first use with the system's g
 seconds; KVFLEET_CPU_MARCH names an older CPU's -march instead, to run its code paths here) into
 ~/.cache/kvfleet/cpu_kernels/<hash of source, flags and CPU>/ and loaded with ctypes; its OpenMP loops run on
 torch's own OpenMP runtime (same soname, already loaded), so torch.set_num_threads governs them too.
-Without a compiler `load()` returns None and the model keeps the torch ops.
+Without a compiler `load()` returns None and the model keeps the torch ops. On CPUs with AMX (Sapphire Rapids
+and later) the bfloat16 panel GEMM and prefill attention multiply on AMX tiles (`amx()`), once Linux lends the
+process the tile state.
 """
 
 from __future__ import annotations
@@ -289,7 +291,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor | None:
 
 def gemm_available(dtype: torch.dtype = torch.float32) -> bool:
     """Is the panel GEMM compiled in for dtype? float32: the kernels load and the CPU has AVX2 + FMA;
-    bfloat16: AVX512_BF16 (vdpbf16ps)."""
+    bfloat16: AVX512_BF16 (vdpbf16ps; on AMX tiles where `amx()`)."""
     if load() is None:
         return False
     if dtype == torch.bfloat16:

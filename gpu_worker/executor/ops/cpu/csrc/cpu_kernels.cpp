@@ -1206,7 +1206,8 @@ void prefill_tile_amx(const uint16_t* __restrict q, const uint16_t* __restrict k
           r[j] = kr ? _mm512_loadu_ps(reinterpret_cast<const float*>(kr + 32 * c)) : _mm512_setzero_ps();
         }
         transpose16x16(r);
-        for (int dp = 0; dp < 16; ++dp) _mm512_storeu_ps(reinterpret_cast<float*>(kt + ((c * 2 + half) * 16 + dp) * 32), r[dp]);
+        float* dst = reinterpret_cast<float*>(kt + (c * 2 + half) * 16 * 32);
+        for (int dp = 0; dp < 16; ++dp) _mm512_storeu_ps(dst + 16 * dp, r[dp]);
       }
     for (int jp = 0; jp < KB / 2; ++jp) {  // values as B tiles: row jp holds d's pair of keys (2 jp, 2 jp + 1)
       const uint16_t* va = 2 * jp < nk ? vc + kv.at(table, t0 + 2 * jp, h) : nullptr;
@@ -1234,8 +1235,9 @@ void prefill_tile_amx(const uint16_t* __restrict q, const uint16_t* __restrict k
       for (int i = 0; i < TILE; ++i) {  // the rows' maxima over the block's visible keys
         const int seen = first_pos + i + 1 - t0;  // keys t0 .. t0 + seen - 1 are at or before row i
         const __mmask16 v0 = first_n_mask16(std::min(seen, nk)), v1 = first_n_mask16(std::min(seen, nk) - 16);
-        const __m512 s0 = _mm512_mask_mov_ps(_mm512_set1_ps(-3.0e38f), v0, _mm512_mul_ps(_mm512_loadu_ps(sc + i * KB), _mm512_set1_ps(scale)));
-        const __m512 s1 = _mm512_mask_mov_ps(_mm512_set1_ps(-3.0e38f), v1, _mm512_mul_ps(_mm512_loadu_ps(sc + i * KB + 16), _mm512_set1_ps(scale)));
+        const __m512 lo = _mm512_set1_ps(-3.0e38f), sv = _mm512_set1_ps(scale);
+        const __m512 s0 = _mm512_mask_mov_ps(lo, v0, _mm512_mul_ps(_mm512_loadu_ps(sc + i * KB), sv));
+        const __m512 s1 = _mm512_mask_mov_ps(lo, v1, _mm512_mul_ps(_mm512_loadu_ps(sc + i * KB + 16), sv));
         _mm512_storeu_ps(sc + i * KB, s0);
         _mm512_storeu_ps(sc + i * KB + 16, s1);
         bmax[i] = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
@@ -1743,10 +1745,10 @@ void gemm(const float* __restrict x, int64_t xs, int64_t m, int64_t k, const flo
 // The float32 panel GEMM's tiling with vdpbf16ps: the weight packed once into panels of 48 output columns, each
 // [3][ceil(k / 2)][16][2]: three groups of 16 columns, each group's k pairs in turn (a k pair of a column in one
 // 32-bit lane), so that 16 pairs of k of a group are 1 KiB in one run: an AMX B tile (gemm_bf16_amx); x's pairs
-// (x[2p], x[2p + 1]) are one 32-bit broadcast. An 8 x 48 tile: 24 fp32 accumulators, 3 + 8 loads per 24 dot products of pairs. No k
-// blocks (a panel is 576 x 48 x 2 bytes = 55 KB at K = 576: it stays in L2 while every row tile uses it); the
-// next panel's lines are prefetched, spread over the row tiles. Accumulated in fp32 from the bias, rounded
-// to bfloat16 once at the end, as oneDNN's bf16 GEMM does.
+// (x[2p], x[2p + 1]) are one 32-bit broadcast. An 8 x 48 tile: 24 fp32 accumulators, 3 + 8 loads per 24 dot
+// products of pairs. No k blocks (a panel is 576 x 48 x 2 bytes = 55 KB at K = 576: it stays in L2 while every
+// row tile uses it); the next panel's lines are prefetched, spread over the row tiles. Accumulated in fp32 from
+// the bias, rounded to bfloat16 once at the end, as oneDNN's bf16 GEMM does.
 constexpr int kGemmBf16NR = 48, kGemmBf16MR = 8;
 
 void gemm_pack_bf16(const uint16_t* __restrict w, int64_t n, int64_t k, uint16_t* __restrict packed) {
@@ -1835,13 +1837,14 @@ inline void gemm_rows_bf16(int rows, const uint16_t* x, int64_t xs, int64_t k, c
 // measured ~1.5x slower: a panel outgrows L1), a third during each column tile of the first row block. Needs k %
 // 32 == 0 (every model here; else gemm_bf16 takes the vdpbf16ps kernel) and Linux's permission for the tile
 // state, asked once per process (amx_permitted). 2-core Xeon with AMX (family 6 model 167), a decode step's
-// matmuls (the model's 30 layers and lm_head, weights streamed, 64 rows on 2 threads): 12.6 ms, where oneDNN's
-// AMX GEMM took 13.4 and the vdpbf16ps kernel 74.5 (one port's dot products: the float32 FMA rate there). For
+// matmuls (the model's 30 layers and lm_head, 30 copies of each weight, 64 rows on 2 threads; the rows still 192
+// bytes apart): 12.6 ms, where oneDNN's AMX GEMM took 13.4 and the vdpbf16ps kernel 74.5 (one port's dot
+// products: the float32 FMA rate there). For
 // prefill-sized inputs oneDNN's blocking is ~1.8x faster (512 rows, one thread): the calibration gives it those.
 
 // Groups (1-4: a constant, as the tile registers are named in the instructions) row groups of 16 x 16 output
-// columns over all of k: a[g] the group's first row of x (row stride `as` bytes), b the B tiles' first row (192
-// bytes apart), c the fp32 results (16 x 16 per group, 64 bytes a row); init: 16 rows of the bias, or null
+// columns over all of k: a[g] the group's first row of x (row stride `as` bytes), b the column group's packed pairs
+// (a B tile every 1 KiB), c the fp32 results (16 x 16 per group, 64 bytes a row); init: 16 rows of the bias, or null
 template <int Groups>
 inline void amx_column_tile(const uint16_t* const* a, int64_t as, int64_t k, const uint16_t* b, const float* init,
                             float* c, const char* pf, int pf_lines) {
