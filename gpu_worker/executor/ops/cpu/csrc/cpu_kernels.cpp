@@ -1257,30 +1257,21 @@ void prefill_tile_amx(const uint16_t* __restrict q, const uint16_t* __restrict k
         _mm512_storeu_si512(pt + i * KB, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
       }
       _tile_loadd(5, pt, 2 * KB);
-      for (int c0 = 0; c0 < VC; c0 += 4) {  // P V, up to 4 C tiles of 16 of d at a time
-        _tile_zero(0);
-        _tile_loadd(6, vt + (c0 + 0) * 16 * 32, 64);
-        _tile_dpbf16ps(0, 5, 6);
-        _tile_stored(0, pv + 16 * (c0 + 0), 4 * D);
-        if (c0 + 1 < VC) {
-          _tile_zero(1);
-          _tile_loadd(7, vt + (c0 + 1) * 16 * 32, 64);
-          _tile_dpbf16ps(1, 5, 7);
-          _tile_stored(1, pv + 16 * (c0 + 1), 4 * D);
-        }
-        if (c0 + 2 < VC) {
-          _tile_zero(2);
-          _tile_loadd(6, vt + (c0 + 2) * 16 * 32, 64);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_stored(2, pv + 16 * (c0 + 2), 4 * D);
-        }
-        if (c0 + 3 < VC) {
-          _tile_zero(3);
-          _tile_loadd(7, vt + (c0 + 3) * 16 * 32, 64);
-          _tile_dpbf16ps(3, 5, 7);
-          _tile_stored(3, pv + 16 * (c0 + 3), 4 * D);
-        }
+      // P V, 16 of d a C tile, up to 4 at a time (tile numbers are literals in the instructions: a macro, not a loop)
+#define KVF_PV_SLICE(ct, bt, c)                                   \
+  do {                                                            \
+    _tile_zero(ct);                                               \
+    _tile_loadd(bt, vt + (c) * 16 * 32, 64);                      \
+    _tile_dpbf16ps(ct, 5, bt);                                    \
+    _tile_stored(ct, pv + 16 * (c), 4 * D);                       \
+  } while (0)
+      for (int c0 = 0; c0 < VC; c0 += 4) {
+        KVF_PV_SLICE(0, 6, c0);
+        if (c0 + 1 < VC) KVF_PV_SLICE(1, 7, c0 + 1);
+        if (c0 + 2 < VC) KVF_PV_SLICE(2, 6, c0 + 2);
+        if (c0 + 3 < VC) KVF_PV_SLICE(3, 7, c0 + 3);
       }
+#undef KVF_PV_SLICE
       for (int i = 0; i < TILE; ++i) {
         const __m512 cv = _mm512_set1_ps(corr[i]);
         float* o = acc + (g * TILE + i) * D;
