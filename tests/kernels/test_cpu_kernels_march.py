@@ -1,5 +1,6 @@
 """The native CPU kernels built for older CPUs' -march and run here (KVFLEET_CPU_MARCH), through the same kernel
-tests as the native build, each in a child process (the library is loaded once per process): AVX-512 without
+tests as the native build, each in a child process (the library is loaded once per process): AVX512_BF16 without
+AMX (Cooper Lake; Zen 4 and 5 have the same: the vdpbf16ps kernels as the only bf16 path), AVX-512 without
 AVX512_BF16 (Skylake-SP, Ice Lake: bfloat16 through the float32 prefill kernel and the portable bf16 conversions),
 AVX2 + FMA (Zen 3: the AVX2 attention kernels and panel GEMM), and none of them (the portable loops). Each runs
 where this CPU has what it needs."""
@@ -18,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SUITES = ["tests/kernels/test_cpu_kernels.py", "tests/kernels/test_decode_stack.py", "tests/unit/test_cpu_linear.py"]
 
 
-@pytest.mark.parametrize(("march", "isa"), [("skylake-avx512", "avx512"), ("x86-64-v3", "avx2"), ("x86-64", "scalar")])
+@pytest.mark.parametrize(("march", "isa"), [("cooperlake", "avx512+avx512_bf16"), ("skylake-avx512", "avx512"),
+                                         ("x86-64-v3", "avx2"), ("x86-64", "scalar")])
 def test_the_kernel_tests_pass_with_an_older_cpus_build(march, isa):
     try:
         kernels.check_march(march)
@@ -44,3 +46,31 @@ def test_a_worker_refuses_an_march_it_cannot_build_at_start():
                           timeout=120)
     assert proc.returncode != 0
     assert "ValueError: KVFLEET_CPU_MARCH='no-such-cpu'" in proc.stderr and "-march=no-such-cpu" in proc.stderr
+
+
+@pytest.mark.parametrize("library", ["cpu_kernels", "peak_rate"])
+def test_the_amx_code_compiles_on_any_cpu(library, tmp_path):
+    """The AMX code (the bf16 panel GEMM and prefill attention on tiles; the benchmark's tdpbf16ps peak) is built
+    only where -march=native has AMX. Compiled here for Sapphire Rapids (not loaded: this CPU may lack AMX), so a
+    CPU without AMX still checks it."""
+    from services.bench import peak_rate
+
+    try:
+        compiler = kernels._compiler()
+        kernels.march_flags("sapphirerapids")
+    except (ValueError, RuntimeError) as e:
+        pytest.skip(f"no compiler that knows -march=sapphirerapids: {e}")
+    source, flags = ((kernels.SOURCE.read_text(), kernels.FLAGS) if library == "cpu_kernels"
+                     else (peak_rate.SOURCE, peak_rate.FLAGS))
+    flags = [f for f in flags if f not in ("-shared", "-march=native")] + ["-march=sapphirerapids"]
+    src = tmp_path / f"{library}.cpp"
+    src.write_text(source)
+    macros = subprocess.run([compiler, *flags, "-dM", "-E", str(src)], capture_output=True, text=True, timeout=120)
+    assert macros.returncode == 0, macros.stderr[-2000:]
+    if library == "cpu_kernels":  # the AMX kernels are in this build, not left out by their #if
+        assert "#define KVF_AMX 1" in macros.stdout and "#define KVF_GEMM_BF16_AMX 1" in macros.stdout
+    else:
+        assert "#define __AMX_BF16__ 1" in macros.stdout
+    proc = subprocess.run([compiler, *flags, "-c", str(src), "-o", str(tmp_path / "out.o")], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
