@@ -22,10 +22,10 @@ single-threaded calls, each with its share of the rows and each streaming the wh
 all P threads, which split the output columns, so that each streams 1 / P of it. 2-core machines, the
 model's 30 layers streaming, a step of 64 rows (oneDNN): Zen 5 one call 52 against 62 ms (bfloat16 28
 against 36); Zen 4 level; Zen 3 (panel GEMM) 160 against 175.
-bfloat16 weights: a bf16 GEMM where the CPU has one (oneDNN's: AVX-512 BF16 / AMX; the panel GEMM's:
-AMX tiles where the CPU has them, else AVX512_BF16); elsewhere neither oneDNN nor aten has a fast bf16 GEMM, and a float32 copy of each weight gives
-the same result (bf16 x bf16 products are exact in float32, summed in float32 as a bf16 GEMM does) at float32
-speed, for twice the weights' memory.
+bfloat16 weights: a bf16 GEMM where the CPU has one (oneDNN's: AVX-512 BF16 / AMX; the panel GEMM's: AMX tiles
+where the CPU has them, else AVX512_BF16); elsewhere neither oneDNN nor aten has a fast bf16 GEMM, and a float32
+copy of each weight gives the same result (bf16 x bf16 products are exact in float32, summed in float32 as a bf16
+GEMM does) at float32 speed, for twice the weights' memory.
 """
 
 from __future__ import annotations
