@@ -111,7 +111,7 @@ struct KVLayout {
   int64_t at(const int32_t* table, int t, int h) const { return int64_t(table[t / bs]) * blk + (t % bs) * tok + h * head; }
 };
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 // AMX tiles (Sapphire Rapids and later): the bf16 panel GEMM and bf16 prefill attention use them where the CPU has
 // them and Linux lends the process the tile state (asked once per process); kvf_amx turns them off and on, to
 // compare with the vdpbf16ps kernels.
@@ -1049,6 +1049,20 @@ void prefill_tile(const T* __restrict q, const T* __restrict kc, const T* __rest
 }
 
 #if defined(__AVX512BF16__)
+// Two keys' rows side by side: the word permutation that makes a0 b0 a1 b1 ... a15 b15 of [a0..a15 | b0..b15], and
+// 16 values of rows a and b (null: zeros) so interleaved, a pair of keys per 32-bit lane as vdpbf16ps and tdpbf16ps
+// multiply them.
+inline __m512i pair_interleave_index() {
+  alignas(64) uint16_t idx[32];
+  for (int i = 0; i < 16; ++i) { idx[2 * i] = uint16_t(i); idx[2 * i + 1] = uint16_t(16 + i); }
+  return _mm512_load_si512(idx);
+}
+inline __m512i interleave_pairs(__m512i index, const uint16_t* a, const uint16_t* b) {
+  const __m256i lo = a ? _mm256_loadu_si256((const __m256i*)a) : _mm256_setzero_si256();
+  const __m256i hi = b ? _mm256_loadu_si256((const __m256i*)b) : _mm256_setzero_si256();
+  return _mm512_permutexvar_epi16(index, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+}
+
 // bfloat16 prefill with AVX512-BF16 dot products (vdpbf16ps: pairs of bf16 products summed into fp32): the
 // same tiling and transposed layout as prefill_tile, half the instructions. A query column holds the 16 rows'
 // pairs (d, d + 1); keys are broadcast in pairs. Scores accumulate in fp32 and are scaled in fp32; the
@@ -1069,12 +1083,7 @@ void prefill_tile_bf16(const uint16_t* __restrict q, const uint16_t* __restrict 
   uint32_t* pp = vp + TILE / 2 * D;                 // [g][TILE / 2][TILE]: row i's probabilities of keys 2 jp, 2 jp + 1
   float* corr = reinterpret_cast<float*>(pp + g_size * TILE / 2 * TILE);  // [g][TILE]
   float* sc = corr + g_size * TILE;                 // [g][TILE keys][TILE rows]: scores
-  __m512i interleave;  // words: a0 b0 a1 b1 ... a15 b15 from [a0..a15 | b0..b15]
-  {
-    alignas(64) uint16_t idx[32];
-    for (int i = 0; i < 16; ++i) { idx[2 * i] = uint16_t(i); idx[2 * i + 1] = uint16_t(16 + i); }
-    interleave = _mm512_load_si512(idx);
-  }
+  const __m512i interleave = pair_interleave_index();
   for (int g = 0; g < g_size; ++g) {
     for (int dp0 = 0; dp0 < DP; dp0 += 16) {  // the rows' query pairs, 16 x 16 blocks transposed in registers
       const int width = std::min(16, DP - dp0);
@@ -1090,7 +1099,6 @@ void prefill_tile_bf16(const uint16_t* __restrict q, const uint16_t* __restrict 
     _mm512_storeu_ps(m + g * TILE, _mm512_set1_ps(-3.0e38f));
     _mm512_storeu_ps(l + g * TILE, _mm512_setzero_ps());
   }
-  const __m256i zero256 = _mm256_setzero_si256();
   for (int t0 = 0; t0 <= last_pos; t0 += TILE) {
     const int nk = std::min(TILE, last_pos + 1 - t0);
     const uint16_t* vrow[TILE];
@@ -1107,10 +1115,9 @@ void prefill_tile_bf16(const uint16_t* __restrict q, const uint16_t* __restrict 
     }
     for (int jp = 0; jp < TILE / 2; ++jp)
       for (int c = 0; c < C; ++c) {
-        const __m256i a = vrow[2 * jp] ? _mm256_loadu_si256((const __m256i*)(vrow[2 * jp] + 16 * c)) : zero256;
-        const __m256i b = vrow[2 * jp + 1] ? _mm256_loadu_si256((const __m256i*)(vrow[2 * jp + 1] + 16 * c)) : zero256;
-        const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
-        _mm512_storeu_si512(vp + jp * D + 16 * c, _mm512_permutexvar_epi16(interleave, ab));
+        const uint16_t *a = vrow[2 * jp], *b = vrow[2 * jp + 1];
+        _mm512_storeu_si512(vp + jp * D + 16 * c,
+                            interleave_pairs(interleave, a ? a + 16 * c : nullptr, b ? b + 16 * c : nullptr));
       }
     __mmask16 visible[16];
     key_tile_masks(first_pos, t0, visible);
@@ -1179,21 +1186,15 @@ void prefill_tile_amx(const uint16_t* __restrict q, const uint16_t* __restrict k
   uint16_t* kt = qt + g_size * TILE * D;             // [QC][2][16 pairs][16 keys][2]
   uint16_t* vt = kt + QC * 2 * TILE * 32;            // [VC][16 key pairs][16][2]
   uint16_t* pt = vt + VC * TILE * 32;                // [TILE][KB]: the probabilities, bfloat16
-  __m512i interleave;  // words: a0 b0 a1 b1 ... a15 b15 from [a0..a15 | b0..b15]
-  {
-    alignas(64) uint16_t idx[32];
-    for (int i = 0; i < 16; ++i) { idx[2 * i] = uint16_t(i); idx[2 * i + 1] = uint16_t(16 + i); }
-    interleave = _mm512_load_si512(idx);
-  }
+  const __m512i interleave = pair_interleave_index();
   for (int g = 0; g < g_size; ++g) {
     for (int i = 0; i < TILE; ++i) {
       std::memcpy(qt + (g * TILE + i) * D, q + (int64_t(i0 + std::min(i, rows - 1)) * hq + h * g_size + g) * D, 2 * D);
       for (int d = 0; d < D; d += 16) _mm512_storeu_ps(acc + (g * TILE + i) * D + d, _mm512_setzero_ps());
       _mm512_storeu_ps(lsum + (g * TILE + i) * 16, _mm512_setzero_ps());
     }
-    for (int i = 0; i < TILE; i += 16) _mm512_storeu_ps(m + g * TILE + i, _mm512_set1_ps(-3.0e38f));
+    _mm512_storeu_ps(m + g * TILE, _mm512_set1_ps(-3.0e38f));
   }
-  const __m256i zero256 = _mm256_setzero_si256();
   for (int t0 = 0; t0 <= last_pos; t0 += KB) {
     const int nk = std::min(KB, last_pos + 1 - t0);
     const uint16_t* krow[KB];
@@ -1212,12 +1213,9 @@ void prefill_tile_amx(const uint16_t* __restrict q, const uint16_t* __restrict k
     for (int jp = 0; jp < KB / 2; ++jp) {  // values as B tiles: row jp holds d's pair of keys (2 jp, 2 jp + 1)
       const uint16_t* va = 2 * jp < nk ? vc + kv.at(table, t0 + 2 * jp, h) : nullptr;
       const uint16_t* vb = 2 * jp + 1 < nk ? vc + kv.at(table, t0 + 2 * jp + 1, h) : nullptr;
-      for (int c = 0; c < VC; ++c) {
-        const __m256i a = va ? _mm256_loadu_si256((const __m256i*)(va + 16 * c)) : zero256;
-        const __m256i b = vb ? _mm256_loadu_si256((const __m256i*)(vb + 16 * c)) : zero256;
-        const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
-        _mm512_storeu_si512(vt + (c * 16 + jp) * 32, _mm512_permutexvar_epi16(interleave, ab));
-      }
+      for (int c = 0; c < VC; ++c)
+        _mm512_storeu_si512(vt + (c * 16 + jp) * 32,
+                            interleave_pairs(interleave, va ? va + 16 * c : nullptr, vb ? vb + 16 * c : nullptr));
     }
     for (int g = 0; g < g_size; ++g) {
       _tile_zero(0);
@@ -1232,9 +1230,10 @@ void prefill_tile_amx(const uint16_t* __restrict q, const uint16_t* __restrict k
       _tile_stored(0, sc, 4 * KB);
       _tile_stored(1, sc + 16, 4 * KB);
       float* mg = m + g * TILE;
+      __mmask16 vis[TILE][2];  // row i's visible keys of the block, 0-15 and 16-31
       for (int i = 0; i < TILE; ++i) {  // the rows' maxima over the block's visible keys
-        const int seen = first_pos + i + 1 - t0;  // keys t0 .. t0 + seen - 1 are at or before row i
-        const __mmask16 v0 = first_n_mask16(std::min(seen, nk)), v1 = first_n_mask16(std::min(seen, nk) - 16);
+        const int seen = std::min(first_pos + i + 1 - t0, nk);  // keys t0 .. t0 + seen - 1 are at or before row i
+        const __mmask16 v0 = vis[i][0] = first_n_mask16(seen), v1 = vis[i][1] = first_n_mask16(seen - 16);
         const __m512 lo = _mm512_set1_ps(-3.0e38f), sv = _mm512_set1_ps(scale);
         const __m512 s0 = _mm512_mask_mov_ps(lo, v0, _mm512_mul_ps(_mm512_loadu_ps(sc + i * KB), sv));
         const __m512 s1 = _mm512_mask_mov_ps(lo, v1, _mm512_mul_ps(_mm512_loadu_ps(sc + i * KB + 16), sv));
@@ -1247,10 +1246,8 @@ void prefill_tile_amx(const uint16_t* __restrict q, const uint16_t* __restrict k
       _mm512_storeu_ps(mg, m_new);
       for (int i = 0; i < TILE; ++i) {
         const __m512 mx = _mm512_set1_ps(mg[i]);
-        const int seen = first_pos + i + 1 - t0;
-        const __mmask16 v0 = first_n_mask16(std::min(seen, nk)), v1 = first_n_mask16(std::min(seen, nk) - 16);
-        const __m512 p0 = _mm512_maskz_mov_ps(v0, exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + i * KB), mx)));
-        const __m512 p1 = _mm512_maskz_mov_ps(v1, exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + i * KB + 16), mx)));
+        const __m512 p0 = _mm512_maskz_mov_ps(vis[i][0], exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + i * KB), mx)));
+        const __m512 p1 = _mm512_maskz_mov_ps(vis[i][1], exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + i * KB + 16), mx)));
         float* ls = lsum + (g * TILE + i) * 16;
         _mm512_storeu_ps(ls, _mm512_fmadd_ps(_mm512_loadu_ps(ls), _mm512_set1_ps(corr[i]), _mm512_add_ps(p0, p1)));
         // exp16's results: never subnormal, so vcvtne2ps2bf16 rounds them as torch; keys 0-15 in the low half
@@ -1307,12 +1304,11 @@ void prefill_attention_c(const T* q, const T* kc, const T* vc, const int32_t* ta
 #endif
 #pragma omp parallel if (items >= 4)
   {
-    std::vector<float> buf(floats);
 #if defined(KVF_AMX)
-    if (amx) {
-      amx_load_config();
-      buf.resize(std::max(floats, prefill_amx_floats(D, g_size)));
-    }
+    std::vector<float> buf(amx ? std::max(floats, prefill_amx_floats(D, g_size)) : floats);
+    if (amx) amx_load_config();
+#else
+    std::vector<float> buf(floats);
 #endif
 #pragma omp for schedule(dynamic, 1)
     for (int w = 0; w < items; ++w) {  // longest tiles (the last queries) first
@@ -1830,8 +1826,8 @@ inline void gemm_rows_bf16(int rows, const uint16_t* x, int64_t xs, int64_t k, c
 // state, asked once per process (amx_permitted). 2-core Xeon with AMX (family 6 model 167), a decode step's
 // matmuls (the model's 30 layers and lm_head, 30 copies of each weight, 64 rows on 2 threads; the rows still 192
 // bytes apart): 12.6 ms, where oneDNN's AMX GEMM took 13.4 and the vdpbf16ps kernel 74.5 (one port's dot
-// products: the float32 FMA rate there). For
-// prefill-sized inputs oneDNN's blocking is ~1.8x faster (512 rows, one thread): the calibration gives it those.
+// products: the float32 FMA rate there). For prefill-sized inputs oneDNN's blocking is ~1.8x faster (512 rows,
+// one thread): the calibration gives it those.
 
 // Groups (1-4: a constant, as the tile registers are named in the instructions) row groups of 16 x 16 output
 // columns over all of k: a[g] the group's first row of x (row stride `as` bytes), b the column group's packed pairs
