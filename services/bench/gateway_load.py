@@ -62,6 +62,8 @@ def add_arguments(sub: Any) -> None:
     a("--rounds", type=int, default=1, help="measured rounds on the same fleet (default 1)")
     a("--max-tokens", type=int, default=1, help="output tokens per request (default 1: the gateway's per-request "
       "cost; more adds its per-token cost)")
+    a("--timeout", type=float, default=30.0, help="seconds wrk waits for a response before it counts a timeout "
+      "instead of a request (default 30; wrk's own 2 s would drop slow answers from a loaded machine)")
     a("--startup-timeout", type=float, default=300.0, help="seconds to wait for the fleet (default 300)")
     a("--json", action="store_true", help="print one JSON object instead of the table")
 
@@ -73,6 +75,8 @@ class Round:
     wall_s: float
     gateway_cpu_s: float
     tokens_per_request: int = 1  # output tokens each request streams (max_tokens, EOS ignored)
+    timeouts: int = 0  # requests wrk gave up on after --timeout (not counted in `requests`)
+    socket_errors: int = 0  # connections that failed to connect, read or write
 
     @property
     def requests_per_s(self) -> float:
@@ -112,9 +116,9 @@ def run(args: argparse.Namespace) -> int:
             for pid in gateways:
                 _pin(pid, {gateway_cpu})
             with _quotas(gateways, args.cpu_share):
-                _load(urls, script, args.connections, args.warmup, rest)
-                rounds = [_round(urls, script, args.connections, args.duration, gateways, rest, args.max_tokens)
-                          for _ in range(args.rounds)]
+                _load(urls, script, args.connections, args.warmup, args.timeout, rest)
+                rounds = [_round(urls, script, args.connections, args.duration, args.timeout, gateways, rest,
+                                 args.max_tokens) for _ in range(args.rounds)]
         except ServerFailed as e:
             print(f"kvfleet bench gateway: {e}", flush=True)
             return 1
@@ -122,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
             stop(server)
     report = {"cpu": {k: v for k, v in info.items() if k != "flags"}, "gateways": args.gateways,
               "workers": args.workers, "profile": args.profile, "cpu_share": args.cpu_share,
-              "connections": args.connections, "duration_s": args.duration, "max_tokens": args.max_tokens, "rounds": [r.row() for r in rounds]}
+              "connections": args.connections, "duration_s": args.duration, "timeout_s": args.timeout,
+              "max_tokens": args.max_tokens, "rounds": [r.row() for r in rounds]}
     print(json.dumps(report, indent=1) if args.json else format_report(report), flush=True)
     return 0
 
@@ -139,6 +144,8 @@ def _check(args: argparse.Namespace) -> str | None:
             return f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
     if args.duration <= 0 or args.warmup < 0:
         return f"--duration must be > 0 and --warmup >= 0, got {args.duration:g} and {args.warmup:g}"
+    if args.timeout < 1:
+        return f"--timeout must be >= 1 (wrk's resolution: whole seconds), got {args.timeout:g}"
     if args.cpu_share is not None and not 0.01 <= args.cpu_share <= 1:
         return f"--cpu-share must be in [0.01, 1] (a fraction of one core), got {args.cpu_share:g}"
     if args.cpu_share is not None and args.gateways * args.cpu_share > 1:
@@ -238,38 +245,50 @@ def _remove(groups: list[Path], pids: list[int]) -> None:
             group.rmdir()
 
 
-def _wrk(url: str, script: Path, connections: int, seconds: float, cpus: set[int]) -> subprocess.Popen:
-    return subprocess.Popen(["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s", "-s", str(script),
-                             f"{url}/v1/completions"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+def _wrk(url: str, script: Path, connections: int, seconds: float, timeout: float,
+         cpus: set[int]) -> subprocess.Popen:
+    return subprocess.Popen(["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s",
+                             f"--timeout={max(1, round(timeout))}s", "-s", str(script), f"{url}/v1/completions"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             preexec_fn=lambda: os.sched_setaffinity(0, cpus))
 
 
-def _load(urls: list[str], script: Path, connections: int, seconds: float, cpus: set[int]) -> list[str]:
+def _load(urls: list[str], script: Path, connections: int, seconds: float, timeout: float,
+          cpus: set[int]) -> list[str]:
     """Every gateway under wrk at once for `seconds`; each wrk's report."""
     if seconds <= 0:
         return []
-    procs = [_wrk(u, script, connections, seconds, cpus) for u in urls]
+    procs = [_wrk(u, script, connections, seconds, timeout, cpus) for u in urls]
     return [p.communicate()[0] for p in procs]
 
 
-def _round(urls: list[str], script: Path, connections: int, seconds: float, gateways: list[int],
+def _round(urls: list[str], script: Path, connections: int, seconds: float, timeout: float, gateways: list[int],
            cpus: set[int], tokens_per_request: int) -> Round:
     cpu0, t0 = sum(_cpu_s(p) for p in gateways), time.monotonic()
-    outputs = _load(urls, script, connections, seconds, cpus)
+    outputs = _load(urls, script, connections, seconds, timeout, cpus)
     cpu1, t1 = sum(_cpu_s(p) for p in gateways), time.monotonic()
     counts = [parse_wrk(out) for out in outputs]
-    requests, non_2xx = sum(c[0] for c in counts), sum(c[1] for c in counts)
-    return Round(requests=requests, non_2xx=non_2xx, wall_s=round(t1 - t0, 3), gateway_cpu_s=round(cpu1 - cpu0, 3),
-                 tokens_per_request=tokens_per_request)
+    return Round(requests=sum(c.requests for c in counts), non_2xx=sum(c.non_2xx for c in counts),
+                 wall_s=round(t1 - t0, 3), gateway_cpu_s=round(cpu1 - cpu0, 3), tokens_per_request=tokens_per_request,
+                 timeouts=sum(c.timeouts for c in counts), socket_errors=sum(c.socket_errors for c in counts))
 
 
-def parse_wrk(out: str) -> tuple[int, int]:
-    """(requests completed, of them non-2xx) from wrk's report."""
+@dataclass(frozen=True)
+class WrkCounts:
+    requests: int  # completed, whatever their status
+    non_2xx: int
+    timeouts: int
+    socket_errors: int  # connect, read and write errors
+
+
+def parse_wrk(out: str) -> WrkCounts:
+    """The counts of wrk's report (its "Socket errors" line appears only when there were any)."""
     done = re.search(r"(\d+) requests in", out)
     if done is None:
         raise ServerFailed(f"wrk gave no result:\n{out}")
     bad = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
-    return int(done.group(1)), int(bad.group(1)) if bad else 0
+    errors = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
+    connect, read, write, timeouts = (int(g) for g in errors.groups()) if errors else (0, 0, 0, 0)
+    return WrkCounts(int(done.group(1)), int(bad.group(1)) if bad else 0, timeouts, connect + read + write)
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -280,10 +299,11 @@ def format_report(report: dict[str, Any]) -> str:
              f"{report['gateways']} gateway(s) on the last CPU ({held}); {report['workers']} simulated workers "
              f"(profile {report['profile']}), Redis and wrk ({report['connections']} connections per gateway) on "
              f"the others; streamed {report['max_tokens']}-token completions, {report['duration_s']:g} s per round", "",
-             "| round | requests/s | non-2xx | gateway CPU (cores) | CPU per request | requests/s per core | CPU per "
-             "token |", "|---|---|---|---|---|---|---|"]
+             "| round | requests/s | non-2xx | timeouts / socket errors | gateway CPU (cores) | CPU per request | "
+             "requests/s per core | CPU per token |", "|---|---|---|---|---|---|---|---|"]
     for i, r in enumerate(report["rounds"], 1):
-        lines.append(f"| {i} | {r['requests_per_s']:,.1f} | {r['non_2xx']} | {r['gateway_cpu_share']:.2f} | "
+        lines.append(f"| {i} | {r['requests_per_s']:,.1f} | {r['non_2xx']} | {r['timeouts']} / {r['socket_errors']} | "
+                     f"{r['gateway_cpu_share']:.2f} | "
                      f"{r['cpu_ms_per_request']:.3f} ms | {r['requests_per_s_per_core']:,.0f} | "
                      f"{r['cpu_us_per_token']:,.1f} us |")
     return "\n".join(lines)

@@ -38,7 +38,7 @@ def test_two_replicas_under_wrk_report_what_they_carried(tmp_path):
     report = json.loads(proc.stdout)
     assert report["cpu"]["model"] and report["gateways"] == 2 and report["cpu_share"] == (SHARE if quota else None)
     (r,) = report["rounds"]
-    assert r["requests"] > 100 and r["non_2xx"] == 0, r
+    assert r["requests"] > 100 and r["non_2xx"] == 0 and r["timeouts"] == 0 and r["socket_errors"] == 0, r
     assert r["requests_per_s"] == pytest.approx(r["requests"] / r["wall_s"], rel=0.01)
     assert r["cpu_ms_per_request"] == pytest.approx(1000 * r["gateway_cpu_s"] / r["requests"], rel=0.01)
     if quota:  # two gateways, each held to SHARE of a core (the clock ticks give a little slack)

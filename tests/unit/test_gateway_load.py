@@ -8,7 +8,7 @@ import argparse
 import pytest
 
 from services.bench import gateway_load
-from services.bench.gateway_load import Round, format_report, parse_wrk
+from services.bench.gateway_load import Round, WrkCounts, format_report, parse_wrk
 from services.bench.serve_endpoints import ServerFailed
 
 pytestmark = pytest.mark.unit
@@ -25,9 +25,13 @@ Transfer/sec:    199.90KB
 
 
 def test_wrk_reports_are_read_with_their_errors():
-    assert parse_wrk(WRK_OK) == (5690, 0)
+    assert parse_wrk(WRK_OK) == WrkCounts(requests=5690, non_2xx=0, timeouts=0, socket_errors=0)
     with_errors = WRK_OK.replace("Requests/sec", "  Non-2xx or 3xx responses: 12\nRequests/sec")
-    assert parse_wrk(with_errors) == (5690, 12)
+    assert parse_wrk(with_errors) == WrkCounts(requests=5690, non_2xx=12, timeouts=0, socket_errors=0)
+    # what wrk printed when a loaded machine answered slower than its timeout: no request completed, 16 gave up
+    timed_out = WRK_OK.replace("5690 requests", "0 requests").replace(
+        "Requests/sec", "  Socket errors: connect 1, read 2, write 3, timeout 16\nRequests/sec")
+    assert parse_wrk(timed_out) == WrkCounts(requests=0, non_2xx=0, timeouts=16, socket_errors=6)
     with pytest.raises(ServerFailed, match="no result"):
         parse_wrk("unable to connect to 127.0.0.1:1 Connection refused")
 
@@ -38,23 +42,25 @@ def test_a_round_gives_cpu_per_request_and_the_rate_per_core():
     assert Round(requests=3000, non_2xx=0, wall_s=10.0, gateway_cpu_s=2.7, tokens_per_request=64).row()[
         "cpu_us_per_token"] == pytest.approx(900 / 64, abs=0.1)
     assert row["cpu_ms_per_request"] == 0.9 and row["requests_per_s_per_core"] == 1111
-    table = format_report({"cpu": {"model": "AMD EPYC", "family": "25", "model_number": "1", "cores": 2,
-                                   "simd": ["avx2"], "load_average_1m": 0.5}, "gateways": 2, "workers": 2,
-                           "profile": "zero", "cpu_share": 0.15, "connections": 64, "duration_s": 10.0, "max_tokens": 1,
-                           "rounds": [row]})
+    report = {"cpu": {"model": "AMD EPYC", "family": "25", "model_number": "1", "cores": 2, "simd": ["avx2"],
+                      "load_average_1m": 0.5}, "gateways": 2, "workers": 2, "profile": "zero", "cpu_share": 0.15,
+              "connections": 64, "duration_s": 10.0, "max_tokens": 1, "rounds": [row]}
+    table = format_report(report)
     assert "AMD EPYC (family 25 model 1; avx2)" in table and "0.15 of a core" in table
-    assert "| 1 | 300.0 | 0 | 0.27 | 0.900 ms | 1,111 | 900.0 us |" in table
+    assert "| 1 | 300.0 | 0 | 0 / 0 | 0.27 | 0.900 ms | 1,111 | 900.0 us |" in table
+    slow = Round(requests=10, non_2xx=0, wall_s=1.0, gateway_cpu_s=0.5, timeouts=7, socket_errors=2).row()
+    assert "| 1 | 10.0 | 0 | 7 / 2 |" in format_report({**report, "rounds": [slow]})
 
 
 def _args(**kw) -> argparse.Namespace:
     base = dict(gateways=1, workers=2, connections=64, rounds=1, max_tokens=1, duration=15.0, warmup=3.0,
-                cpu_share=None)
+                timeout=30.0, cpu_share=None)
     return argparse.Namespace(**(base | kw))
 
 
 @pytest.mark.parametrize(("kw", "words"), [
     ({"gateways": 0}, "--gateways must be >= 1"), ({"duration": 0}, "--duration must be > 0"),
-    ({"cpu_share": 1.5}, "--cpu-share must be in [0.01, 1]"),
+    ({"cpu_share": 1.5}, "--cpu-share must be in [0.01, 1]"), ({"timeout": 0.5}, "--timeout must be >= 1"),
     ({"gateways": 3, "cpu_share": 0.5}, "more than the one CPU"),
 ])
 def test_runs_that_cannot_measure_are_refused_naming_the_flag(monkeypatch, kw, words):
