@@ -244,13 +244,22 @@ def test_prefill_chunks_match_the_torch_op(dtype, hq, hkv, head_dim, block_size,
 needs_gemm = pytest.mark.skipif(not cpu_kernels.gemm_available(), reason="the panel GEMM needs AVX2 + FMA")
 
 
+@pytest.fixture(params=range(len(cpu_kernels.GEMM_BLOCKINGS)))
+def f32_blocking(request):
+    """The float32 panel GEMM under each of its k blockings (the calibration picks one per CPU)."""
+    was = cpu_kernels.gemm_blocking()
+    assert cpu_kernels.gemm_blocking(request.param) == request.param
+    yield request.param
+    cpu_kernels.gemm_blocking(was)
+
+
 @needs_gemm
 @pytest.mark.parametrize("m,k,n", [(1, 1, 1), (3, 5, 7), (4, 130, 24), (5, 577, 25), (33, 64, 960), (7, 1536, 49), (64, 576, 97),
                                    (9, 129, 48), (17, 65, 16), (0, 64, 48)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_panel_gemm_against_float64(m, k, n, with_bias):
-    """Row tails (m % 4 or 8), column tails (n % 24 or 48) and k blocks (k > 64 or 128) against a float64
-    product."""
+def test_panel_gemm_against_float64(m, k, n, with_bias, f32_blocking):
+    """Row tails (m % 4 or 8), column tails (n % 24 or 48) and k blocks (k > 64 or 128; 64 in AVX2 builds'
+    second blocking) against a float64 product."""
     g = torch.Generator().manual_seed(m * 1000 + n)
     x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
     packed = cpu_kernels.pack_gemm_weight(w)
@@ -308,6 +317,12 @@ def test_panel_gemm_reads_strided_rows_and_is_deterministic_across_threads():
     assert torch.equal(one, two)
     assert torch.equal(one, cpu_kernels.gemm(x.contiguous(), packed, 1536))
     torch.testing.assert_close(one, x @ w.T, atol=1e-3, rtol=1e-4)
+    was = cpu_kernels.gemm_blocking()
+    try:  # every blocking sums each output in the same order: the same bits
+        for b in range(len(cpu_kernels.GEMM_BLOCKINGS)):
+            assert cpu_kernels.gemm_blocking(b) == b and torch.equal(cpu_kernels.gemm(x, packed, 1536), one)
+    finally:
+        cpu_kernels.gemm_blocking(was)
 
 
 @pytest.mark.skipif(cpu_kernels.isa() not in ("avx512", "avx512+avx512_bf16"), reason="the native argmax needs AVX-512")

@@ -125,10 +125,12 @@ def test_the_one_call_measurement_runs_both_ways(monkeypatch):
 
 
 @pytest.mark.skipif(not cpu_kernels.gemm_available(), reason="the panel GEMM needs AVX2 + FMA")
-@pytest.mark.parametrize("few,many", [("panel", "onednn"), ("onednn", "aten"), ("panel", "panel")])
+@pytest.mark.parametrize("few,many", [("panel/0", "onednn"), ("panel/1", "onednn"), ("onednn", "aten"),
+                                      ("panel/1", "panel")])
 def test_calibrate_takes_what_it_measured_fastest(monkeypatch, few, many):
-    """Few rows are timed over streamed copies of the weight (a decode step reads each weight from memory),
-    many rows on the weight itself; each choice is whichever candidate measured fastest."""
+    """Few rows are timed over streamed copies of the weight (a decode step reads each weight from memory), the
+    float32 panel GEMM under each of its blockings; many rows on the weight itself; each choice is whichever
+    candidate measured fastest, and the panel GEMM's blocking is set for the process."""
     calls = []
 
     def fastest(cases, rounds=4):
@@ -138,14 +140,22 @@ def test_calibrate_takes_what_it_measured_fastest(monkeypatch, few, many):
 
     monkeypatch.setattr(cpu_linear, "_fastest", fastest)
     monkeypatch.setattr(cpu_linear, "STREAMED_BYTES", 1 << 16)
-    before = torch.get_num_threads()
+    before, blocking = torch.get_num_threads(), cpu_kernels.gemm_blocking()
+    cpu_kernels.gemm_blocking(1 - int(few[-1]) if "/" in few else 0)  # the other one, to see it change
     torch.set_num_threads(1)
     try:
         plan = cpu_linear.calibrate(torch.randn(64, 32))
+        in_use = cpu_kernels.gemm_blocking()
     finally:
         torch.set_num_threads(before)
-    assert calls == [["onednn", "panel"], ["aten", "onednn", "panel"]]
-    assert plan.few_rows == few and plan.many_rows == (None if many == few else many)
+        cpu_kernels.gemm_blocking(blocking)
+    assert calls == [["onednn", "panel/0", "panel/1"], ["aten", "onednn", "panel"]]
+    kind = few.split("/")[0]
+    assert plan.few_rows == kind and plan.many_rows == (None if many == kind else many)
+    assert plan.gemm_blocking == (int(few[-1]) if kind == "panel" else None)
+    if kind == "panel":
+        assert in_use == plan.gemm_blocking
+        assert f"kvfleet's panel GEMM ({cpu_kernels.GEMM_BLOCKINGS[plan.gemm_blocking]})" in plan.describe(torch.float32)
 
 
 @pytest.mark.skipif(not cpu_kernels.gemm_available(torch.bfloat16), reason="the bf16 panel GEMM needs AVX512_BF16")

@@ -72,6 +72,7 @@ _GEMM_SIGNATURES = {
     "kvf_gemm_panel_width": ([], ctypes.c_int),
     "kvf_gemm_bf16_available": ([], ctypes.c_int),
     "kvf_amx": ([_I32], ctypes.c_int),
+    "kvf_gemm_blocking": ([_I32], ctypes.c_int),
     "kvf_gemm_packed_size_bf16": ([_I64, _I64], _I64),
     "kvf_gemm_pack_bf16": ([_P, _I64, _I64, _P], None),
     "kvf_gemm_bf16": ([_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I32], None),
@@ -306,6 +307,18 @@ def amx(use: bool | None = None) -> bool:
     if load() is None:
         return False
     return bool(_lib.kvf_amx(-1 if use is None else int(use)))
+
+
+GEMM_BLOCKINGS = ("k256, next slice to L1", "k128, next slice to L2")  # AVX2 builds: k128 and k64
+
+
+def gemm_blocking(which: int | None = None) -> int:
+    """The float32 panel GEMM's k blocking in use, an index of GEMM_BLOCKINGS: slices of k that stay in L1 while
+    every row tile uses them, and where the next one is prefetched to. which=0 / 1 sets it (process-wide; the
+    calibration picks the faster on this CPU). Results are the same under both."""
+    if load() is None:
+        return 0
+    return int(_lib.kvf_gemm_blocking(-1 if which is None else which))
 
 
 def gemm_panel_width() -> int:

@@ -11,7 +11,9 @@ one thread, as each of the model runner's forward threads runs:
   holds. 2-core AMD Zen 3, float32, 32 rows: panel 76, oneDNN 64 GFLOP/s. 2-core Zen 5, the model's 30 layers
   and lm_head streaming, 64 rows on 2 threads: float32 panel ~410-430, oneDNN ~340-360; bfloat16 670 against
   534. 2-core Xeon with AMX (family 6 model 167), the same: bfloat16 on AMX tiles 12.6 ms a step, oneDNN (also
-  AMX) 13.4.
+  AMX) 13.4. The float32 panel GEMM is timed under each of its k blockings (cpu_kernels.GEMM_BLOCKINGS)
+  and the faster is set for the process: on that Xeon, 32 rows on one thread, slices of 128 prefetched into L2
+  8.2-8.6 ms against 9.3-10.0 for slices of 256 prefetched into L1 (Zen 5's best).
 - many rows (prefill chunks, MANY_ROWS rows or more): F.linear, oneDNN packed or the panel GEMM, whichever is
   fastest at CALIBRATION_ROWS, the weight cache-resident (float32: Zen 3 MKL ~7% over the panel GEMM, ~12%
   over oneDNN; Zen 5 oneDNN 229, panel 212, MKL 99 GFLOP/s a thread; bfloat16, Zen 5: panel 455, oneDNN 446;
@@ -79,6 +81,7 @@ class LinearPlan:
     many_rows: str | None  # inputs of MANY_ROWS rows or more: "aten" | "onednn" | "panel"; None: as few_rows
     bf16_gemm: bool  # oneDNN multiplies bfloat16 natively here (else bf16 weights get a float32 form)
     one_forward_below: int = 0  # steps of fewer rows run as one forward on all threads (see splits_columns)
+    gemm_blocking: int | None = None  # the float32 panel GEMM's (cpu_kernels.GEMM_BLOCKINGS); None: not measured
 
     def pack(self, weight: torch.Tensor) -> PackedWeight | None:
         """weight [N, K] packed for this plan (made once at load); None where F.linear is the way (CUDA,
@@ -96,8 +99,11 @@ class LinearPlan:
         if dtype == torch.bfloat16 and not self.bf16_gemm:
             return f"a float32 copy of each bf16 weight ({PATH_NAMES[self.few_rows]}): no bf16 GEMM here"
         def name(kind: str) -> str:
-            amx = kind == "panel" and dtype == torch.bfloat16 and cpu_kernels.amx()
-            return f"{PATH_NAMES[kind]} on AMX tiles" if amx else PATH_NAMES[kind]
+            if kind == "panel" and dtype == torch.bfloat16 and cpu_kernels.amx():
+                return f"{PATH_NAMES[kind]} on AMX tiles"
+            if kind == "panel" and dtype == torch.float32 and self.gemm_blocking is not None:
+                return f"{PATH_NAMES[kind]} ({cpu_kernels.GEMM_BLOCKINGS[self.gemm_blocking]})"
+            return PATH_NAMES[kind]
 
         if self._many():
             text = f"{name(self.few_rows)} below {MANY_ROWS} rows, {name(self.many_rows)} from {MANY_ROWS}"
@@ -213,13 +219,21 @@ def calibrate(weight: torch.Tensor) -> LinearPlan | None:
             few = {"onednn": _pack(weight, "onednn", upcast)}
             if cpu_kernels.gemm_available(torch.float32 if upcast else weight.dtype):
                 few["panel"] = _pack(weight, "panel", upcast)
-            choice, streamed = "onednn", {}
+            choice, streamed, blocking = "onednn", {}, None
             if len(few) > 1:  # decode-sized inputs, over copies of the weight read from memory
                 x = torch.randn(DECODE_ROWS, weight.shape[1]).to(weight.dtype)
                 streamed = {name: _streamed_copies(p, weight) for name, p in few.items()}
-                best = _fastest({name: (lambda c=c: [_run(x, p, None) for p in c]) for name, c in streamed.items()})
+                cases = {name: (lambda c=c: [_run(x, p, None) for p in c]) for name, c in streamed.items()}
+                if weight.dtype == torch.float32 or upcast:  # the float32 panel GEMM under each of its blockings
+                    panel = cases.pop("panel")
+                    cases |= {f"panel/{b}": (lambda b=b: (cpu_kernels.gemm_blocking(b), panel()))
+                              for b in range(len(cpu_kernels.GEMM_BLOCKINGS))}
+                best = _fastest(cases)
                 log.debug("decode-sized inputs, weights streamed: %s", best)
                 choice = min(best, key=best.__getitem__)
+                if "/" in choice:
+                    choice, blocking = "panel", int(choice.split("/")[1])
+                    cpu_kernels.gemm_blocking(blocking)  # process-wide, for every float32 panel GEMM from here
             many = None
             if not upcast:  # prefill-sized inputs: every path, the weight cache-resident
                 x = torch.randn(CALIBRATION_ROWS, weight.shape[1]).to(weight.dtype)
@@ -233,7 +247,7 @@ def calibrate(weight: torch.Tensor) -> LinearPlan | None:
     one_below = 0
     if threads > 1 and _one_call_wins(streamed.get(choice) or _streamed_copies(few[choice], weight), weight, threads):
         one_below = MANY_ROWS
-    return LinearPlan(choice, None if many == choice else many, bf16_gemm, one_below)
+    return LinearPlan(choice, None if many == choice else many, bf16_gemm, one_below, blocking)
 
 
 def linear(
