@@ -309,13 +309,16 @@ def amx(use: bool | None = None) -> bool:
     return bool(_lib.kvf_amx(-1 if use is None else int(use)))
 
 
-GEMM_BLOCKINGS = ("k256, next slice to L1", "k128, next slice to L2")  # AVX2 builds: k128 and k64
+def gemm_blockings() -> tuple[str, str]:
+    """The float32 panel GEMM's two k blockings in words (gemm_blocking's 0 and 1): the slice of k that stays in
+    L1 while every row tile uses it, and where the next slice is prefetched to."""
+    kc = 256 if gemm_panel_width() == 48 else 128  # AVX-512 builds; AVX2 ones
+    return f"k{kc}, next slice to L1", f"k{kc // 2}, next slice to L2"
 
 
 def gemm_blocking(which: int | None = None) -> int:
-    """The float32 panel GEMM's k blocking in use, an index of GEMM_BLOCKINGS: slices of k that stay in L1 while
-    every row tile uses them, and where the next one is prefetched to. which=0 / 1 sets it (process-wide; the
-    calibration picks the faster on this CPU). Results are the same under both."""
+    """The float32 panel GEMM's k blocking in use (0 or 1, see gemm_blockings). which=0 / 1 sets it (process-wide;
+    the calibration picks the faster on this CPU). Results are the same bits under both."""
     if load() is None:
         return 0
     return int(_lib.kvf_gemm_blocking(-1 if which is None else which))

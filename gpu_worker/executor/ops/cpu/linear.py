@@ -11,7 +11,7 @@ one thread, as each of the model runner's forward threads runs:
   holds. 2-core AMD Zen 3, float32, 32 rows: panel 76, oneDNN 64 GFLOP/s. 2-core Zen 5, the model's 30 layers
   and lm_head streaming, 64 rows on 2 threads: float32 panel ~410-430, oneDNN ~340-360; bfloat16 670 against
   534. 2-core Xeon with AMX (family 6 model 167), the same: bfloat16 on AMX tiles 12.6 ms a step, oneDNN (also
-  AMX) 13.4. The float32 panel GEMM is timed under each of its k blockings (cpu_kernels.GEMM_BLOCKINGS)
+  AMX) 13.4. The float32 panel GEMM is timed under each of its k blockings (cpu_kernels.gemm_blockings)
   and the faster is set for the process: on that Xeon, 32 rows on one thread, slices of 128 prefetched into L2
   8.2-8.6 ms against 9.3-10.0 for slices of 256 prefetched into L1 (Zen 5's best).
 - many rows (prefill chunks, MANY_ROWS rows or more): F.linear, oneDNN packed or the panel GEMM, whichever is
@@ -81,7 +81,7 @@ class LinearPlan:
     many_rows: str | None  # inputs of MANY_ROWS rows or more: "aten" | "onednn" | "panel"; None: as few_rows
     bf16_gemm: bool  # oneDNN multiplies bfloat16 natively here (else bf16 weights get a float32 form)
     one_forward_below: int = 0  # steps of fewer rows run as one forward on all threads (see splits_columns)
-    gemm_blocking: int | None = None  # the float32 panel GEMM's (cpu_kernels.GEMM_BLOCKINGS); None: not measured
+    gemm_blocking: int | None = None  # the float32 panel GEMM's (0 / 1: cpu_kernels.gemm_blockings); None: not measured
 
     def pack(self, weight: torch.Tensor) -> PackedWeight | None:
         """weight [N, K] packed for this plan (made once at load); None where F.linear is the way (CUDA,
@@ -102,7 +102,7 @@ class LinearPlan:
             if kind == "panel" and dtype == torch.bfloat16 and cpu_kernels.amx():
                 return f"{PATH_NAMES[kind]} on AMX tiles"
             if kind == "panel" and dtype == torch.float32 and self.gemm_blocking is not None:
-                return f"{PATH_NAMES[kind]} ({cpu_kernels.GEMM_BLOCKINGS[self.gemm_blocking]})"
+                return f"{PATH_NAMES[kind]} ({cpu_kernels.gemm_blockings()[self.gemm_blocking]})"
             return PATH_NAMES[kind]
 
         if self._many():
@@ -227,7 +227,7 @@ def calibrate(weight: torch.Tensor) -> LinearPlan | None:
                 if weight.dtype == torch.float32 or upcast:  # the float32 panel GEMM under each of its blockings
                     panel = cases.pop("panel")
                     cases |= {f"panel/{b}": (lambda b=b: (cpu_kernels.gemm_blocking(b), panel()))
-                              for b in range(len(cpu_kernels.GEMM_BLOCKINGS))}
+                              for b in (0, 1)}
                 best = _fastest(cases)
                 log.debug("decode-sized inputs, weights streamed: %s", best)
                 choice = min(best, key=best.__getitem__)
