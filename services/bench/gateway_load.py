@@ -248,7 +248,8 @@ def _remove(groups: list[Path], pids: list[int]) -> None:
 def _wrk(url: str, script: Path, connections: int, seconds: float, timeout: float,
          cpus: set[int]) -> subprocess.Popen:
     return subprocess.Popen(["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s",
-                             f"--timeout={max(1, round(timeout))}s", "-s", str(script), f"{url}/v1/completions"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             f"--timeout={max(1, round(timeout))}s", "-s", str(script), f"{url}/v1/completions"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             preexec_fn=lambda: os.sched_setaffinity(0, cpus))
 
 

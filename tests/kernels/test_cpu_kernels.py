@@ -217,7 +217,8 @@ def test_unsupported_inputs_fall_back_to_the_torch_ops():
     assert torch.equal(caches[0][0, 5], key[0]) and torch.equal(caches[1][4, 6], key[1])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("dtype", "bf16_kernels"), [(torch.float32, "no-amx"), (torch.bfloat16, "no-amx"),
+                                                     (torch.bfloat16, "amx")], indirect=["bf16_kernels"])
 @pytest.mark.parametrize("hq,hkv,head_dim,block_size", [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 32, 4),
                                                          (4, 2, 16, 16),  # 16: bf16 query pairs fill half a register
                                                          (6, 2, 48, 8)])  # 48: no native variant
@@ -226,8 +227,6 @@ def test_unsupported_inputs_fall_back_to_the_torch_ops():
 def test_prefill_chunks_match_the_torch_op(dtype, hq, hkv, head_dim, block_size, q_len, ctx, layout, bf16_kernels):
     """Causal chunks (a whole prompt, a chunk after a cached prefix, lengths that end mid-tile and mid-block), grouped
     heads, both KV layouts; bfloat16 on each of its kernels here (vdpbf16ps; AMX tiles where the CPU has them)."""
-    if dtype != torch.bfloat16 and bf16_kernels == "amx":
-        pytest.skip("AMX multiplies bfloat16 only")
     g = torch.Generator().manual_seed(q_len * ctx + head_dim)
     num_blocks = 40
     key_cache = kv_cache(num_blocks, block_size, hkv, head_dim, g, dtype, layout)

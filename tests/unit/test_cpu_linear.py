@@ -155,7 +155,8 @@ def test_calibrate_takes_what_it_measured_fastest(monkeypatch, few, many):
     assert plan.gemm_blocking == (int(few[-1]) if kind == "panel" else None)
     if kind == "panel":
         assert in_use == plan.gemm_blocking
-        assert f"kvfleet's panel GEMM ({cpu_kernels.gemm_blockings()[plan.gemm_blocking]})" in plan.describe(torch.float32)
+        named = cpu_kernels.gemm_blockings()[plan.gemm_blocking]
+        assert f"kvfleet's panel GEMM ({named})" in plan.describe(torch.float32)
 
 
 @pytest.mark.skipif(not cpu_kernels.gemm_available(torch.bfloat16), reason="the bf16 panel GEMM needs AVX512_BF16")
