@@ -32,7 +32,7 @@ def kv_cache(num_blocks, block_size, hkv, head_dim, g, dtype, layout):
 
 @pytest.fixture(scope="module", autouse=True)
 def built():
-    assert cpu_kernels.load() is not None, "g++ could not build gpu_worker/executor/ops/cpu/csrc/cpu_kernels.cpp"
+    assert cpu_kernels.load() is not None, "g++ could not build gpu_worker/executor/ops/cpu/csrc/"
 
 
 def close(actual, expected, dtype):

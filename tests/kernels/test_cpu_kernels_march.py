@@ -60,7 +60,7 @@ def test_the_amx_code_compiles_on_any_cpu(library, tmp_path):
         kernels.march_flags("sapphirerapids")
     except (ValueError, RuntimeError) as e:
         pytest.skip(f"no compiler that knows -march=sapphirerapids: {e}")
-    source, flags = ((kernels.SOURCE.read_text(), kernels.FLAGS) if library == "cpu_kernels"
+    source, flags = ((kernels.source(), kernels.FLAGS) if library == "cpu_kernels"
                      else (peak_rate.SOURCE, peak_rate.FLAGS))
     flags = [f for f in flags if f not in ("-shared", "-march=native")] + ["-march=sapphirerapids"]
     src = tmp_path / f"{library}.cpp"
@@ -74,3 +74,28 @@ def test_the_amx_code_compiles_on_any_cpu(library, tmp_path):
     proc = subprocess.run([compiler, *flags, "-c", str(src), "-o", str(tmp_path / "out.o")], capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_every_part_of_the_kernels_is_compiled_once_and_errors_name_its_file(tmp_path):
+    """cpu_kernels.cpp includes its parts (csrc/*.h) in order; kernels.source() splices each in once, and the
+    compiler's messages name the part's file and line (#line), not a line of the spliced text."""
+    parts = sorted(p.name for p in kernels.CSRC.glob("*.h"))
+    text = kernels.source()
+    assert '#include "' not in text
+    assert sorted(line.split('"')[1] for line in text.splitlines() if line.startswith("#line 1 ")) == parts
+    broken = text.replace("int g_gemm_blocking = 0;", "int g_gemm_blocking = 0 +;")
+    line = next(i for i, s in enumerate((kernels.CSRC / "gemm_f32.h").read_text().splitlines(), 1)
+                if s.startswith("int g_gemm_blocking"))
+    src = tmp_path / "cpu_kernels.cpp"
+    src.write_text(broken)
+    flags = [f for f in kernels.FLAGS if f != "-shared"]
+    proc = subprocess.run([kernels._compiler(), *flags, "-fsyntax-only", str(src)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode != 0 and f"gemm_f32.h:{line}:" in proc.stderr, proc.stderr[-2000:]
+    # and every part ships in the package (`pip install .`: the worker image), which builds them on first use
+    import tomllib
+
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    shipped = patterns["gpu_worker.executor.ops.cpu"]
+    package = kernels.CSRC.parent
+    assert all(any(p.relative_to(package).match(g) for g in shipped) for p in kernels.CSRC.iterdir()), shipped

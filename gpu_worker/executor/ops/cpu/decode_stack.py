@@ -1,4 +1,4 @@
-"""A decode step's decoder layers in one native call (csrc/cpu_kernels.cpp, `decode_layers`).
+"""A decode step's decoder layers in one native call (csrc/decode_layers.h, `decode_layers`).
 
 A decode step runs every layer's ten ops over a few dozen rows: the kernels take ~1 ms a layer, and the Python
 between them (the module calls, the op wrappers, views, allocations) ~60 us more, while the other OpenMP

@@ -1,4 +1,5 @@
-"""kvfleet's native CPU kernels (csrc/cpu_kernels.cpp): compiled once per machine, called through ctypes.
+"""kvfleet's native CPU kernels (csrc/: cpu_kernels.cpp and its parts): compiled once per machine, called
+through ctypes.
 
 torch's CPU path pays twice where these do not: decode attention gathers every sequence's blocks into a
 contiguous copy (the whole KV cache moves through memory three times a step), and each elementwise op of a
@@ -18,6 +19,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -30,7 +32,8 @@ from shared.settings import Settings, foreign_var
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+CSRC = Path(__file__).with_name("csrc")
+SOURCE = CSRC / "cpu_kernels.cpp"  # the extern "C" functions; its parts (csrc/*.h) are included in order
 # -ffp-contract=off: a * b + c stays two roundings, as in torch's elementwise ops (explicit FMAs stay FMAs);
 # -march: Settings.cpu_march (KVFLEET_CPU_MARCH), "native" unless set
 FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17"]
@@ -143,6 +146,20 @@ def _cpu_identity() -> str:
     return "\n".join(found)
 
 
+def source() -> str:
+    """cpu_kernels.cpp with its parts (its `#include "x.h"` lines, files in csrc/) spliced in: one translation
+    unit, the text that is hashed and compiled; #line keeps the compiler's messages at each part's own lines."""
+    lines = []
+    for number, line in enumerate(SOURCE.read_text().split("\n"), 1):
+        part = re.fullmatch(r'#include "([\w.]+)"', line)
+        if part is None:
+            lines.append(line)
+            continue
+        text = (CSRC / part[1]).read_text().rstrip("\n")
+        lines += [f'#line 1 "{part[1]}"', text, f'#line {number + 1} "{SOURCE.name}"']
+    return "\n".join(lines)
+
+
 def build_library(source: str, flags: list[str], name: str) -> Path:
     """source (C++) compiled once with the system's g++ and flags into ~/.cache/kvfleet/<name>/<hash of source,
     flags and CPU>/lib<name>.so, or the library built before; RuntimeError without a compiler or on an error."""
@@ -175,7 +192,7 @@ def load() -> ctypes.CDLL | None:
             check_march(march)  # raises before anything is built; a later call checks again
         _tried, _march = True, march
         try:
-            lib = ctypes.CDLL(str(build_library(SOURCE.read_text(), [*FLAGS, f"-march={march}"], "cpu_kernels")))
+            lib = ctypes.CDLL(str(build_library(source(), [*FLAGS, f"-march={march}"], "cpu_kernels")))
         except (OSError, RuntimeError) as e:
             log.warning("kvfleet's CPU kernels are unavailable (%s); using the slower torch ops", e)
             return None
