@@ -254,11 +254,11 @@ def f32_blocking(request):
 
 @needs_gemm
 @pytest.mark.parametrize("m,k,n", [(1, 1, 1), (3, 5, 7), (4, 130, 24), (5, 577, 25), (33, 64, 960), (7, 1536, 49), (64, 576, 97),
-                                   (9, 129, 48), (17, 65, 16), (0, 64, 48)])
+                                   (9, 129, 48), (17, 65, 16), (0, 64, 48), (300, 130, 50)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_panel_gemm_against_float64(m, k, n, with_bias, f32_blocking):
-    """Row tails (m % 4 or 8), column tails (n % 24 or 48) and k blocks (k > 64 or 128; 64 in AVX2 builds'
-    second blocking) against a float64 product."""
+    """Row tails (m % 4 or 8), column tails (n % 24 or 48), k blocks (k > 64 or 128; 64 in AVX2 builds' second
+    blocking) and row blocks (from 256 rows, blocks of 128 and a tail) against a float64 product."""
     g = torch.Generator().manual_seed(m * 1000 + n)
     x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
     packed = cpu_kernels.pack_gemm_weight(w)
@@ -316,6 +316,8 @@ def test_panel_gemm_reads_strided_rows_and_is_deterministic_across_threads():
     assert torch.equal(one, two)
     assert torch.equal(one, cpu_kernels.gemm(x.contiguous(), packed, 1536))
     torch.testing.assert_close(one, x @ w.T, atol=1e-3, rtol=1e-4)
+    many = torch.randn(300, 576, generator=g)  # row blocks: each row's outputs as in a call of a few rows
+    assert torch.equal(cpu_kernels.gemm(many, packed, 1536)[250:270], cpu_kernels.gemm(many[250:270], packed, 1536))
     was = cpu_kernels.gemm_blocking()
     try:  # every blocking sums each output in the same order: the same bits
         for b in (0, 1):
