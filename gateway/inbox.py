@@ -204,7 +204,7 @@ class Inbox:
                                          "without its data or was flushed, or the gateway stalled past the lease TTL)")
             now = time.monotonic()
             down_since = shard.down_since if shard is not None else None
-            if down_since is not None and now - down_since >= grace_s:
+            if down_since is not None and now - down_since >= grace_s and not await self._answers():
                 raise streams.RedisAway(f"lost the connection to Redis for more than {grace_s:g}s (redis_grace_s) "
                                         f"while reading the output of request {request_id}; retry the request once "
                                         "Redis is back")
@@ -221,6 +221,15 @@ class Inbox:
                                                  "(written while this gateway's inbox was missing?)")
                 continue
             await box.wait(min(TICK_S, deadline - now))
+
+    async def _answers(self) -> bool:
+        """Does Redis answer now? Its inbox reader can still be in its back-off (up to 1 s) from an outage that
+        just ended, while a request placed since then waits for output: that request is not Redis's loss."""
+        try:
+            await streams.aping(self.r)
+            return True
+        except streams.RedisError:
+            return False
 
     async def _entry_alive(self, entry: tuple[str, str]) -> bool:
         try:

@@ -42,7 +42,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,16 +121,34 @@ class Intake:
         self._threads = [threading.Thread(target=self._requests, name="kvfleet-intake", daemon=True),
                          threading.Thread(target=self._cancels, name="kvfleet-cancels", daemon=True)]
 
-    def start(self) -> Intake:
+    def start(self, stopping: Callable[[], bool] = lambda: False) -> Intake:
+        """Join the fleet's streams and take what a previous run under this id left pending, then start the
+        reader threads. While Redis is away (restarting, say, just as the worker got ready) it waits, doubling
+        from 0.1 s up to MAX_BACKOFF_S, until Redis answers or `stopping()` (a signal meanwhile: the threads are
+        then not started)."""
+        failures = 0
+        while not stopping():
+            try:
+                self._join()
+                break
+            except streams.RedisError as e:
+                failures += 1
+                log.warning("redis unavailable at start (%s); waiting for it", e)
+                time.sleep(min(0.1 * 2 ** (failures - 1), MAX_BACKOFF_S))
+        else:
+            return self
+        for t in self._threads:
+            t.start()
+        return self
+
+    def _join(self) -> None:
         streams.ensure_group(self.r, self.own)
         streams.ensure_group(self.r, self.shared)
         streams.register_shard(self.r, self.shard)
         self._cancel_from = streams.cancel_cursor(self.r)
         for owner_stream in (self.own, self.shared):  # what a previous run under this id left pending
-            self._claim(owner_stream, self.worker_id, min_idle_ms=0)
-        for t in self._threads:
-            t.start()
-        return self
+            taken = {entry_id for stream, entry_id in self._latest if stream == owner_stream}  # by a broken-off try
+            self._claim(owner_stream, self.worker_id, min_idle_ms=0, skip=taken)
 
     def stop(self) -> None:
         self._stop.set()
@@ -268,9 +286,9 @@ class Intake:
         return sum(self._claim(stream, dead, min_idle_ms=CLAIM_MIN_IDLE_MS)
                    for dead in self._dead for stream in (keys.req_stream(dead, self.shard), self.shared))
 
-    def _claim(self, stream: str, owner: str, *, min_idle_ms: int) -> int:
-        """Claim every entry `owner` left pending on `stream`, page by page, and take each."""
-        claimed = streams.claim_pending(self.r, stream, owner, self.worker_id, min_idle_ms=min_idle_ms)
+    def _claim(self, stream: str, owner: str, *, min_idle_ms: int, skip: Container[str] = ()) -> int:
+        """Claim every entry `owner` left pending on `stream` (but those in `skip`), page by page, and take each."""
+        claimed = streams.claim_pending(self.r, stream, owner, self.worker_id, min_idle_ms=min_idle_ms, skip=skip)
         for d in claimed:
             if d.fields is not None:  # None: the entry was deleted meanwhile
                 self._take(d)

@@ -76,12 +76,14 @@ class Worker:
         r = streams.connect(self.settings.redis_url, health_check_interval=30)
         self.outbox = Outbox(r, self.settings, self.worker_id, self.run_id, held=self._held).start()
         self.outbox.set_status(self.status)
-        self.intake = Intake(r, self.settings, self.worker_id, self.inbox, lambda: self._room,
-                             metrics=self.metrics, on_regroup=self.outbox.republish, leased=self._leased,
-                             precompile=getattr(self.engine, "grammars", None)).start()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
-        log.info("worker %s serving %s on %s", self.worker_id, self.model_name, redacted_url(self.settings.redis_url))
+        self.intake = Intake(r, self.settings, self.worker_id, self.inbox, lambda: self._room,
+                             metrics=self.metrics, on_regroup=self.outbox.republish, leased=self._leased,
+                             precompile=getattr(self.engine, "grammars", None)).start(lambda: self.draining)
+        if not self.draining:  # (a signal while it waited for Redis at start: it took nothing, and stops)
+            log.info("worker %s serving %s on %s", self.worker_id, self.model_name,
+                     redacted_url(self.settings.redis_url))
         try:
             self._loop()
         finally:

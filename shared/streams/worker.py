@@ -14,7 +14,7 @@ is not, every request the worker holds is checked before the status it writes re
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,10 +88,12 @@ def shared_head(r: redis.Redis, shard: int = 0) -> dict[str, str] | None:
     return head[0][1] if head else None
 
 
-def claim_pending(r: redis.Redis, stream: str, owner: str, consumer: str, *, min_idle_ms: int) -> list[Delivery]:
-    """Move to `consumer` every entry `owner` left pending on `stream`, CLAIM_PAGE at a time: XPENDING for that
-    one consumer, then XCLAIM with `min_idle_ms`, so of two claimers only one gets each entry (XAUTOCLAIM by
-    idle time alone would also take a live worker's long request). [] when the stream or group does not exist.
+def claim_pending(r: redis.Redis, stream: str, owner: str, consumer: str, *, min_idle_ms: int,
+                  skip: Container[str] = ()) -> list[Delivery]:
+    """Move to `consumer` every entry `owner` left pending on `stream` (but the ids in `skip`: those a claim that
+    Redis broke off had already taken), CLAIM_PAGE at a time: XPENDING for that one consumer, then XCLAIM with
+    `min_idle_ms`, so of two claimers only one gets each entry (XAUTOCLAIM by idle time alone would also take a
+    live worker's long request). [] when the stream or group does not exist.
     Each Delivery's count is the one XCLAIM set (the one it saw plus one): its owner token. After each page
     that claimed something the owner's status is deleted (it had expired; an owner that came back meanwhile and
     wrote it again must not keep it): so the owner's flushes check ownership again and are refused (_FLUSH)."""
@@ -104,8 +106,8 @@ def claim_pending(r: redis.Redis, stream: str, owner: str, consumer: str, *, min
             return claimed
         if not pending:
             return claimed
-        counts = {p["message_id"]: p["times_delivered"] for p in pending}
-        got = r.xclaim(stream, keys.GROUP, consumer, min_idle_ms, list(counts))
+        counts = {p["message_id"]: p["times_delivered"] for p in pending if p["message_id"] not in skip}
+        got = r.xclaim(stream, keys.GROUP, consumer, min_idle_ms, list(counts)) if counts else []
         if got and owner != consumer:  # the fence: the owner's next flush finds no status of its run
             r.delete(keys.status(owner, keys.stream_shard(stream)))
         for entry_id, fields in got:

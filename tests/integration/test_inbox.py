@@ -184,6 +184,19 @@ def test_a_later_run_under_the_same_id_fences_the_earlier_one(r):
                            run_id="run-1") == [d.ack]
 
 
+def test_a_claim_that_redis_broke_off_is_taken_up_without_claiming_twice(r):
+    """A worker's claim at start failed part way (Redis went away): the retry skips the entries the first try
+    took, so their delivery count (the owner token of the jobs already running) stays as it was."""
+    first, second = taken(r, "first"), taken(r, "second")
+    [got] = [d for d in streams.claim_pending(r, first.stream, W, W, min_idle_ms=0) if d.entry_id == first.entry_id]
+    counts = {p["message_id"]: p["times_delivered"] for p in r.xpending_range(first.stream, keys.GROUP, "-", "+", 10)}
+    again = streams.claim_pending(r, first.stream, W, W, min_idle_ms=0, skip={got.entry_id})
+    assert [d.entry_id for d in again] == [second.entry_id]
+    after = {p["message_id"]: p["times_delivered"] for p in r.xpending_range(first.stream, keys.GROUP, "-", "+", 10)}
+    assert after[first.entry_id] == counts[first.entry_id] == got.deliveries
+    assert after[second.entry_id] == counts[second.entry_id] + 1
+
+
 @pytest.mark.usefixtures("quick_silence_check")
 def test_a_relay_whose_entry_was_acked_without_its_final_chunk_is_lost(r, redis_url):
     """A final chunk dropped on its way (written while the inbox was missing), its entry acked: after

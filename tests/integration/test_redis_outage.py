@@ -11,7 +11,9 @@ worker and real gateways:
   again with what it relayed restored, and the client gets the whole greedy answer, each token once;
 - away for longer than the workers' status TTL, with its data: the statuses expired while it was away, and
   requests sent the moment it is back (through a gateway and the Python client) wait for the worker to
-  re-register instead of a 503 no_workers.
+  re-register instead of a 503 no_workers;
+- away just as a (re)started worker gets ready: the worker waits for it, then joins and serves; a SIGTERM while
+  it waits ends it cleanly.
 """
 
 from __future__ import annotations
@@ -321,3 +323,42 @@ def test_requests_right_after_an_outage_past_the_status_ttl_wait_for_the_worker(
     assert answers["gateway"].status_code == 200, answers["gateway"].text
     assert answers["gateway"].json()["choices"][0]["text"] == reference
     assert answers["client"] == reference
+
+
+def test_a_worker_that_gets_ready_while_redis_is_away_waits_for_it(fleet):
+    """A chaos soak (seed 89) restarted Redis just as a restarted worker finished its warm-up: the worker's first
+    Redis calls (its consumer groups, the cancel stream's cursor) failed and it exited 1. Now it waits for Redis,
+    then joins the fleet and serves; a SIGTERM while it waits ends it with 0."""
+    reference = _complete(fleet)
+    port = fleet.redis.port
+    _stop_redis(fleet, keep_data=True)
+    late = quitter = None
+    try:
+        late = fleet.start_worker("w-late", "--num-kv-blocks", "64")
+        quitter = fleet.start_worker("w-quit", "--num-kv-blocks", "64")
+        for name in ("w-late", "w-quit"):
+            fleet.wait_for(lambda n=name: "redis unavailable at start" in fleet.logs[n].read_text(errors="replace"),
+                           timeout_s=180, what=f"{name} to get ready and wait for Redis")
+        time.sleep(1.0)  # a few more tries, each refused
+        assert late.poll() is None and quitter.poll() is None, fleet.tail()
+        quitter.send_signal(signal.SIGTERM)
+        assert quitter.wait(60) == 0, fleet.tail()
+        assert "serving" not in fleet.logs["w-quit"].read_text(errors="replace")
+    finally:
+        fleet.workers.pop("w-quit", None)  # it exited on purpose: not a crash for the later tests' checks
+        _start_redis(fleet, port)
+    try:
+        fleet.wait_for(lambda: any(w["worker_id"] == "w-late" for w in fleet.fleet_status()["workers"]),
+                       timeout_s=30, what="w-late to join the fleet")
+        assert late.poll() is None, fleet.tail()
+        fleet.signal_worker("w0", signal.SIGSTOP)  # the only worker left to serve it: w-late
+        try:
+            assert _complete(fleet) == reference
+        finally:
+            fleet.signal_worker("w0", signal.SIGCONT)
+        late.send_signal(signal.SIGTERM)
+        assert late.wait(60) == 0, fleet.tail()
+    finally:
+        fleet.workers.pop("w-late", None)
+        if late.poll() is None:
+            late.kill()
