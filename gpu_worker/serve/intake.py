@@ -130,9 +130,11 @@ class Intake:
         while not stopping():
             try:
                 self._join()
+                self.redis_failing.discard("start")
                 break
             except streams.RedisError as e:
                 failures += 1
+                self.redis_failing.add("start")
                 log.warning("redis unavailable at start (%s); waiting for it", e)
                 time.sleep(min(0.1 * 2 ** (failures - 1), MAX_BACKOFF_S))
         else:

@@ -80,7 +80,8 @@ class Worker:
             signal.signal(sig, self._on_signal)
         self.intake = Intake(r, self.settings, self.worker_id, self.inbox, lambda: self._room,
                              metrics=self.metrics, on_regroup=self.outbox.republish, leased=self._leased,
-                             precompile=getattr(self.engine, "grammars", None)).start(lambda: self.draining)
+                             precompile=getattr(self.engine, "grammars", None))
+        self.intake.start(lambda: self.draining)  # (not ready while it waits for Redis: intake.redis_failing)
         if not self.draining:  # (a signal while it waited for Redis at start: it took nothing, and stops)
             log.info("worker %s serving %s on %s", self.worker_id, self.model_name,
                      redacted_url(self.settings.redis_url))
