@@ -192,8 +192,14 @@ def test_a_seeded_answer_may_diverge_only_over_a_handover_and_a_greedy_one_never
     assert rep.passed, rep.table()
     assert len(rep.resumed_diverged) == 1 and "over a worker_sigterm" in rep.resumed_diverged[0]
     assert "1 differ" not in rep.table() and "(+1 resumed)" in rep.table()
+    # sent while Redis was restarting (it went down just before): the takeover can come after its start
+    during_restart = FaultLog(events=[(0.8, "redis_restart", "port 1")], redis_windows=[(0.8, 25.0)])
+    rep = check(seeded, ref, [_rec("whole", "ok", ["hello there"])], during_restart, _fleet(), 2**20, 2**20, {})
+    assert rep.passed and "over a redis_restart" in rep.resumed_diverged[0], rep.table()
     # the fault outside the request's time, or one that resumes nothing (a gateway), or greedy: a failure
     for log, specs in [(FaultLog(events=[(3.0, "worker_sigkill", "w1")]), seeded),
+                       (FaultLog(events=[(0.2, "redis_restart", "port 1")], redis_windows=[(0.2, 0.9)]), seeded),
+                       (during_restart, [Spec(chat=False, stream=False, prompt="p")]),
                        (FaultLog(events=[(1.5, "gateway_sigkill", "g0")]), seeded),
                        (over_sigterm, [Spec(chat=False, stream=False, prompt="p")])]:
         rep = check(specs, ref, [_rec("whole", "ok", ["hello there"])], log, _fleet(), 2**20, 2**20, {})
