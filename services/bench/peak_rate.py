@@ -5,7 +5,8 @@ x throughput; no memory): float32 FMAs (AVX-512 or AVX2) and bfloat16 pair dot p
 AVX512_BF16) or, where the CPU has AMX, 4 independent tiles of `tdpbf16ps` (oneDNN's bf16 GEMM runs on them
 there), on each of N threads at once, best of a few runs. On a shared virtual machine the clock moves with the
 neighbours' load, and so does this peak: `kvfleet bench throughput` reports it beside the matmul probe, so that
-a ratio to the probe can be read against the machine's state at that moment. Built with g++ on first use into ~/.cache/kvfleet/peak_rate/ (as the kernels are).
+a ratio to the probe can be read against the machine's state at that moment. Built with g++ on first use into
+~/.cache/kvfleet/peak_rate/ (as the kernels are).
 
     python -m services.bench.peak_rate [--threads N]
 """

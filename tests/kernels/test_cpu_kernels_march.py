@@ -8,6 +8,7 @@ where this CPU has what it needs."""
 import os
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -93,8 +94,6 @@ def test_every_part_of_the_kernels_is_compiled_once_and_errors_name_its_file(tmp
                           timeout=300)
     assert proc.returncode != 0 and f"gemm_f32.h:{line}:" in proc.stderr, proc.stderr[-2000:]
     # and every part ships in the package (`pip install .`: the worker image), which builds them on first use
-    import tomllib
-
     patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     shipped = patterns["gpu_worker.executor.ops.cpu"]
     package = kernels.CSRC.parent

@@ -76,6 +76,7 @@ _GEMM_SIGNATURES = {
     "kvf_gemm_bf16_available": ([], ctypes.c_int),
     "kvf_amx": ([_I32], ctypes.c_int),
     "kvf_gemm_blocking": ([_I32], ctypes.c_int),
+    "kvf_gemm_slice": ([_I32], ctypes.c_int),
     "kvf_gemm_packed_size_bf16": ([_I64, _I64], _I64),
     "kvf_gemm_pack_bf16": ([_P, _I64, _I64, _P], None),
     "kvf_gemm_bf16": ([_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I32], None),
@@ -329,8 +330,8 @@ def amx(use: bool | None = None) -> bool:
 def gemm_blockings() -> tuple[str, str]:
     """The float32 panel GEMM's two k blockings in words (gemm_blocking's 0 and 1): the slice of k that stays in
     L1 while every row tile uses it, and where the next slice is prefetched to."""
-    kc = 256 if gemm_panel_width() == 48 else 128  # AVX-512 builds; AVX2 ones
-    return f"k{kc}, next slice to L1", f"k{kc // 2}, next slice to L2"
+    kc = [_lib.kvf_gemm_slice(b) if load() is not None else 0 for b in (0, 1)]  # from the build (0: none)
+    return f"k{kc[0]}, next slice to L1", f"k{kc[1]}, next slice to L2"
 
 
 def gemm_blocking(which: int | None = None) -> int:

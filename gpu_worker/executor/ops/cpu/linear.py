@@ -8,8 +8,8 @@ one thread, as each of the model runner's forward threads runs:
 - few rows (decode steps: tens of rows, every layer's weight read from memory once a step): oneDNN with a
   weight packed ahead of time, or kvfleet's panel GEMM (csrc/gemm_f32.h, gemm_bf16.h: float32 in 8 x 48
   AVX-512 tiles or 4 x 24 AVX2 ones; bfloat16 with AVX512_BF16 dot products), timed over copies of the weight
-  that no cache holds. 2-core AMD Zen 3, float32, 32 rows: panel 76, oneDNN 64 GFLOP/s. 2-core Zen 5, the model's 30 layers
-  and lm_head streaming, 64 rows on 2 threads: float32 panel ~410-430, oneDNN ~340-360; bfloat16 670 against
+  that no cache holds. 2-core AMD Zen 3, float32, 32 rows: panel 76, oneDNN 64 GFLOP/s. 2-core Zen 5, the
+  model's 30 layers and lm_head streaming, 64 rows on 2 threads: float32 panel ~410-430, oneDNN ~340-360; bfloat16 670 against
   534. 2-core Xeon with AMX (family 6 model 167), the same: bfloat16 on AMX tiles 12.6 ms a step, oneDNN (also
   AMX) 13.4. The float32 panel GEMM is timed under each of its k blockings (cpu_kernels.gemm_blockings)
   and the faster is set for the process: on that Xeon, 32 rows on one thread, slices of 128 prefetched into L2

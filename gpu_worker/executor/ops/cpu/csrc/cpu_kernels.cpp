@@ -129,6 +129,7 @@ int kvf_gemm_blocking(int which) {
   if (which == 0 || which == 1) g_gemm_blocking = which;
   return g_gemm_blocking;
 }
+int kvf_gemm_slice(int which) { return gemm_slice(which); }  // k per slice under blocking `which` (0: none built)
 int kvf_gemm_panel_width() { return kGemmCompiled ? kGemmNR : 0; }  // output columns per packed panel
 int64_t kvf_gemm_packed_size(int64_t n, int64_t k) { return (n + kGemmNR - 1) / kGemmNR * kGemmNR * k; }
 int64_t kvf_gemm_packed_size_bf16(int64_t n, int64_t k) {  // uint16 elements

@@ -28,6 +28,7 @@ constexpr int kGemmNR = 48, kGemmMR = 8, kGemmKC = 256;
 constexpr int kGemmNR = 24, kGemmMR = 4, kGemmKC = 128;
 #endif
 constexpr int64_t kGemmMC = 128, kGemmManyRows = 256;
+inline int gemm_slice(int blocking) { return blocking == 1 ? kGemmKC / 2 : kGemmKC; }  // k per slice
 
 // A row tile's share of the weight lines ahead: pf_step lines a k, until its pf_lines have been asked for (the
 // shares of all row tiles together cover the next block, spread over the time the tiles take).
@@ -163,7 +164,7 @@ void gemm(const float* __restrict x, int64_t xs, int64_t m, int64_t k, const flo
   }
   const int64_t panels = (n + kGemmNR - 1) / kGemmNR;
   const bool to_l2 = g_gemm_blocking == 1;
-  const int64_t kc = to_l2 ? kGemmKC / 2 : kGemmKC;
+  const int64_t kc = gemm_slice(g_gemm_blocking);
   // panels split across threads only where the caller has several (the model runner's part threads have one)
   // and the weight is big enough (>= 1 MiB) to pay for the parallel region's barrier
 #pragma omp parallel for schedule(static) if (omp_get_max_threads() > 1 && n * k >= (int64_t(1) << 18))
@@ -195,6 +196,7 @@ void gemm(const float* __restrict x, int64_t xs, int64_t m, int64_t k, const flo
 constexpr int kGemmCompiled = 1;
 #else
 constexpr int kGemmCompiled = 0, kGemmNR = 24;
+inline int gemm_slice(int) { return 0; }
 void gemm_pack(const float*, int64_t, int64_t, float*) {}
 void gemm(const float*, int64_t, int64_t, int64_t, const float*, int64_t, const float*, float*, int64_t) {}
 #endif
