@@ -5,6 +5,7 @@ import torch
 
 from gpu_worker.executor.ops.cpu import kernels as cpu_kernels
 from gpu_worker.executor.ops.cpu import linear as cpu_linear
+from gpu_worker.executor.ops.cpu import mkl_gemm
 
 pytestmark = pytest.mark.unit
 
@@ -12,6 +13,9 @@ PLANS = [cpu_linear.LinearPlan("onednn", None, False), cpu_linear.LinearPlan("on
 if cpu_kernels.gemm_available():
     PLANS += [cpu_linear.LinearPlan(few, many, False)
               for few, many in [("panel", None), ("panel", "aten"), ("panel", "onednn"), ("onednn", "panel")]]
+if mkl_gemm.available():
+    PLANS += [cpu_linear.LinearPlan(few, "mkl", False)
+              for few in ("onednn", "panel")[:1 + cpu_kernels.gemm_available()]]
 
 
 @pytest.fixture
@@ -26,7 +30,7 @@ def test_every_plan_computes_the_same_linear(plan, rows, monkeypatch):
     w, b, x = torch.randn(48, 40, generator=g), torch.randn(48, generator=g), torch.randn(rows, 40, generator=g)
     packed = plan.pack(w)
     assert packed.kind == plan.few_rows and not packed.upcast and packed.many == plan.many_rows
-    assert (packed.many_data is not None) == (plan.many_rows in ("onednn", "panel"))
+    assert (packed.many_data is not None) == (plan.many_rows in ("onednn", "panel", "mkl"))
     taken = []
     real_run = cpu_linear._run
     monkeypatch.setattr(cpu_linear, "_run", lambda x, p, b, many=False, float_out=False: taken.append(
@@ -126,11 +130,14 @@ def test_the_one_call_measurement_runs_both_ways(monkeypatch):
 
 @pytest.mark.skipif(not cpu_kernels.gemm_available(), reason="the panel GEMM needs AVX2 + FMA")
 @pytest.mark.parametrize("few,many", [("panel/0", "onednn"), ("panel/1", "onednn"), ("onednn", "aten"),
-                                      ("panel/1", "panel")])
+                                      ("panel/1", "panel"), ("panel/0", "mkl"), ("onednn", "mkl")])
 def test_calibrate_takes_what_it_measured_fastest(monkeypatch, few, many):
     """Few rows are timed over streamed copies of the weight (a decode step reads each weight from memory), the
-    float32 panel GEMM under each of its blockings; many rows on the weight itself; each choice is whichever
-    candidate measured fastest, and the panel GEMM's blocking is set for the process."""
+    float32 panel GEMM under each of its blockings; many rows on the weight itself, MKL's packed GEMM among
+    them where torch has MKL; each choice is whichever candidate measured fastest, and the panel GEMM's blocking
+    is set for the process."""
+    if many == "mkl" and not mkl_gemm.available():
+        pytest.skip("torch without MKL")
     calls = []
 
     def fastest(cases, rounds=4):
@@ -149,7 +156,7 @@ def test_calibrate_takes_what_it_measured_fastest(monkeypatch, few, many):
     finally:
         torch.set_num_threads(before)
         cpu_kernels.gemm_blocking(blocking)
-    assert calls == [["onednn", "panel/0", "panel/1"], ["aten", "onednn", "panel"]]
+    assert calls == [["onednn", "panel/0", "panel/1"], ["aten", *(["mkl"] * mkl_gemm.available()), "onednn", "panel"]]
     kind = few.split("/")[0]
     assert plan.few_rows == kind and plan.many_rows == (None if many == kind else many)
     assert plan.gemm_blocking == (int(few[-1]) if kind == "panel" else None)
@@ -224,7 +231,7 @@ def test_calibrate_measures_the_bf16_panel_gemm_too(monkeypatch):
 def test_a_linear_that_reads_only_its_packed_forms_needs_no_weight():
     g = torch.Generator().manual_seed(1)
     w, x = torch.randn(48, 40, generator=g), torch.randn(300, 40, generator=g)
-    for many in (None, "onednn"):
+    for many in (None, "onednn", *(["mkl"] * mkl_gemm.available())):
         packed = cpu_linear.LinearPlan("onednn", many, False).pack(w)
         assert not packed.reads_weight
         torch.testing.assert_close(cpu_linear.linear(x, None, None, packed), x @ w.T, atol=1e-4, rtol=1e-5)

@@ -9,15 +9,18 @@ one thread, as each of the model runner's forward threads runs:
   weight packed ahead of time, or kvfleet's panel GEMM (csrc/gemm_f32.h, gemm_bf16.h: float32 in 8 x 48
   AVX-512 tiles or 4 x 24 AVX2 ones; bfloat16 with AVX512_BF16 dot products), timed over copies of the weight
   that no cache holds. 2-core AMD Zen 3, float32, 32 rows: panel 76, oneDNN 64 GFLOP/s. 2-core Zen 5, the
-  model's 30 layers and lm_head streaming, 64 rows on 2 threads: float32 panel ~410-430, oneDNN ~340-360; bfloat16 670 against
-  534. 2-core Xeon with AMX (family 6 model 167), the same: bfloat16 on AMX tiles 12.6 ms a step, oneDNN (also
-  AMX) 13.4. The float32 panel GEMM is timed under each of its k blockings (cpu_kernels.gemm_blockings)
-  and the faster is set for the process: on that Xeon, 32 rows on one thread, slices of 128 prefetched into L2
-  8.2-8.6 ms against 9.3-10.0 for slices of 256 prefetched into L1 (Zen 5's best).
-- many rows (prefill chunks, MANY_ROWS rows or more): F.linear, oneDNN packed or the panel GEMM, whichever is
-  fastest at CALIBRATION_ROWS, the weight cache-resident (float32: Zen 3 MKL ~7% over the panel GEMM, ~12%
-  over oneDNN; Zen 5 oneDNN 229, panel 212, MKL 99 GFLOP/s a thread; bfloat16, Zen 5: panel 455, oneDNN 446;
-  Xeon with AMX: oneDNN 1,691, panel on AMX tiles 952).
+  model's 30 layers and lm_head streaming, 64 rows on 2 threads: float32 panel ~410-430, oneDNN ~340-360;
+  bfloat16 670 against 534. 2-core Xeon with AMX (family 6 model 167), the same: bfloat16 on AMX tiles 12.6 ms
+  a step, oneDNN (also AMX) 13.4. The float32 panel GEMM is timed under each of its k blockings
+  (cpu_kernels.gemm_blockings) and the faster is set for the process: on that Xeon, 32 rows on one thread,
+  slices of 128 prefetched into L2 8.2-8.6 ms against 9.3-10.0 for slices of 256 prefetched into L1 (Zen 5's
+  best).
+- many rows (prefill chunks, MANY_ROWS rows or more): F.linear, oneDNN packed, the panel GEMM or (float32)
+  MKL packed (mkl_gemm), whichever is fastest at CALIBRATION_ROWS over a few copies of the weight in turn, as a
+  layer's matmuls read one weight after another (`_many_rows_cases`). float32: Zen 3 MKL ~7% over the panel
+  GEMM, ~12% over oneDNN; Zen 5 oneDNN 229, panel 212, MKL 99 GFLOP/s a thread; Xeon with AMX, a layer's four
+  matmuls at 512 rows, MKL packed 131-149, F.linear 118-129, oneDNN 114-127. bfloat16, Zen 5: panel 455,
+  oneDNN 446; Xeon with AMX: oneDNN 1,691, panel on AMX tiles 952.
   A weight whose two paths differ keeps the layout of each (one more copy of the weights in memory).
 With P > 1 threads it also measures how a decode step should use them (`one_forward_below`): P concurrent
 single-threaded calls, each with its share of the rows and each streaming the whole weight, or one call on
@@ -42,14 +45,17 @@ import torch
 import torch.nn.functional as F
 
 from gpu_worker.executor.ops.cpu import kernels as cpu_kernels
+from gpu_worker.executor.ops.cpu import mkl_gemm
 
 log = logging.getLogger(__name__)
 
 DECODE_ROWS = 32  # a forward thread's share of a decode batch of 64 sequences
 CALIBRATION_ROWS = 512  # a forward thread's share of a prefill chunk
 MANY_ROWS = CALIBRATION_ROWS // 2  # inputs of this many rows or more take the plan's many-rows path
+MANY_COPIES = 4  # copies of the weight timed in turn for many rows (_many_rows_cases)
 STREAMED_BYTES = 64 << 20  # copies of the calibration weight to stream, more than a last-level cache holds
-PATH_NAMES = {"onednn": "oneDNN packed", "panel": "kvfleet's panel GEMM", "aten": "F.linear (MKL)"}
+PATH_NAMES = {"onednn": "oneDNN packed", "panel": "kvfleet's panel GEMM", "aten": "F.linear (MKL)",
+              "mkl": "MKL packed"}
 
 
 @dataclass(frozen=True)
@@ -61,8 +67,8 @@ class PackedWeight:
     data: torch.Tensor
     out_features: int
     upcast: bool  # a float32 form of a bfloat16 weight: bfloat16 inputs are multiplied in float32
-    # inputs of MANY_ROWS rows or more: "aten" (F.linear on the weight itself) or "onednn" / "panel" (many_data,
-    # in that layout); None: the same path as fewer rows
+    # inputs of MANY_ROWS rows or more: "aten" (F.linear on the weight itself) or "onednn" / "panel" / "mkl"
+    # (many_data, in that layout: mkl_gemm.pack_weight's for "mkl"); None: the same path as fewer rows
     many: str | None = None
     many_data: torch.Tensor | None = None
 
@@ -78,7 +84,7 @@ class LinearPlan:
     """What `calibrate` chose on this CPU: the model runner holds it and packs its weights by it."""
 
     few_rows: str  # "onednn" | "panel": below MANY_ROWS rows
-    many_rows: str | None  # inputs of MANY_ROWS rows or more: "aten" | "onednn" | "panel"; None: as few_rows
+    many_rows: str | None  # inputs of MANY_ROWS rows or more: "aten" | "onednn" | "panel" | "mkl"; None: as few_rows
     bf16_gemm: bool  # oneDNN multiplies bfloat16 natively here (else bf16 weights get a float32 form)
     one_forward_below: int = 0  # steps of fewer rows run as one forward on all threads (see splits_columns)
     gemm_blocking: int | None = None  # the float32 panel GEMM's (0 / 1: cpu_kernels.gemm_blockings); None: not measured
@@ -130,14 +136,18 @@ def _has_bf16_gemm(weight: torch.Tensor) -> bool:
 
 
 def _layout(w: torch.Tensor, kind: str) -> torch.Tensor:
-    return cpu_kernels.pack_gemm_weight(w) if kind == "panel" else torch.ops.mkldnn._reorder_linear_weight(w)
+    if kind == "panel":
+        return cpu_kernels.pack_gemm_weight(w)
+    if kind == "mkl":
+        return mkl_gemm.pack_weight(w)
+    return torch.ops.mkldnn._reorder_linear_weight(w)
 
 
 def _pack(weight: torch.Tensor, kind: str, upcast: bool, many: str | None = None) -> PackedWeight:
     """weight in the layout of `kind` (and of `many` where that is another packed path); upcast: a float32
     form of a bfloat16 weight."""
     w = weight.detach().float() if upcast else weight.detach()
-    many_data = _layout(w, many) if many in ("onednn", "panel") else None
+    many_data = _layout(w, many) if many in ("onednn", "panel", "mkl") else None
     return PackedWeight(kind, _layout(w, kind), w.shape[0], upcast, many, many_data)
 
 
@@ -148,6 +158,8 @@ def _run(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, many:
     xx = x.float() if packed.upcast else x
     if kind == "panel":
         out = cpu_kernels.gemm(xx, data, packed.out_features, bias, float_out=float_out and not packed.upcast)
+    elif kind == "mkl":
+        out = mkl_gemm.gemm(xx, data, packed.out_features, bias)
     else:
         b = bias.float() if packed.upcast and bias is not None else bias
         out = torch.ops.mkldnn._linear_pointwise(xx, data, b, "none", [], "")
@@ -179,6 +191,20 @@ def _streamed_copies(packed: PackedWeight, weight: torch.Tensor) -> list[PackedW
     last-level cache holds, so that a pass over them reads the weights from memory as a decode step does."""
     num_copies = min(16, -(-STREAMED_BYTES // packed.data.nbytes))
     return [packed] + [_pack(weight, packed.kind, packed.upcast) for _ in range(num_copies - 1)]
+
+
+def _many_rows_cases(weight: torch.Tensor, few: dict[str, PackedWeight]) -> dict[str, Callable[[], object]]:
+    """path -> one pass of CALIBRATION_ROWS rows over MANY_COPIES copies of weight in its layout: F.linear, the
+    few-rows paths and (float32) MKL packed. Copies, because a layer's matmuls each read another weight: F.linear
+    packs its weight anew on every call, and on one weight, repeated, that packing stays in cache. The Xeon with
+    AMX (one thread, 512 rows): MKL packed and F.linear level on the gate|up weight repeated, 141 against 126
+    GFLOP/s over a layer's four weights in turn."""
+    x = torch.randn(CALIBRATION_ROWS, weight.shape[1]).to(weight.dtype)
+    copies = [weight] + [weight.clone() for _ in range(MANY_COPIES - 1)]
+    kinds = [*few, *(["mkl"] * (weight.dtype == torch.float32 and mkl_gemm.available()))]
+    packs = {kind: [_pack(w, kind, False) for w in copies] for kind in kinds}
+    return {"aten": lambda: [F.linear(x, w) for w in copies],
+            **{kind: (lambda ps=ps: [_run(x, p, None) for p in ps]) for kind, ps in packs.items()}}
 
 
 def _one_call_wins(copies: list[PackedWeight], weight: torch.Tensor, threads: int) -> bool:
@@ -235,10 +261,10 @@ def calibrate(weight: torch.Tensor) -> LinearPlan | None:
                     choice, blocking = "panel", int(choice.split("/")[1])
                     cpu_kernels.gemm_blocking(blocking)  # process-wide, for every float32 panel GEMM from here
             many = None
-            if not upcast:  # prefill-sized inputs: every path, the weight cache-resident
-                x = torch.randn(CALIBRATION_ROWS, weight.shape[1]).to(weight.dtype)
-                best = _fastest({"aten": lambda: F.linear(x, weight),
-                                 **{name: (lambda p=p: _run(x, p, None)) for name, p in few.items()}})
+            if not upcast:  # prefill-sized inputs: every path, over a few copies of the weight in turn
+                best = _fastest(_many_rows_cases(weight, few))
+                log.debug("prefill-sized inputs (%d rows, %d weights in turn): %s", CALIBRATION_ROWS, MANY_COPIES,
+                          best)
                 many = min(best, key=best.__getitem__)
     finally:
         torch.set_num_threads(threads)
