@@ -4,7 +4,11 @@ through one queue, so the engine's step loop never blocks on Redis.
 Requests come from, in order of preference:
   1. entries this worker id left pending before a restart (all of them, claimed back at start, page by page);
   2. what dead workers (status expired) left pending, checked every heartbeat whether or not this worker has
-     room (room is needed to run, not to claim: the engine queues them like new work): XPENDING for the dead
+     room (room is needed to run, not to claim: the engine queues them like new work), but only once this
+     worker has been on Redis for a status TTL without a break (a failed call, or one that hung for a TTL:
+     Redis paused): statuses expire while Redis is away (stopped, restarted from its AOF, paused) as they do
+     when their worker dies, and a live worker re-registers within a heartbeat of Redis's return, so until
+     then a missing status proves nothing. XPENDING for the dead
      consumer, then XCLAIM with a minimum idle time, so two live workers never take the same entry (this, not
      XAUTOCLAIM by idle time alone, because a live worker's long request also looks idle); the output already
      written seeds the Job, so the stream continues where it stopped (a gateway's request, whose output went to
@@ -106,6 +110,7 @@ class Intake:
         self._stop = threading.Event()
         self._dead: list[str] = []
         self._next_scan = 0.0
+        self._on_redis_since = float("-inf")  # monotonic: its Redis calls have gone through without a break since
         self._next_shared_look = 0.0  # monotonic time of the next look at the shared stream's head
         self._empty_looks = 0  # looks in a row that found the shared stream empty
         self._was_spare = False
@@ -129,6 +134,8 @@ class Intake:
         failures = 0
         while not stopping():
             try:
+                if failures:
+                    self._on_redis_since = time.monotonic()
                 self._join()
                 self.redis_failing.discard("start")
                 break
@@ -175,7 +182,12 @@ class Intake:
                 if regroup:
                     self._regroup()
                     regroup = False
+                began = time.monotonic()
+                if failures:  # a try after failed ones: if it goes through, Redis is back from this moment
+                    self._on_redis_since = began
                 turn()
+                if time.monotonic() - began > self.settings.status_ttl_s:
+                    self._on_redis_since = time.monotonic()  # its calls hung: Redis was paused, say
                 failures = 0
                 self.redis_failing.discard(what)
             except streams.RedisError as e:
@@ -275,7 +287,11 @@ class Intake:
         return bool(taken)
 
     def _scan_dead(self) -> None:
-        """Find the shard's workers whose status expired; forget those that left nothing behind."""
+        """Find the shard's workers whose status expired; forget those that left nothing behind. None while this
+        worker has been back on Redis for less than a status TTL (see the module's docstring, 2.)."""
+        if time.monotonic() - self._on_redis_since < self.settings.status_ttl_s:
+            self._dead = []
+            return
         self._dead = [w for w, s in streams.other_workers(self.r, self.worker_id, self.shard).items() if s is None]
         for dead in list(self._dead):
             if streams.prune_dead_worker(self.r, dead, self.shard):

@@ -13,7 +13,10 @@ worker and real gateways:
   requests sent the moment it is back (through a gateway and the Python client) wait for the worker to
   re-register instead of a 503 no_workers;
 - away just as a (re)started worker gets ready: the worker waits for it, then joins and serves; a SIGTERM while
-  it waits ends it cleanly.
+  it waits ends it cleanly;
+- away for longer than the status TTL while a stream runs, and its worker slow to re-register: the other worker
+  does not take the stream over (a missing status proves nothing until a worker has been back on Redis for a
+  TTL), and the stream goes on, each token once.
 """
 
 from __future__ import annotations
@@ -362,3 +365,45 @@ def test_a_worker_that_gets_ready_while_redis_is_away_waits_for_it(fleet):
         fleet.workers.pop("w-late", None)
         if late.poll() is None:
             late.kill()
+
+
+def test_a_live_workers_stream_is_not_taken_over_after_an_outage_past_the_status_ttl(fleet):
+    """Redis away for longer than the status TTL: every status has expired when it loads its AOF. The worker
+    serving a stream is paused through the outage and for a second past the other worker's return to Redis;
+    the other worker scans for dead workers every heartbeat meanwhile, and finds the owner's status missing.
+    It takes nothing over, since it has been back on Redis for less than a status TTL (before, it claimed the
+    stream: the chaos soak's seed 97 saw it with a seeded request). The owner re-registers and finishes the
+    stream: the greedy answer whole, each token once."""
+    from services.redis_server import free_port
+
+    reference = _complete(fleet)
+    ports = {"w0": fleet.worker_metrics_port, "w-peer": free_port()}
+    peer = fleet.start_worker("w-peer", "--num-kv-blocks", "128", "--metrics-port", str(ports["w-peer"]))
+    try:
+        fleet.wait_ready(workers=2)
+        reader, events = _start_stream(fleet)
+        owner = fleet.wait_for(lambda: next((w["worker_id"] for w in fleet.fleet_status()["workers"]
+                                             if w["running"]), None), timeout_s=10, what="the stream's worker")
+        other = next(w for w in ports if w != owner)
+        port = fleet.redis.port
+        fleet.signal_worker(owner, signal.SIGSTOP)
+        try:
+            _stop_redis(fleet, keep_data=True)
+            time.sleep(3.5)  # longer than the status TTL (3 s)
+            _start_redis(fleet, port)
+            assert streams.connect(fleet.redis.url).get(keys.status(owner)) is None
+            fleet.wait_for(lambda: _ready(f"http://127.0.0.1:{ports[other]}/readyz") == 200, timeout_s=20,
+                           what=f"{other} to be back on Redis")
+            time.sleep(1.2)  # two of its scans for dead workers, the owner's status missing
+        finally:
+            fleet.signal_worker(owner, signal.SIGCONT)
+        reader.join(60)
+        assert not reader.is_alive()
+        assert _stream_text(events) == reference
+        assert "left pending by" not in fleet.logs[other].read_text(errors="replace"), fleet.tail()
+        peer.send_signal(signal.SIGTERM)
+        assert peer.wait(60) == 0, fleet.tail()
+    finally:
+        fleet.workers.pop("w-peer", None)
+        if peer.poll() is None:
+            peer.kill()
