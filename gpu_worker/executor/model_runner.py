@@ -112,9 +112,11 @@ class ModelRunner:
                                       use_triton=use_triton, tp=self.tp)
         self.model.load_weights(files.weights())
         self.model.eval()
-        # CPU: which matmul path for how many rows, measured on one layer's weight; the weights are packed
+        # CPU: which matmul path for how many rows, measured on one layer's weights; the weights are packed
         # for it. None on CUDA (F.linear everywhere).
-        self.linear_plan = cpu_linear.calibrate(self.model.layers[0].gate_up_weight)
+        first = self.model.layers[0]
+        self.linear_plan = cpu_linear.calibrate(first.gate_up_weight, [first.qkv_weight, first.o_weight,
+                                                                       first.gate_up_weight, first.down_weight])
         self.model.pack_weights(self.linear_plan)
         arch = self.model.arch
         shape = KVCacheShape(arch.num_layers, block_size, arch.num_kv_heads, arch.head_dim, dtype)

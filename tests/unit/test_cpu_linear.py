@@ -62,7 +62,7 @@ def test_bfloat16_through_a_float32_weight_equals_float32_math(kind):
 def test_calibrate_returns_a_plan_that_packs_by_it():
     w = torch.randn(96, 64)
     plan = cpu_linear.calibrate(w)
-    assert plan.few_rows in ("onednn", "panel") and plan.many_rows in (None, "aten", "onednn", "panel")
+    assert plan.few_rows in ("onednn", "panel") and plan.many_rows in (None, "aten", "onednn", "panel", "mkl")
     assert plan.many_rows != plan.few_rows  # None where the two are the same path
     packed = plan.pack(w)
     assert packed.kind == plan.few_rows and packed.many == plan.many_rows
@@ -236,3 +236,37 @@ def test_a_linear_that_reads_only_its_packed_forms_needs_no_weight():
         assert not packed.reads_weight
         torch.testing.assert_close(cpu_linear.linear(x, None, None, packed), x @ w.T, atol=1e-4, rtol=1e-5)
     assert cpu_linear.LinearPlan("onednn", "aten", False).pack(w).reads_weight
+
+
+def test_many_rows_are_timed_through_the_layers_weights_in_turn(monkeypatch):
+    """Given its layer, calibrate times each many-rows path over the layer's weights in the forward's order (MKL's
+    sgemm costs more when the shape changes from call to call than on one weight repeated), each result right."""
+    layer = [torch.randn(48, 32), torch.randn(32, 32), torch.randn(64, 32), torch.randn(32, 64)]
+    seen, real_linear = [], cpu_linear.F.linear
+    monkeypatch.setattr(cpu_linear.F, "linear", lambda x, w, *a: seen.append(tuple(w.shape)) or real_linear(x, w, *a))
+    timed = []
+
+    def fastest(cases, rounds=4):
+        names = sorted(cases)
+        timed.append(names)
+        if "aten" in cases:  # the many-rows round: run each path once
+            seen.clear()
+            cases["aten"]()
+        return {name: 1.0 if name == names[-1] else 2.0 for name in cases}
+
+    monkeypatch.setattr(cpu_linear, "_fastest", fastest)
+    monkeypatch.setattr(cpu_linear, "STREAMED_BYTES", 1 << 16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        plan = cpu_linear.calibrate(layer[2], layer)
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [tuple(w.shape) for w in layer]
+    many = timed[-1]
+    assert many == sorted(["aten", "onednn", *(["panel"] * cpu_kernels.gemm_available()),
+                           *(["mkl"] * mkl_gemm.available())])
+    assert plan.many_rows == (None if many[-1] == plan.few_rows else many[-1])
+    x = torch.randn(300, 32)
+    torch.testing.assert_close(cpu_linear.linear(x, layer[0], None, plan.pack(layer[0])), x @ layer[0].T,
+                               atol=1e-4, rtol=1e-5)

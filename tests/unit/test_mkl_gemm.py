@@ -20,7 +20,7 @@ def test_one_packed_weight_serves_every_row_count(rows, with_bias):
     w, b = torch.randn(200, 96, generator=g), torch.randn(200, generator=g)
     bias_before = b.clone()
     x = torch.randn(rows, 96, generator=g)
-    packed = mkl_gemm.pack_weight(w)
+    packed = mkl_gemm.pack_weight(w, 64)
     out = mkl_gemm.gemm(x, packed, 200, b if with_bias else None)
     want = F.linear(x, w, b if with_bias else None)
     assert out.shape == (rows, 200) and out.dtype == torch.float32
@@ -33,7 +33,7 @@ def test_one_packed_weight_serves_every_row_count(rows, with_bias):
 def test_a_row_strided_input_is_read_in_place_and_a_column_strided_one_copied():
     g = torch.Generator().manual_seed(0)
     w, wide = torch.randn(64, 40, generator=g), torch.randn(300, 100, generator=g)
-    packed = mkl_gemm.pack_weight(w)
+    packed = mkl_gemm.pack_weight(w, 64)
     rows = wide[:, 10:50]  # a view with row stride 100
     assert torch.equal(mkl_gemm.gemm(rows, packed, 64), F.linear(rows, w))
     cols = wide[:, :80:2]  # column stride 2
@@ -42,7 +42,7 @@ def test_a_row_strided_input_is_read_in_place_and_a_column_strided_one_copied():
 
 def test_the_packed_weight_is_independent_of_the_weight_it_came_from():
     w = torch.randn(32, 16)
-    packed = mkl_gemm.pack_weight(w[:, :16])
+    packed = mkl_gemm.pack_weight(w[:, :16], 300)
     want = F.linear(torch.ones(300, 16), w)
     w.zero_()  # the model lets its loaded weight go once it is packed
     torch.testing.assert_close(mkl_gemm.gemm(torch.ones(300, 16), packed, 32), want, atol=1e-5, rtol=1e-5)
@@ -50,6 +50,6 @@ def test_the_packed_weight_is_independent_of_the_weight_it_came_from():
 
 def test_other_dtypes_are_refused_by_name():
     with pytest.raises(ValueError, match="weight: a 2-D float32"):
-        mkl_gemm.pack_weight(torch.ones(4, 4, dtype=torch.bfloat16))
+        mkl_gemm.pack_weight(torch.ones(4, 4, dtype=torch.bfloat16), 8)
     with pytest.raises(ValueError, match="x: float32 expected"):
-        mkl_gemm.gemm(torch.ones(2, 4, dtype=torch.bfloat16), mkl_gemm.pack_weight(torch.ones(4, 4)), 4)
+        mkl_gemm.gemm(torch.ones(2, 4, dtype=torch.bfloat16), mkl_gemm.pack_weight(torch.ones(4, 4), 8), 4)

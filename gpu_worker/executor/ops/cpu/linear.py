@@ -16,10 +16,10 @@ one thread, as each of the model runner's forward threads runs:
   slices of 128 prefetched into L2 8.2-8.6 ms against 9.3-10.0 for slices of 256 prefetched into L1 (Zen 5's
   best).
 - many rows (prefill chunks, MANY_ROWS rows or more): F.linear, oneDNN packed, the panel GEMM or (float32)
-  MKL packed (mkl_gemm), whichever is fastest at CALIBRATION_ROWS over a few copies of the weight in turn, as a
-  layer's matmuls read one weight after another (`_many_rows_cases`). float32: Zen 3 MKL ~7% over the panel
-  GEMM, ~12% over oneDNN; Zen 5 oneDNN 229, panel 212, MKL 99 GFLOP/s a thread; Xeon with AMX, a layer's four
-  matmuls at 512 rows, MKL packed 131-149, F.linear 118-129, oneDNN 114-127. bfloat16, Zen 5: panel 455,
+  MKL packed (mkl_gemm), whichever is fastest at CALIBRATION_ROWS through the layer's weights in turn, as a
+  forward runs them (`_many_rows_cases`). float32: Zen 3 MKL ~7% over the panel GEMM, ~12% over oneDNN; Zen 5
+  oneDNN 229, panel 212, MKL 99 GFLOP/s a thread; Xeon with AMX, a layer's four matmuls at 512 rows, MKL
+  packed 131-181, F.linear 118-159, oneDNN 114-160. bfloat16, Zen 5: panel 455,
   oneDNN 446; Xeon with AMX: oneDNN 1,691, panel on AMX tiles 952.
   A weight whose two paths differ keeps the layout of each (one more copy of the weights in memory).
 With P > 1 threads it also measures how a decode step should use them (`one_forward_below`): P concurrent
@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 DECODE_ROWS = 32  # a forward thread's share of a decode batch of 64 sequences
 CALIBRATION_ROWS = 512  # a forward thread's share of a prefill chunk
 MANY_ROWS = CALIBRATION_ROWS // 2  # inputs of this many rows or more take the plan's many-rows path
-MANY_COPIES = 4  # copies of the weight timed in turn for many rows (_many_rows_cases)
+MANY_COPIES = 4  # many rows are timed over this many copies of the weight in turn where no layer is given
 STREAMED_BYTES = 64 << 20  # copies of the calibration weight to stream, more than a last-level cache holds
 PATH_NAMES = {"onednn": "oneDNN packed", "panel": "kvfleet's panel GEMM", "aten": "F.linear (MKL)",
               "mkl": "MKL packed"}
@@ -139,7 +139,7 @@ def _layout(w: torch.Tensor, kind: str) -> torch.Tensor:
     if kind == "panel":
         return cpu_kernels.pack_gemm_weight(w)
     if kind == "mkl":
-        return mkl_gemm.pack_weight(w)
+        return mkl_gemm.pack_weight(w, CALIBRATION_ROWS)
     return torch.ops.mkldnn._reorder_linear_weight(w)
 
 
@@ -193,18 +193,18 @@ def _streamed_copies(packed: PackedWeight, weight: torch.Tensor) -> list[PackedW
     return [packed] + [_pack(weight, packed.kind, packed.upcast) for _ in range(num_copies - 1)]
 
 
-def _many_rows_cases(weight: torch.Tensor, few: dict[str, PackedWeight]) -> dict[str, Callable[[], object]]:
-    """path -> one pass of CALIBRATION_ROWS rows over MANY_COPIES copies of weight in its layout: F.linear, the
-    few-rows paths and (float32) MKL packed. Copies, because a layer's matmuls each read another weight: F.linear
-    packs its weight anew on every call, and on one weight, repeated, that packing stays in cache. The Xeon with
-    AMX (one thread, 512 rows): MKL packed and F.linear level on the gate|up weight repeated, 141 against 126
-    GFLOP/s over a layer's four weights in turn."""
-    x = torch.randn(CALIBRATION_ROWS, weight.shape[1]).to(weight.dtype)
-    copies = [weight] + [weight.clone() for _ in range(MANY_COPIES - 1)]
-    kinds = [*few, *(["mkl"] * (weight.dtype == torch.float32 and mkl_gemm.available()))]
-    packs = {kind: [_pack(w, kind, False) for w in copies] for kind in kinds}
-    return {"aten": lambda: [F.linear(x, w) for w in copies],
-            **{kind: (lambda ps=ps: [_run(x, p, None) for p in ps]) for kind, ps in packs.items()}}
+def _many_rows_cases(weights: Sequence[torch.Tensor], few: Sequence[str]) -> dict[str, Callable[[], object]]:
+    """path -> one pass of CALIBRATION_ROWS rows through each of `weights` in turn, each in the path's layout:
+    F.linear, the few-rows paths and (float32) MKL packed. In turn, as a forward runs them: F.linear's cost
+    depends on what ran before it. The Xeon with AMX, one thread, 512 rows: MKL packed and F.linear level on
+    any one shape repeated, MKL packed 8-17% ahead over a layer's four shapes in turn (MKL's sgemm allocates its
+    buffers anew when the shape changes)."""
+    xs = [torch.randn(CALIBRATION_ROWS, w.shape[1]).to(w.dtype) for w in weights]
+    kinds = [*few, *(["mkl"] * (weights[0].dtype == torch.float32 and mkl_gemm.available()))]
+    packs = {kind: [_pack(w, kind, False) for w in weights] for kind in kinds}
+    return {"aten": lambda: [F.linear(x, w) for x, w in zip(xs, weights, strict=True)],
+            **{kind: (lambda ps=ps: [_run(x, p, None) for x, p in zip(xs, ps, strict=True)])
+               for kind, ps in packs.items()}}
 
 
 def _one_call_wins(copies: list[PackedWeight], weight: torch.Tensor, threads: int) -> bool:
@@ -231,9 +231,11 @@ def _one_call_wins(copies: list[PackedWeight], weight: torch.Tensor, threads: in
     return best["one"] < best["concurrent"]
 
 
-def calibrate(weight: torch.Tensor) -> LinearPlan | None:
-    """Measure the paths on `weight` (a decoder layer's gate|up, [N, K]): the plan to pack this model's
-    weights by. None where nothing is packed (not a CPU float32 / bfloat16 weight)."""
+def calibrate(weight: torch.Tensor, layer: Sequence[torch.Tensor] = ()) -> LinearPlan | None:
+    """Measure the paths on `weight` (a decoder layer's gate|up, [N, K]) and, for many rows, on `layer` (the
+    weights of its layer in the order a forward multiplies them; MANY_COPIES copies of weight where not given):
+    the plan to pack this model's weights by. None where nothing is packed (not a CPU float32 / bfloat16
+    weight)."""
     if not _packable(weight):
         return None
     bf16_gemm = weight.dtype == torch.bfloat16 and _has_bf16_gemm(weight)
@@ -262,8 +264,9 @@ def calibrate(weight: torch.Tensor) -> LinearPlan | None:
                     cpu_kernels.gemm_blocking(blocking)  # process-wide, for every float32 panel GEMM from here
             many = None
             if not upcast:  # prefill-sized inputs: every path, over a few copies of the weight in turn
-                best = _fastest(_many_rows_cases(weight, few))
-                log.debug("prefill-sized inputs (%d rows, %d weights in turn): %s", CALIBRATION_ROWS, MANY_COPIES,
+                weights = list(layer) or [weight] + [weight.clone() for _ in range(MANY_COPIES - 1)]
+                best = _fastest(_many_rows_cases(weights, list(few)))
+                log.debug("prefill-sized inputs (%d rows, %d weights in turn): %s", CALIBRATION_ROWS, len(weights),
                           best)
                 many = min(best, key=best.__getitem__)
     finally:

@@ -4,12 +4,11 @@ torch's x86 wheels link MKL into libtorch_cpu.so and export its CBLAS functions.
 which packs the weight into its own panel layout again on every call; packed once at load, the weight goes
 straight into the kernel. torch has the same thing (`torch.ops.mkl._mkl_linear`), but it takes the packed form
 only for the one row count it was packed for and falls back to F.linear for any other, and a prefill chunk's
-row count changes every step. Called here, the packed weight serves any row count; MKL's packed layout does not
-depend on it (`cblas_sgemm_pack_get_size` is the same for 64 and 2,048 rows).
-
-One thread, the four matmuls of a SmolLM2-135M layer, the weight cache-resident (2-core Xeon with AMX, family 6
-model 167): 256 rows 142 against 123 GFLOP/s for F.linear, 512 rows 141 against 126, 1,024 rows 135 against 123;
-the results are F.linear's to the bit from a few rows on. The pack buffer is about 3 x the weight's bytes, of
+row count changes every step. Called here, the packed weight serves any row count (`cblas_sgemm_pack_get_size`
+is the same for 64 and 2,048 rows), but the packing is tuned for the row count it is given: one thread, the four
+matmuls of a SmolLM2-135M layer in turn (2-core Xeon with AMX, family 6 model 167), packed for 512 rows: 162-173
+GFLOP/s at 300, 512 and 1,024 rows against 151-157 for F.linear; packed for 1 or 64 rows: 148-161, no gain. The
+results are F.linear's to the bit from a few rows on. The pack buffer is about 3 x the weight's bytes, of
 which MKL writes (and the process keeps resident) about a third: the weight's own size.
 """
 
@@ -47,8 +46,9 @@ def available() -> bool:
     return _mkl() is not None
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] float32 -> MKL's packed form of weight.T (uint8, opaque), for `gemm`."""
+def pack_weight(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """weight [N, K] float32 -> MKL's packed form of weight.T (uint8, opaque), for `gemm`: tuned for inputs of
+    about `rows` rows, right for any number."""
     lib = _mkl()
     if lib is None:
         raise RuntimeError("MKL's packed GEMM is not in this torch build")
@@ -59,8 +59,9 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     # a fresh anonymous mapping, not malloc: MKL asks for ~3 x the weight's bytes and writes ~1 x, and only the
     # pages it writes become resident (from the heap, pages that earlier tensors touched would stay so: the
     # bench's peak RSS rose 0.7 GiB for SmolLM2 in float32)
-    packed = torch.frombuffer(mmap.mmap(-1, lib.cblas_sgemm_pack_get_size(_B_MATRIX, 1, n, k)), dtype=torch.uint8)
-    lib.cblas_sgemm_pack(_ROW_MAJOR, _B_MATRIX, _TRANS, 1, n, k, 1.0, w.data_ptr(), k, packed.data_ptr())
+    size = lib.cblas_sgemm_pack_get_size(_B_MATRIX, rows, n, k)
+    packed = torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)
+    lib.cblas_sgemm_pack(_ROW_MAJOR, _B_MATRIX, _TRANS, rows, n, k, 1.0, w.data_ptr(), k, packed.data_ptr())
     return packed
 
 
