@@ -21,7 +21,7 @@ def test_profile_of_a_run(tiny_llama_dir, monkeypatch, stack):
     if stack and not cpu_kernels.gemm_available():
         pytest.skip("no panel GEMM on this CPU: no native decode stack")
     plan = cpu_linear.LinearPlan("panel", None, False) if stack else cpu_linear.LinearPlan("onednn", None, False)
-    monkeypatch.setattr(cpu_linear, "calibrate", lambda weight: plan)
+    monkeypatch.setattr(cpu_linear, "calibrate", lambda weight, layer=(): plan)
     llm = LLM(str(tiny_llama_dir), block_size=4, num_kv_blocks=64, max_model_len=128)
     assert (llm.engine.runner.model.decode_stack is not None) == stack
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
