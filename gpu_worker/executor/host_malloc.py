@@ -46,3 +46,14 @@ def _apply() -> str:
         log.warning("could not set glibc's malloc thresholds: steps may fault freed memory in again")
         return "glibc malloc, default thresholds (mallopt failed)"
     return KEPT
+
+
+def release_freed() -> bool:
+    """Hand the heaps' free pages back to the kernel now (glibc's malloc_trim), once, after loading: the loaded
+    weights that no matmul path reads any more (LinearPlan.pack) were freed, and under the thresholds above
+    their pages would stay resident until a step's activations reuse them (SmolLM2-135M in float32 with MKL
+    packed for prefill: 0.44 GiB of peak RSS). False where the C library is not glibc."""
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    return trim is not None and trim(0) == 1

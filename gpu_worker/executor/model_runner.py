@@ -27,7 +27,7 @@ import torch
 from gpu_worker.core.config import num_blocks_for_memory, parse_memory_size
 from gpu_worker.core.sched_output import ScheduledSeq, SchedulerOutput
 from gpu_worker.executor.batch_split import split_batch
-from gpu_worker.executor.host_malloc import keep_freed_memory
+from gpu_worker.executor.host_malloc import keep_freed_memory, release_freed
 from gpu_worker.executor.kv_prefault import KVPrefault
 from gpu_worker.executor.model_loader import ModelFiles
 from gpu_worker.executor.models.llama import LlamaForCausalLM
@@ -118,6 +118,8 @@ class ModelRunner:
         self.linear_plan = cpu_linear.calibrate(first.gate_up_weight, [first.qkv_weight, first.o_weight,
                                                                        first.gate_up_weight, first.down_weight])
         self.model.pack_weights(self.linear_plan)
+        if self.allocator is not None:
+            release_freed()  # the loaded weights that no path reads any more
         arch = self.model.arch
         shape = KVCacheShape(arch.num_layers, block_size, arch.num_kv_heads, arch.head_dim, dtype)
         self.num_blocks = choose_num_blocks(shape, device, num_kv_blocks=num_kv_blocks,
