@@ -91,3 +91,26 @@ def test_the_runner_owns_its_plan(tiny_llama_dir):
         assert (getattr(layer, f"{name}_weight") is None) == (not packed.reads_weight), name
     assert not [name for name, value in vars(cpu_linear).items()
                 if isinstance(value, cpu_linear.LinearPlan | cpu_linear.PackedWeight)]
+
+
+
+@pytest.mark.parametrize("family, tied", [("llama", True), ("qwen2", False)])
+def test_a_tied_lm_head_keeps_one_packed_form(request, family, tied):
+    """The embedding stays for the lookup, so a tied lm_head gets only the few-rows layout for every row count (no
+    second form for many rows); an untied one takes the plan's two paths like every weight. Both give the
+    logits of the weight itself."""
+    from gpu_worker.executor.model_loader import load_model_files
+    from gpu_worker.executor.models.llama import LlamaForCausalLM
+    from gpu_worker.executor.ops.cpu import linear as cpu_linear
+
+    files = load_model_files(request.getfixturevalue(f"tiny_{family}_dir"))
+    model = LlamaForCausalLM(files.config, max_positions=64, dtype=torch.float32)
+    model.load_weights(files.weights())
+    assert (model.lm_head is None) == tied
+    head = (model.embed if tied else model.lm_head).detach().clone()
+    model.pack_weights(cpu_linear.LinearPlan("onednn", "aten", False))
+    packed = model.lm_head_packed
+    assert packed.kind == "onednn" and packed.many == (None if tied else "aten")
+    assert model.layers[0].packed["o"].many == "aten"  # the decoder's weights: both paths, tied or not
+    hidden = torch.randn(300, model.arch.hidden_size)  # many rows: the few-rows path when tied
+    torch.testing.assert_close(model.compute_logits(hidden), hidden @ head.T, atol=1e-4, rtol=1e-5)

@@ -270,3 +270,14 @@ def test_many_rows_are_timed_through_the_layers_weights_in_turn(monkeypatch):
     x = torch.randn(300, 32)
     torch.testing.assert_close(cpu_linear.linear(x, layer[0], None, plan.pack(layer[0])), x @ layer[0].T,
                                atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("plan", PLANS, indirect=True, ids=lambda p: f"{p.few_rows}-{p.many_rows}")
+def test_one_form_packs_only_the_few_rows_layout_for_every_row_count(plan):
+    """A weight that stays in memory anyway (a tied lm_head) gets no second layout: many rows take the few-rows
+    path too, and the results are right either way."""
+    g = torch.Generator().manual_seed(5)
+    w, x = torch.randn(48, 40, generator=g), torch.randn(300, 40, generator=g)
+    packed = plan.pack(w, one_form=True)
+    assert packed.kind == plan.few_rows and packed.many is None and packed.many_data is None
+    torch.testing.assert_close(cpu_linear.linear(x, w, None, packed), x @ w.T, atol=1e-4, rtol=1e-5)

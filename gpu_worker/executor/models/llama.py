@@ -227,7 +227,9 @@ class LlamaForCausalLM(nn.Module):
             return
         for layer in self.layers:
             layer.pack_weights(plan)
-        self.lm_head_packed = plan.pack(self.embed if self.lm_head is None else self.lm_head)
+        # tied: the embedding stays for the lookup, so the logits take one packed form only (no second copy)
+        self.lm_head_packed = (plan.pack(self.embed, one_form=True) if self.lm_head is None
+                               else plan.pack(self.lm_head))
         self.decode_stack = DecodeStack.build(self, plan)
 
     def _local(self, name: str, tensor: torch.Tensor) -> torch.Tensor:

@@ -89,13 +89,15 @@ class LinearPlan:
     one_forward_below: int = 0  # steps of fewer rows run as one forward on all threads (see splits_columns)
     gemm_blocking: int | None = None  # the float32 panel GEMM's (0 / 1: cpu_kernels.gemm_blockings); None: not measured
 
-    def pack(self, weight: torch.Tensor) -> PackedWeight | None:
+    def pack(self, weight: torch.Tensor, one_form: bool = False) -> PackedWeight | None:
         """weight [N, K] packed for this plan (made once at load); None where F.linear is the way (CUDA,
-        other dtypes, no oneDNN)."""
+        other dtypes, no oneDNN). one_form: the few-rows path's layout only, for any number of rows, where the
+        weight itself stays in memory anyway and a second layout would be one more copy (a tied lm_head is the
+        embedding: 113 MB for SmolLM2-135M in float32, 1 GB for Llama 3.2 1B)."""
         if not _packable(weight):
             return None
         upcast = weight.dtype == torch.bfloat16 and not self.bf16_gemm
-        return _pack(weight, self.few_rows, upcast, None if upcast else self._many())
+        return _pack(weight, self.few_rows, upcast, None if upcast or one_form else self._many())
 
     def _many(self) -> str | None:
         return None if self.many_rows == self.few_rows else self.many_rows
