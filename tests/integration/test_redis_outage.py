@@ -21,11 +21,14 @@ worker and real gateways:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import signal
+import subprocess
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -98,6 +101,21 @@ def _start_stream(fleet: Fleet, port: int | None = None) -> tuple[threading.Thre
     reader.start()
     assert started.wait(30), fleet.tail()
     return reader, events
+
+
+@contextlib.contextmanager
+def _extra_worker(fleet: Fleet, name: str, *flags: str) -> Iterator[subprocess.Popen]:
+    """A second worker for one test. Leaving the block, it gets SIGTERM and must exit 0; however the test ends, it
+    is not left running, nor counted by the later tests as a crash."""
+    proc = fleet.start_worker(name, *flags)
+    try:
+        yield proc
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, fleet.tail()
+    finally:
+        fleet.workers.pop(name, None)
+        if proc.poll() is None:
+            proc.kill()
 
 
 def _ready(url: str) -> int:
@@ -335,22 +353,23 @@ def test_a_worker_that_gets_ready_while_redis_is_away_waits_for_it(fleet):
     reference = _complete(fleet)
     port = fleet.redis.port
     _stop_redis(fleet, keep_data=True)
-    late = quitter = None
-    try:
-        late = fleet.start_worker("w-late", "--num-kv-blocks", "64")
-        quitter = fleet.start_worker("w-quit", "--num-kv-blocks", "64")
-        for name in ("w-late", "w-quit"):
-            fleet.wait_for(lambda n=name: "redis unavailable at start" in fleet.logs[n].read_text(errors="replace"),
-                           timeout_s=180, what=f"{name} to get ready and wait for Redis")
-        time.sleep(1.0)  # a few more tries, each refused
-        assert late.poll() is None and quitter.poll() is None, fleet.tail()
-        quitter.send_signal(signal.SIGTERM)
-        assert quitter.wait(60) == 0, fleet.tail()
-        assert "serving" not in fleet.logs["w-quit"].read_text(errors="replace")
-    finally:
-        fleet.workers.pop("w-quit", None)  # it exited on purpose: not a crash for the later tests' checks
-        _start_redis(fleet, port)
-    try:
+    with _extra_worker(fleet, "w-late", "--num-kv-blocks", "64") as late:
+        quitter = None
+        try:
+            quitter = fleet.start_worker("w-quit", "--num-kv-blocks", "64")
+            for name in ("w-late", "w-quit"):
+                fleet.wait_for(lambda n=name: "redis unavailable at start" in fleet.logs[n].read_text(errors="replace"),
+                               timeout_s=180, what=f"{name} to get ready and wait for Redis")
+            time.sleep(1.0)  # a few more tries, each refused
+            assert late.poll() is None and quitter.poll() is None, fleet.tail()
+            quitter.send_signal(signal.SIGTERM)
+            assert quitter.wait(60) == 0, fleet.tail()
+            assert "serving" not in fleet.logs["w-quit"].read_text(errors="replace")
+        finally:
+            fleet.workers.pop("w-quit", None)  # it exited on purpose: not a crash for the later tests' checks
+            if quitter is not None and quitter.poll() is None:
+                quitter.kill()
+            _start_redis(fleet, port)
         fleet.wait_for(lambda: any(w["worker_id"] == "w-late" for w in fleet.fleet_status()["workers"]),
                        timeout_s=30, what="w-late to join the fleet")
         assert late.poll() is None, fleet.tail()
@@ -359,12 +378,6 @@ def test_a_worker_that_gets_ready_while_redis_is_away_waits_for_it(fleet):
             assert _complete(fleet) == reference
         finally:
             fleet.signal_worker("w0", signal.SIGCONT)
-        late.send_signal(signal.SIGTERM)
-        assert late.wait(60) == 0, fleet.tail()
-    finally:
-        fleet.workers.pop("w-late", None)
-        if late.poll() is None:
-            late.kill()
 
 
 def test_a_live_workers_stream_is_not_taken_over_after_an_outage_past_the_status_ttl(fleet):
@@ -374,12 +387,9 @@ def test_a_live_workers_stream_is_not_taken_over_after_an_outage_past_the_status
     It takes nothing over, since it has been back on Redis for less than a status TTL (before, it claimed the
     stream: the chaos soak's seed 97 saw it with a seeded request). The owner re-registers and finishes the
     stream: the greedy answer whole, each token once."""
-    from services.redis_server import free_port
-
     reference = _complete(fleet)
     ports = {"w0": fleet.worker_metrics_port, "w-peer": free_port()}
-    peer = fleet.start_worker("w-peer", "--num-kv-blocks", "128", "--metrics-port", str(ports["w-peer"]))
-    try:
+    with _extra_worker(fleet, "w-peer", "--num-kv-blocks", "128", "--metrics-port", str(ports["w-peer"])):
         fleet.wait_ready(workers=2)
         reader, events = _start_stream(fleet)
         owner = fleet.wait_for(lambda: next((w["worker_id"] for w in fleet.fleet_status()["workers"]
@@ -401,9 +411,3 @@ def test_a_live_workers_stream_is_not_taken_over_after_an_outage_past_the_status
         assert not reader.is_alive()
         assert _stream_text(events) == reference
         assert "left pending by" not in fleet.logs[other].read_text(errors="replace"), fleet.tail()
-        peer.send_signal(signal.SIGTERM)
-        assert peer.wait(60) == 0, fleet.tail()
-    finally:
-        fleet.workers.pop("w-peer", None)
-        if peer.poll() is None:
-            peer.kill()
