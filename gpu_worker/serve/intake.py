@@ -5,8 +5,8 @@ Requests come from, in order of preference:
   1. entries this worker id left pending before a restart (all of them, claimed back at start, page by page);
   2. what dead workers (status expired) left pending, checked every heartbeat whether or not this worker has
      room (room is needed to run, not to claim: the engine queues them like new work), but only once this
-     worker has been on Redis for a status TTL without a break (a failed call, or one that hung for a TTL:
-     Redis paused): statuses expire while Redis is away (stopped, restarted from its AOF, paused) as they do
+     worker has been on Redis for a status TTL without a break (a failed call, or a reader's turn that took a
+     TTL: Redis paused, say): statuses expire while Redis is away (stopped, restarted from its AOF, paused) as they do
      when their worker dies, and a live worker re-registers within a heartbeat of Redis's return, so until
      then a missing status proves nothing. XPENDING for the dead
      consumer, then XCLAIM with a minimum idle time, so two live workers never take the same entry (this, not

@@ -19,8 +19,8 @@ one thread, as each of the model runner's forward threads runs:
   MKL packed (mkl_gemm), whichever is fastest at CALIBRATION_ROWS through the layer's weights in turn, as a
   forward runs them (`_many_rows_cases`). float32: Zen 3 MKL ~7% over the panel GEMM, ~12% over oneDNN; Zen 5
   oneDNN 229, panel 212, MKL 99 GFLOP/s a thread; Xeon with AMX, a layer's four matmuls at 512 rows, MKL
-  packed 131-181, F.linear 118-159, oneDNN 114-160. bfloat16, Zen 5: panel 455,
-  oneDNN 446; Xeon with AMX: oneDNN 1,691, panel on AMX tiles 952.
+  packed 131-181, F.linear 118-159, oneDNN 114-160. bfloat16, Zen 5: panel 455, oneDNN 446; Xeon with AMX:
+  oneDNN 1,691, panel on AMX tiles 952.
   A weight whose two paths differ keeps the layout of each (one more copy of the weights in memory).
 With P > 1 threads it also measures how a decode step should use them (`one_forward_below`): P concurrent
 single-threaded calls, each with its share of the rows and each streaming the whole weight, or one call on
@@ -199,8 +199,8 @@ def _many_rows_cases(weights: Sequence[torch.Tensor], few: Sequence[str]) -> dic
     """path -> one pass of CALIBRATION_ROWS rows through each of `weights` in turn, each in the path's layout:
     F.linear, the few-rows paths and (float32) MKL packed. In turn, as a forward runs them: F.linear's cost
     depends on what ran before it. The Xeon with AMX, one thread, 512 rows: MKL packed and F.linear level on
-    any one shape repeated, MKL packed 8-17% ahead over a layer's four shapes in turn (MKL's sgemm allocates its
-    buffers anew when the shape changes)."""
+    any one shape repeated, MKL packed 8-17% ahead over a layer's four shapes in turn (measured; why, inside
+    MKL's sgemm, is not known here)."""
     xs = [torch.randn(CALIBRATION_ROWS, w.shape[1]).to(w.dtype) for w in weights]
     kinds = [*few, *(["mkl"] * (weights[0].dtype == torch.float32 and mkl_gemm.available()))]
     packs = {kind: [_pack(w, kind, False) for w in weights] for kind in kinds}
@@ -265,7 +265,7 @@ def calibrate(weight: torch.Tensor, layer: Sequence[torch.Tensor] = ()) -> Linea
                     choice, blocking = "panel", int(choice.split("/")[1])
                     cpu_kernels.gemm_blocking(blocking)  # process-wide, for every float32 panel GEMM from here
             many = None
-            if not upcast:  # prefill-sized inputs: every path, over a few copies of the weight in turn
+            if not upcast:  # prefill-sized inputs: every path, through the layer's weights in turn
                 weights = list(layer) or [weight] + [weight.clone() for _ in range(MANY_COPIES - 1)]
                 best = _fastest(_many_rows_cases(weights, list(few)))
                 log.debug("prefill-sized inputs (%d rows, %d weights in turn): %s", CALIBRATION_ROWS, len(weights),
