@@ -40,9 +40,10 @@ class FaultLog:
     def handover_during(self, t0: float, t1: float) -> str | None:
         """The first fault in [t0, t1] after which another worker may resume a request from its output so far
         (a worker killed, drained or stopped; Redis restarted), or None. A Redis restart counts for as long as it
-        and its aftermath last (redis_windows), not only at the moment it began: the workers' statuses expire
-        while Redis is down, and once it is back another worker may take over what a live one runs (seed 97: a
-        Celery task sent 0.2 s after Redis went down was taken over 6 s later)."""
+        and its aftermath last (redis_windows), not only at the moment it began: a worker killed or stopped
+        while Redis is down is taken over a status TTL after Redis is back, well past the restart's start (seed
+        97 saw a Celery task sent 0.2 s after Redis went down taken over 6 s later; a live worker's requests
+        were taken over then too, which the workers no longer do: gpu_worker.serve.intake, 2.)."""
         kind = next((kind for t, kind, _ in self.events if kind in HANDOVER and t0 <= t <= t1), None)
         return kind or ("redis_restart" if self.in_redis_outage(t0, t1) else None)
 
