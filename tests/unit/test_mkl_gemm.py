@@ -41,9 +41,9 @@ def test_a_row_strided_input_is_read_in_place_and_a_column_strided_one_copied():
 
 
 def test_the_packed_weight_is_independent_of_the_weight_it_came_from():
-    w = torch.randn(32, 16)
-    packed = mkl_gemm.pack_weight(w[:, :16], 300)
-    want = F.linear(torch.ones(300, 16), w)
+    w = torch.randn(32, 24)
+    packed = mkl_gemm.pack_weight(w[:, :16], 300)  # a strided view: packed from a contiguous copy
+    want = F.linear(torch.ones(300, 16), w[:, :16])
     w.zero_()  # the model lets its loaded weight go once it is packed
     torch.testing.assert_close(mkl_gemm.gemm(torch.ones(300, 16), packed, 32), want, atol=1e-5, rtol=1e-5)
 
