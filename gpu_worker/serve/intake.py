@@ -6,7 +6,7 @@ Requests come from, in order of preference:
   2. what dead workers (status expired) left pending, checked every heartbeat whether or not this worker has
      room (room is needed to run, not to claim: the engine queues them like new work), but only once this
      worker has been on Redis for a status TTL without a break (a failed call, or a reader's turn that took a
-     TTL: Redis paused, say): statuses expire while Redis is away (stopped, restarted from its AOF, paused) as they do
+     TTL, less its grammar compiles: Redis paused, say): statuses expire while Redis is away (stopped, restarted from its AOF, paused) as they do
      when their worker dies, and a live worker re-registers within a heartbeat of Redis's return, so until
      then a missing status proves nothing. XPENDING for the dead
      consumer, then XCLAIM with a minimum idle time, so two live workers never take the same entry (this, not
@@ -111,6 +111,7 @@ class Intake:
         self._dead: list[str] = []
         self._next_scan = 0.0
         self._on_redis_since = float("-inf")  # monotonic: its Redis calls have gone through without a break since
+        self._off_redis = threading.local()  # .s: seconds of a reader thread's turn spent on other work (compiles)
         self._next_shared_look = 0.0  # monotonic time of the next look at the shared stream's head
         self._empty_looks = 0  # looks in a row that found the shared stream empty
         self._was_spare = False
@@ -182,11 +183,11 @@ class Intake:
                 if regroup:
                     self._regroup()
                     regroup = False
-                began = time.monotonic()
+                began, self._off_redis.s = time.monotonic(), 0.0
                 if failures:  # a try after failed ones: if it goes through, Redis is back from this moment
                     self._on_redis_since = began
                 turn()
-                if time.monotonic() - began > self.settings.status_ttl_s:
+                if time.monotonic() - began - self._off_redis.s > self.settings.status_ttl_s:
                     self._on_redis_since = time.monotonic()  # its calls hung: Redis was paused, say
                 failures = 0
                 self.redis_failing.discard(what)
@@ -381,10 +382,13 @@ class Intake:
             return
         spec = params.structured_outputs
         if spec is not None and self.precompile is not None:
+            began = time.monotonic()
             try:
                 self.precompile.compile(spec)
             except Exception:  # noqa: BLE001 (the main thread's add_request fails the request with the reason)
                 pass
+            # a long compile is not Redis hanging (_survive): it does not delay taking over dead workers
+            self._off_redis.s = getattr(self._off_redis, "s", 0.0) + time.monotonic() - began
         self.handed += 1
         self.inbox.put(job)
 

@@ -237,3 +237,47 @@ def test_a_request_too_big_for_this_cache_goes_to_a_worker_that_holds_it(r, star
     assert (moved.request_id, moved.attempt) == ("huge", 1)
     assert r.xrange(keys.req_stream(ME), entry, entry) == []
     assert inbox.empty() and intake.settled.get(timeout=1) == "huge"
+
+
+class SlowGrammars:
+    """The engine's grammar cache as the intake sees it (`precompile`), with a compile that takes `seconds`."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.compiled = seconds, []
+
+    def compile(self, spec: dict) -> None:
+        time.sleep(self.seconds)
+        self.compiled.append(spec)
+
+
+def test_a_long_grammar_compile_does_not_delay_taking_over_a_dead_worker(r):
+    """A turn of the reader that took a status TTL means Redis hung, and dead workers are taken over only a TTL
+    later (a missing status proves nothing yet). A grammar compile that long is not Redis hanging: a worker
+    whose status expired meanwhile is taken over at the next scan."""
+    ttl_s, compile_s, dying = 2.0, 3.0, "w-dying"
+    for stream in (keys.req_stream(ME), keys.req_stream(dying), keys.req_any()):
+        streams.ensure_group(r, stream)
+    streams.enqueue(r, request("left-behind"), dying)
+    deliver_to(r, dying, keys.req_stream(dying))
+    r.sadd(keys.workers(), dying)
+    streams.publish(r, dying, output_ttl_s=60, status_ttl_s=ttl_s, status=WorkerStatus(  # expires mid-compile
+        worker_id=dying, model="m", max_model_len=1024, block_size=16, total_blocks=64, free_blocks=64))
+    schema = request("structured").model_copy(update={"sampling_params": SamplingParams(
+        max_tokens=4, structured_outputs={"choice": ["yes", "no"]}).to_dict()})
+    streams.enqueue(r, schema, ME)
+    room, inbox, grammars = roomy(), queue.Queue(), SlowGrammars(compile_s)
+    intake = Intake(r, Settings(worker_id=ME, heartbeat_s=0.2, status_ttl_s=ttl_s), ME, inbox, lambda: room,
+                    precompile=grammars).start()
+    try:
+        first = next_job(inbox, timeout_s=compile_s + 5)
+        compiled_at = time.monotonic()
+        assert first.request_id == "structured" and grammars.compiled == [{"choice": ["yes", "no"]}]
+        assert not r.exists(keys.status(dying)), "the dying worker's status expired during the compile"
+        room.accounted = intake.handed
+        taken = next_job(inbox, timeout_s=compile_s + 5)
+        assert (taken.request_id, taken.stream, taken.deliveries) == ("left-behind", keys.req_stream(dying), 2)
+        waited = time.monotonic() - compiled_at
+        assert waited < ttl_s / 2, f"taken over {waited:.2f}s after the compile: held back as if Redis had hung"
+    finally:
+        intake.stop()
+        time.sleep(1.1)  # the cancel reader blocks up to 1 s
