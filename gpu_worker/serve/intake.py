@@ -6,9 +6,9 @@ Requests come from, in order of preference:
   2. what dead workers (status expired) left pending, checked every heartbeat whether or not this worker has
      room (room is needed to run, not to claim: the engine queues them like new work), but only once this
      worker has been on Redis for a status TTL without a break (a failed call, or a reader's turn that took a
-     TTL, less its grammar compiles: Redis paused, say): statuses expire while Redis is away (stopped, restarted from its AOF, paused) as they do
-     when their worker dies, and a live worker re-registers within a heartbeat of Redis's return, so until
-     then a missing status proves nothing. XPENDING for the dead
+     TTL, less its grammar compiles: Redis paused, say): statuses expire while Redis is away (stopped,
+     restarted from its AOF, paused) as they do when their worker dies, and a live worker re-registers within
+     a heartbeat of Redis's return, so until then a missing status proves nothing. XPENDING for the dead
      consumer, then XCLAIM with a minimum idle time, so two live workers never take the same entry (this, not
      XAUTOCLAIM by idle time alone, because a live worker's long request also looks idle); the output already
      written seeds the Job, so the stream continues where it stopped (a gateway's request, whose output went to
