@@ -51,7 +51,8 @@ class Settings:
     route_max_output_tokens: int = 512
     # prefix routing's cost: prefix_weight * (prompt blocks not cached on the worker) + blocks in use there; only
     # workers with at most prefix_affinity_slack requests (running + waiting) more than the least loaded compete
-    # (negative: no bound). Chosen with `kvfleet bench fleet-sim` (README "Routing").
+    # (negative: no bound). Chosen with `kvfleet bench fleet-sim` (services/bench/FIGURES.md, "Routing: the prefix
+    # policy").
     prefix_weight: float = 16.0
     prefix_affinity_slack: int = 32
     reservation_ttl_s: float = 30.0
