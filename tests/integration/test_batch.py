@@ -9,12 +9,14 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from fleet_harness import REPO, Fleet
 
 from services.batch import request_id_for, run_batch
 from services.cli import main as kvfleet
+from services.redis_server import RedisServer
 from shared import keys, streams
 from shared.settings import Settings
 
@@ -158,5 +160,77 @@ def test_a_changed_line_under_a_used_custom_id_gets_409_not_the_first_result(fle
     by_id = {x["custom_id"]: x for x in read_output(out)}
     changed = by_id["q1"]
     assert changed["response"]["status_code"] == 409 and changed["error"]["code"] == "request_id_conflict"
-    assert changed["response"]["body"]["error"]["param"] == "request_id" and "choices" not in changed["response"]["body"]
+    body = changed["response"]["body"]
+    assert body["error"]["param"] == "request_id" and "choices" not in body
     assert by_id["q2"]["error"] is None
+
+
+def test_a_batch_rides_out_redis_restarts_and_a_longer_outage_stops_it_clearly(tiny_llama_dir, tmp_path):
+    """The run starts while Redis is stopped, which comes back (on its AOF) 3 s later; once a few lines are
+    answered, Redis is stopped (SIGTERM) and started again 3 s later. The same run answers every line, each once.
+    Then, with Redis down past --redis-wait, the run stops with exit status 1 and a message that says what
+    happened (no traceback), and a rerun once Redis is back does the rest."""
+    n, tokens = 48, 64
+    with Fleet(tiny_llama_dir, tmp_path / "fleet", env=KEEP_OUTPUT) as f:
+        f.redis = RedisServer(password="p@ss:word", data_dir=str(tmp_path / "redis-data"))  # AOF, kept on stop
+        f.start()
+        f.start_worker("w0", "--num-kv-blocks", "512", "--max-num-seqs", "8")
+        r = streams.connect(f.redis.url)
+        f.wait_for(lambda: r.get(keys.status("w0")), 180, "fleet worker w0")
+        r.close()
+        model, port = os.path.basename(f.model), f.redis.port
+
+        def restart_redis(after_s: float) -> None:
+            f.redis.stop()  # SIGTERM: redis-server fsyncs its AOF before it exits
+            time.sleep(after_s)
+            f.redis.port = port
+            f.redis.start()
+
+        ids = [f"req-{i:03d}" for i in range(n)]
+        inp, out, log = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "batch.log"
+        inp.write_text("".join(json.dumps(line(cid, model, i) | {"body": line(cid, model, i)["body"]
+                                                                  | {"max_tokens": tokens}}) + "\n"
+                               for i, cid in enumerate(ids)))
+        f.redis.stop()
+        with open(log, "wb") as fh:
+            proc = subprocess.Popen([sys.executable, "-m", "services.cli", "batch", str(inp), str(out),
+                                     "--no-progress", "--concurrency", "4"], cwd=REPO, env=f.env, stdout=fh,
+                                    stderr=subprocess.STDOUT)
+        try:
+            time.sleep(3)
+            assert proc.poll() is None, log.read_text()[-3000:]  # waiting for Redis, not ended
+            f.redis.port = port
+            f.redis.start()
+            f.wait_for(lambda: out.exists() and complete_lines(out) >= 4 or proc.poll() is not None, 120,
+                       "4 lines of output")
+            assert proc.poll() is None and complete_lines(out) < n, "the batch ended before the second outage"
+            restart_redis(3)
+            assert proc.wait(240) == 0, log.read_text()[-3000:]
+        finally:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+        text = log.read_text()
+        assert "is unreachable" in text and "answers again" in text and "Traceback" not in text, text[-3000:]
+        results = read_output(out)
+        assert sorted(x["custom_id"] for x in results) == ids  # each line once
+        for x in results:
+            assert x["error"] is None and x["response"]["body"]["usage"]["completion_tokens"] == tokens, x
+
+        # Redis away for longer than the run waits: it stops, saying so; the rerun does the rest.
+        more = tmp_path / "more.jsonl"
+        more.write_text("".join(json.dumps(line(f"more-{i}", model, i)) + "\n" for i in range(6)))
+        f.redis.stop()
+        began = time.monotonic()
+        stopped = subprocess.run([sys.executable, "-m", "services.cli", "batch", str(more), str(out), "--no-progress",
+                                  "--redis-wait", "2"], cwd=REPO, env=f.env, capture_output=True, text=True,
+                                 timeout=120)
+        assert stopped.returncode == 1 and time.monotonic() - began < 60, stopped.stderr[-3000:]
+        assert "Traceback" not in stopped.stderr, stopped.stderr[-3000:]
+        assert "was unreachable for" in stopped.stderr and "run the same command again" in stopped.stderr
+        f.redis.port = port
+        f.redis.start()
+        rerun = subprocess.run([sys.executable, "-m", "services.cli", "batch", str(more), str(out), "--no-progress"],
+                               cwd=REPO, env=f.env, capture_output=True, text=True, timeout=240)
+        assert rerun.returncode == 0, rerun.stderr[-3000:]
+        assert "batch: ran 6 request(s), 0 failed" in rerun.stdout
+        assert sorted(x["custom_id"] for x in read_output(out)) == sorted(ids + [f"more-{i}" for i in range(6)])

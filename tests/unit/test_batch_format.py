@@ -62,3 +62,29 @@ def test_output_lines_have_the_openai_batch_shape(tmp_path):
     assert bad["response"]["body"]["error"] == {"message": "temperature: too hot", "type": "invalid_request_error",
                                                 "param": "temperature", "code": "invalid_value"}
     assert bad["error"] == {"code": "invalid_value", "message": "temperature: too hot"}
+
+
+def test_the_redis_wait_gives_up_on_the_outage_or_on_one_line_that_keeps_failing():
+    """_RedisWait: a failure starts the outage and waits; a success ends it. The run gives up once the outage
+    outlasts the limit, or once one line has failed for that long while Redis answers the others."""
+    import asyncio
+    import time
+
+    from services.batch import RedisGone, _RedisWait
+
+    async def scenario() -> None:
+        wait = _RedisWait("redis://127.0.0.1:6379/0", limit_s=0.3)
+        began = time.monotonic()
+        await wait.failed(ConnectionError("refused"), 0, began)  # waits 0.25 s, within the limit
+        assert wait.since is not None and time.monotonic() - began >= 0.2
+        wait.answered()
+        assert wait.since is None
+        with pytest.raises(RedisGone, match=r"unreachable for 0s \(--redis-wait 0.3\).*ConnectionError: refused"):
+            await wait.failed(ConnectionError("refused"), 3, time.monotonic() - 0.4)  # this line, for 0.4 s
+        wait.answered()
+        await wait.failed(ConnectionError("down"), 0, time.monotonic())  # a new outage
+        await wait.failed(ConnectionError("down"), 1, time.monotonic())  # waits out what is left of the limit
+        with pytest.raises(RedisGone, match="ConnectionError: down"):
+            await wait.failed(ConnectionError("down"), 2, time.monotonic())
+
+    asyncio.run(scenario())
