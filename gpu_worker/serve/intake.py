@@ -2,21 +2,24 @@
 through one queue, so the engine's step loop never blocks on Redis.
 
 Requests come from, in order of preference:
-  1. entries this worker id left pending before a restart (all of them, claimed back at start, page by page);
+  1. entries this worker id left pending before a restart (all of them, on every stream of the shard, claimed
+     back at start, page by page);
   2. what dead workers (status expired) left pending, checked every heartbeat whether or not this worker has
      room (room is needed to run, not to claim: the engine queues them like new work), but only once this
      worker has been on Redis for a status TTL without a break (a failed call, or a reader's turn that took a
      TTL, less its grammar compiles: Redis paused, say): statuses expire while Redis is away (stopped,
      restarted from its AOF, paused) as they do when their worker dies, and a live worker re-registers within
      a heartbeat of Redis's return, so until then a missing status proves nothing. XPENDING for the dead
-     consumer, then XCLAIM with a minimum idle time, so two live workers never take the same entry (this, not
+     consumer on every stream of the shard (its own, the shared one, and the streams of workers it took for dead:
+     see 3.), then XCLAIM with a minimum idle time, so two live workers never take the same entry (this, not
      XAUTOCLAIM by idle time alone, because a live worker's long request also looks idle); the output already
      written seeds the Job, so the stream continues where it stopped (a gateway's request, whose output went to
      its gateway's inbox, goes back to that gateway instead, which places it again: `_back_to_gateway`). Each
      claim bumps the entry's delivery count: the new owner token, which fences the old owner's writes out
      (shared.streams.worker);
   3. its own stream kvfleet:{s}:req:{worker} (the router's choice), and new entries on dead workers' own streams,
-     while its backlog is short;
+     while its backlog is short (as itself: such an entry is then pending on this worker in that stream, where
+     1. and 2. find it should this worker die too);
   4. when it has room (nothing waiting, free blocks to spare, and everything it took already accounted), the
      oldest untaken request of the shared stream kvfleet:{s}:req:any, if it fits its free blocks (or it is idle);
      else it stays, in order, for a worker with more room.
@@ -156,7 +159,9 @@ class Intake:
         streams.ensure_group(self.r, self.shared)
         streams.register_shard(self.r, self.shard)
         self._cancel_from = streams.cancel_cursor(self.r)
-        for owner_stream in (self.own, self.shared):  # what a previous run under this id left pending
+        # what a previous run under this id left pending: on its own stream, the shared one, and the streams of
+        # workers it took for dead
+        for owner_stream in dict.fromkeys([self.own, *streams.request_streams(self.r, self.shard)]):
             taken = {entry_id for stream, entry_id in self._latest if stream == owner_stream}  # by a broken-off try
             self._claim(owner_stream, self.worker_id, min_idle_ms=0, skip=taken)
 
@@ -301,9 +306,11 @@ class Intake:
 
     def _claim_dead(self) -> int:
         """Claim everything dead workers left pending, whether or not this worker has room (the engine queues
-        what it cannot run yet); their output so far seeds each Job."""
+        what it cannot run yet); their output so far seeds each Job. On every stream of the shard: a worker that
+        read new entries on the stream of a worker it took for dead (that one restarted, say) holds them there."""
+        pending_on = streams.request_streams(self.r, self.shard)
         return sum(self._claim(stream, dead, min_idle_ms=CLAIM_MIN_IDLE_MS)
-                   for dead in self._dead for stream in (keys.req_stream(dead, self.shard), self.shared))
+                   for dead in self._dead for stream in pending_on)
 
     def _claim(self, stream: str, owner: str, *, min_idle_ms: int, skip: Container[str] = ()) -> int:
         """Claim every entry `owner` left pending on `stream` (but those in `skip`), page by page, and take each."""

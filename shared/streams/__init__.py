@@ -110,5 +110,6 @@ from shared.streams.worker import (  # noqa: F401
     read_requests,
     reclaim_own,
     register_shard,
+    request_streams,
     shared_head,
 )

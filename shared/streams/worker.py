@@ -135,6 +135,13 @@ def register_shard(r: redis.Redis, shard: int) -> None:
     r.sadd(keys.SHARDS, shard)
 
 
+def request_streams(r: redis.Redis, shard: int = 0) -> list[str]:
+    """Every stream of the shard an entry may be pending on for any worker: the shared stream and each known
+    worker's own (a worker also reads new entries on the streams of workers it takes for dead, as itself: such an
+    entry stays pending on it there)."""
+    return [keys.req_any(shard)] + [keys.req_stream(w, shard) for w in sorted(r.smembers(keys.workers(shard)))]
+
+
 def other_workers(r: redis.Redis, worker_id: str, shard: int = 0) -> dict[str, WorkerStatus | None]:
     """Every other worker of the shard ever seen, by id, with its status: None when the status expired (the
     worker is dead). One MGET: the statuses share the shard's slot."""
@@ -143,25 +150,30 @@ def other_workers(r: redis.Redis, worker_id: str, shard: int = 0) -> dict[str, W
     return {w: None if s is None else WorkerStatus.model_validate_json(s) for w, s in zip(members, raw, strict=True)}
 
 
-# Forget a dead worker, in one step: only if its status is still gone, its stream empty and nothing of the
-# shared stream pending on it (a gateway's XADD or a restart between a check and the delete is never lost).
+# Forget a dead worker, in one step: only if its status is still gone, its stream empty and nothing pending on
+# it in any other stream of the shard (KEYS[5...]: the shared one, the other workers' own); a gateway's XADD or a
+# restart between a check and the delete is never lost.
 _PRUNE_DEAD = LuaScript("""
 if redis.call('EXISTS', KEYS[1]) == 1 or redis.call('XLEN', KEYS[2]) > 0 then return 0 end
-local pending = redis.pcall('XPENDING', KEYS[4], ARGV[1], '-', '+', 1, ARGV[2])
-if type(pending) == 'table' and pending['err'] == nil and #pending > 0 then return 0 end
+for i = 5, #KEYS do
+  local pending = redis.pcall('XPENDING', KEYS[i], ARGV[1], '-', '+', 1, ARGV[2])
+  if type(pending) == 'table' and pending['err'] == nil and #pending > 0 then return 0 end
+end
 redis.call('DEL', KEYS[2], KEYS[3])
-redis.call('SREM', KEYS[5], ARGV[2])
-redis.pcall('XGROUP', 'DELCONSUMER', KEYS[4], ARGV[1], ARGV[2])
+redis.call('SREM', KEYS[4], ARGV[2])
+for i = 5, #KEYS do redis.pcall('XGROUP', 'DELCONSUMER', KEYS[i], ARGV[1], ARGV[2]) end
 return 1
 """)
 
 
 def prune_dead_worker(r: redis.Redis, dead: str, shard: int = 0) -> bool:
-    """Forget a dead worker of the shard that left nothing behind (no status, its own stream empty, nothing of
-    the shared stream pending on it): delete its stream and reservations, drop it from the shard's workers and
-    from the shared stream's group, atomically. False: it still has requests to take over (or came back)."""
+    """Forget a dead worker of the shard that left nothing behind (no status, its own stream empty, nothing
+    pending on it in the shard's other streams: `request_streams`): delete its stream and reservations, drop it
+    from the shard's workers and from the other streams' groups, atomically. False: it still has requests to
+    take over (or came back)."""
+    others = [s for s in request_streams(r, shard) if s != keys.req_stream(dead, shard)]
     return bool(run_script(r, _PRUNE_DEAD, [keys.status(dead, shard), keys.req_stream(dead, shard),
-                                            keys.reserved(dead, shard), keys.req_any(shard), keys.workers(shard)],
+                                            keys.reserved(dead, shard), keys.workers(shard), *others],
                            [keys.GROUP, dead]))
 
 

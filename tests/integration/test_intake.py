@@ -99,6 +99,19 @@ def test_claims_back_what_it_left_pending_before_a_restart(r, start_intake):
     assert (job.request_id, job.deliveries) == ("before-restart", 2)
 
 
+def test_claims_back_what_it_read_on_another_workers_stream_before_a_restart(r, start_intake):
+    """An entry it read on another worker's stream (one it took for dead) is pending on it there: a restart under
+    the same id claims it back too."""
+    other = "w-other"
+    streams.ensure_group(r, keys.req_stream(other))
+    streams.enqueue(r, request("read-elsewhere"), other)
+    deliver_to(r, ME, keys.req_stream(other))
+    r.sadd(keys.workers(), other)
+    _, inbox = start_intake(roomy(spare=False))
+    job = next_job(inbox)
+    assert (job.request_id, job.stream, job.deliveries) == ("read-elsewhere", keys.req_stream(other), 2)
+
+
 def test_a_refusal_reported_twice_claims_the_entry_back_once(r, start_intake):
     """Two flushes can both refuse the same lost delivery before the main thread drops it: the entry is claimed
     back once (a second claim would count as one more delivery, toward max_deliveries)."""
@@ -157,6 +170,40 @@ def test_takes_over_a_dead_workers_pending_requests(r, start_intake):
     assert len(r.xpending_range(keys.req_stream(live), keys.GROUP, "-", "+", 10, consumername=live)) == 1
     time.sleep(QUIET_S)
     assert inbox.empty(), "the live worker's request stays with it"
+
+
+def test_takes_over_what_a_dead_worker_read_on_live_workers_streams(r, start_intake):
+    """A worker that took two others for dead (one had just restarted: this one) read new entries on their
+    streams, as itself, and died. Its status expired: those entries are taken over from where they wait, and it
+    is forgotten only then (a chaos soak, seed 107, lost such a request: the takeover looked at the dead
+    worker's own stream and the shared one only, found them empty, and forgot it)."""
+    dying, other = "w-dying", "w-other"
+    for stream in (keys.req_stream(ME), keys.req_stream(dying), keys.req_stream(other), keys.req_any()):
+        streams.ensure_group(r, stream)
+    streams.enqueue(r, request("on-my-stream"), ME)
+    streams.enqueue(r, request("on-other-stream"), other)
+    deliver_to(r, dying, keys.req_stream(ME))
+    deliver_to(r, dying, keys.req_stream(other))
+    r.sadd(keys.workers(), ME, dying, other)
+    streams.publish(r, other, output_ttl_s=60, status_ttl_s=60, status=WorkerStatus(
+        worker_id=other, model="m", max_model_len=1024, block_size=16, total_blocks=64, free_blocks=64))
+
+    time.sleep(1.1)  # past the claim's minimum idle time
+    room = roomy()
+    intake, inbox = start_intake(room)
+    jobs = {}
+    while len(jobs) < 2:
+        job = next_job(inbox)
+        jobs[job.request_id] = job
+        room.accounted = intake.handed
+    assert {rid: (j.stream, j.deliveries) for rid, j in jobs.items()} == {
+        "on-my-stream": (keys.req_stream(ME), 2), "on-other-stream": (keys.req_stream(other), 2)}
+    assert r.sismember(keys.workers(), dying)  # taken over, not yet acked: still known
+    for job in jobs.values():
+        streams.ack_and_delete(r, streams.Ack(job.stream, job.entry_id))
+    wait_for(lambda: not r.sismember(keys.workers(), dying), what="the drained dead worker to be forgotten")
+    assert dying not in {c["name"] for c in r.xinfo_consumers(keys.req_stream(other), keys.GROUP)}
+    assert r.sismember(keys.workers(), other)
 
 
 def test_prunes_a_dead_worker_once_it_is_drained(r, start_intake):
