@@ -208,9 +208,11 @@ class Intake:
                 self._stop.wait(min(0.1 * 2 ** (failures - 1), MAX_BACKOFF_S))
 
     def _regroup(self) -> None:
-        """Redis lost the consumer groups: create them (and their streams) again, forget the dead workers it
-        no longer knows, and have the worker re-register (status, its shard's workers set) at once."""
-        log.warning("the consumer groups are gone (Redis restarted without its data?): creating them again")
+        """A read found a consumer group gone: Redis lost them (restarted without its data), or another worker
+        forgot a dead worker whose stream this one read too. Create its own groups (and their streams) again,
+        forget the dead workers it knew, and have the worker re-register (status, its shard's workers set) at once."""
+        log.warning("a consumer group is gone (Redis restarted without its data, or a dead worker's stream was "
+                    "pruned as this worker read it): creating its own again")
         streams.ensure_group(self.r, self.own)
         streams.ensure_group(self.r, self.shared)
         streams.register_shard(self.r, self.shard)
