@@ -171,9 +171,9 @@ def test_a_batch_rides_out_redis_restarts_and_a_longer_outage_stops_it_clearly(t
     Then, with Redis down past --redis-wait, the run stops with exit status 1 and a message that says what
     happened (no traceback), and a rerun once Redis is back does the rest."""
     n, tokens = 48, 64
-    with Fleet(tiny_llama_dir, tmp_path / "fleet", env=KEEP_OUTPUT) as f:
-        f.redis = RedisServer(password="p@ss:word", data_dir=str(tmp_path / "redis-data"))  # AOF, kept on stop
-        f.start()
+    f = Fleet(tiny_llama_dir, tmp_path / "fleet", env=KEEP_OUTPUT)
+    f.redis = RedisServer(password="p@ss:word", data_dir=str(tmp_path / "redis-data"))  # AOF, kept on stop
+    with f:  # (starts this Redis; the one Fleet made is never started)
         f.start_worker("w0", "--num-kv-blocks", "512", "--max-num-seqs", "8")
         r = streams.connect(f.redis.url)
         f.wait_for(lambda: r.get(keys.status("w0")), 180, "fleet worker w0")
