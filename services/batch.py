@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
-import itertools
 import json
 import logging
 import sys
@@ -194,8 +193,8 @@ class _Runner:
         rid = request_id_for(self.output, cid)
         try:
             kind, body = request_of(obj)
-            first_failure = None
-            for tries in itertools.count():
+            tries, first_failure = 0, 0.0
+            while True:
                 try:  # again after a Redis failure: the job record makes it attach, or place it again
                     body_out = await self._answer(kind, body, rid)
                     self.redis.answered()
@@ -203,9 +202,9 @@ class _Runner:
                 except streams.CONNECTION_ERRORS as e:  # (RedisAway and OutputLost too)
                     first_failure = first_failure or time.monotonic()
                     await self.redis.failed(e, tries, first_failure)
+                    tries += 1
         except CallError as e:
             return error_line(cid, rid, e)
-        raise AssertionError("unreachable")
 
     async def _answer(self, kind: str, body: dict[str, Any], rid: str) -> dict[str, Any]:
         from services.call_errors import FleetUnavailable

@@ -58,6 +58,22 @@ def next_job(inbox: queue.Queue, timeout_s: float = 5.0) -> Job:
     return item
 
 
+def alive(r, worker: str) -> None:
+    """`worker` publishes a status that lives a minute: to the intake it is alive."""
+    streams.publish(r, worker, output_ttl_s=60, status_ttl_s=60, status=WorkerStatus(
+        worker_id=worker, model="m", max_model_len=1024, block_size=16, total_blocks=64, free_blocks=64))
+
+
+def take_jobs(intake: Intake, inbox: queue.Queue, room: Room, n: int) -> dict[str, Job]:
+    """The next n Jobs by request id, each accounted as the main thread would (so the intake may look again)."""
+    jobs: dict[str, Job] = {}
+    while len(jobs) < n:
+        job = next_job(inbox)
+        jobs[job.request_id] = job
+        room.accounted = intake.handed
+    return jobs
+
+
 def deliver_to(r, consumer: str, stream: str, n: int = 1) -> list[streams.Delivery]:
     """`consumer` (a worker about to die) reads n entries of `stream`: they are pending on it."""
     return streams.read_requests(r, consumer, {stream: ">"}, count=n)
@@ -145,17 +161,12 @@ def test_takes_over_a_dead_workers_pending_requests(r, start_intake):
         OutputChunk(request_id="dead-own-1", seq=0, token_ids=[11], text="a"),
         OutputChunk(request_id="dead-own-1", seq=1, token_ids=[12, 13], text="bc")])
     r.sadd(keys.workers(), dead)
-    streams.publish(r, live, output_ttl_s=60, status_ttl_s=60, status=WorkerStatus(
-        worker_id=live, model="m", max_model_len=1024, block_size=16, total_blocks=64, free_blocks=64))
+    alive(r, live)
 
     time.sleep(1.1)  # past the claim's minimum idle time
     room = roomy()
     intake, inbox = start_intake(room)
-    jobs = {}
-    while len(jobs) < 3:
-        job = next_job(inbox)
-        jobs[job.request_id] = job
-        room.accounted = intake.handed  # the main thread took it: the intake may look again
+    jobs = take_jobs(intake, inbox, room, 3)
     assert {rid: (j.stream, j.deliveries) for rid, j in jobs.items()} == {
         "dead-own-1": (keys.req_stream(dead), 2), "dead-own-2": (keys.req_stream(dead), 2),
         "dead-shared": (keys.req_any(), 2)}
@@ -185,17 +196,12 @@ def test_takes_over_what_a_dead_worker_read_on_live_workers_streams(r, start_int
     deliver_to(r, dying, keys.req_stream(ME))
     deliver_to(r, dying, keys.req_stream(other))
     r.sadd(keys.workers(), ME, dying, other)
-    streams.publish(r, other, output_ttl_s=60, status_ttl_s=60, status=WorkerStatus(
-        worker_id=other, model="m", max_model_len=1024, block_size=16, total_blocks=64, free_blocks=64))
+    alive(r, other)
 
     time.sleep(1.1)  # past the claim's minimum idle time
     room = roomy()
     intake, inbox = start_intake(room)
-    jobs = {}
-    while len(jobs) < 2:
-        job = next_job(inbox)
-        jobs[job.request_id] = job
-        room.accounted = intake.handed
+    jobs = take_jobs(intake, inbox, room, 2)
     assert {rid: (j.stream, j.deliveries) for rid, j in jobs.items()} == {
         "on-my-stream": (keys.req_stream(ME), 2), "on-other-stream": (keys.req_stream(other), 2)}
     assert r.sismember(keys.workers(), dying)  # taken over, not yet acked: still known
