@@ -9,9 +9,10 @@ Requests come from, in order of preference:
      worker has been on Redis for a status TTL without a break (a failed call, or a reader's turn that took a
      TTL, less its grammar compiles: Redis paused, say): statuses expire while Redis is away (stopped,
      restarted from its AOF, paused) as they do when their worker dies, and a live worker re-registers within
-     a heartbeat of Redis's return, so until then a missing status proves nothing. XPENDING for the dead
-     consumer on every stream of the shard (its own, the shared one, and the streams of workers it took for dead:
-     see 3.), then XCLAIM with a minimum idle time, so two live workers never take the same entry (this, not
+     a heartbeat of Redis's return, so until then a missing status proves nothing. One XPENDING summary of
+     every stream of the shard (its own, the shared one, and the streams of workers it took for dead: see 3.)
+     names who holds entries where; for each dead holder, XPENDING for it there, then XCLAIM with a minimum
+     idle time, so two live workers never take the same entry (this, not
      XAUTOCLAIM by idle time alone, because a live worker's long request also looks idle); the output already
      written seeds the Job, so the stream continues where it stopped (a gateway's request, whose output went to
      its gateway's inbox, goes back to that gateway instead, which places it again: `_back_to_gateway`). Each
@@ -19,7 +20,8 @@ Requests come from, in order of preference:
      (shared.streams.worker);
   3. its own stream kvfleet:{s}:req:{worker} (the router's choice), and new entries on dead workers' own streams,
      while its backlog is short (as itself: such an entry is then pending on this worker in that stream, where
-     1. and 2. find it should this worker die too);
+     1. and 2. find it should this worker die too; the router's reservation there is dropped, as that worker
+     may be back already and would never count the request);
   4. when it has room (nothing waiting, free blocks to spare, and everything it took already accounted), the
      oldest untaken request of the shared stream kvfleet:{s}:req:any, if it fits its free blocks (or it is idle);
      else it stays, in order, for a worker with more room.
@@ -264,8 +266,21 @@ class Intake:
         if spare:
             until_ms = min(until_ms, 1000 * (self._next_shared_look - now))
         block_ms = int(max(SPARE_READ_BLOCK_MS, until_ms))
+        taken_for_dead = {keys.req_stream(d, self.shard): d for d in self._dead}
         for d in streams.read_requests(self.r, self.worker_id, want, count=8, block_ms=block_ms):
             self._take(d)
+            if (owner := taken_for_dead.get(d.stream)) is not None:
+                self._release_reservation(owner, d)
+
+    def _release_reservation(self, owner: str, d: streams.Delivery) -> None:
+        """A request taken from the stream of a worker taken for dead: the router reserved its blocks there, and
+        that worker may be back already (the list of dead ones is up to a heartbeat old, and a blocking read can
+        outlast its return): its status would never count the request, so the reservation is dropped here."""
+        try:
+            request_id = streams.parse_request(d.fields or {}).request_id
+        except (KeyError, TypeError, ValueError):
+            return  # malformed: _take dead-lettered it
+        streams.release_reservation(self.r, owner, request_id, self.shard)
 
     def _take_shared_head(self, room: Room) -> bool:
         """Take the oldest untaken request of the shared stream if it fits the free blocks now (or this
@@ -310,9 +325,9 @@ class Intake:
         """Claim everything dead workers left pending, whether or not this worker has room (the engine queues
         what it cannot run yet); their output so far seeds each Job. On every stream of the shard: a worker that
         read new entries on the stream of a worker it took for dead (that one restarted, say) holds them there."""
-        pending_on = streams.request_streams(self.r, self.shard)
+        owners = streams.pending_owners(self.r, streams.request_streams(self.r, self.shard))
         return sum(self._claim(stream, dead, min_idle_ms=CLAIM_MIN_IDLE_MS)
-                   for dead in self._dead for stream in pending_on)
+                   for stream, held in owners.items() for dead in self._dead if dead in held)
 
     def _claim(self, stream: str, owner: str, *, min_idle_ms: int, skip: Container[str] = ()) -> int:
         """Claim every entry `owner` left pending on `stream` (but those in `skip`), page by page, and take each."""

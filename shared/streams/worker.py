@@ -22,7 +22,7 @@ import redis
 
 from shared import keys
 from shared.messages import DeadLetter, GenerationRequest, OutputChunk, WorkerStatus
-from shared.streams.client import LuaScript, run_script, xread, xreadgroup
+from shared.streams.client import LuaScript, group_missing, run_script, xread, xreadgroup
 from shared.streams.requests import enqueue_commands
 
 # ---- worker side: intake --------------------------------------------------------------------------
@@ -140,6 +140,30 @@ def request_streams(r: redis.Redis, shard: int = 0) -> list[str]:
     worker's own (a worker also reads new entries on the streams of workers it takes for dead, as itself: such an
     entry stays pending on it there)."""
     return [keys.req_any(shard)] + [keys.req_stream(w, shard) for w in sorted(r.smembers(keys.workers(shard)))]
+
+
+def pending_owners(r: redis.Redis, streams: Sequence[str]) -> dict[str, set[str]]:
+    """For each of `streams` (one shard's: one slot, one round trip), the consumers that hold pending entries on
+    it: one XPENDING summary a stream, so a takeover scan costs one command per stream however many workers
+    are dead. A stream or group that does not exist holds none."""
+    pipe = r.pipeline(transaction=False)
+    for stream in streams:
+        pipe.xpending(stream, keys.GROUP)
+    owners: dict[str, set[str]] = {}
+    for stream, summary in zip(streams, pipe.execute(raise_on_error=False), strict=True):
+        if isinstance(summary, Exception):
+            if group_missing(summary):
+                continue
+            raise summary
+        owners[stream] = {c["name"] for c in summary.get("consumers") or [] if int(c["pending"])}
+    return owners
+
+
+def release_reservation(r: redis.Redis, worker_id: str, request_id: str, shard: int = 0) -> None:
+    """Drop `worker_id`'s reservation of a request another worker took from its stream (it was taken for dead:
+    should it be back, its next status will not count the request, and the reservation would hold its blocks
+    until the hash expires)."""
+    r.hdel(keys.reserved(worker_id, shard), request_id)
 
 
 def other_workers(r: redis.Redis, worker_id: str, shard: int = 0) -> dict[str, WorkerStatus | None]:

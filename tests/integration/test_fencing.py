@@ -83,6 +83,24 @@ def test_a_takeover_claims_every_pending_entry_page_by_page(r):
     assert r.xpending_range(stream, keys.GROUP, "-", "+", 1, consumername=OLD) == []
 
 
+def test_a_takeover_scan_names_who_holds_entries_on_each_stream(r):
+    """One XPENDING summary a stream: the consumers with entries pending there (not those whose entries were
+    all acked, nor a stream that does not exist yet), so the scan need not ask once per dead worker."""
+    mine, gone = keys.req_stream(OLD), keys.req_stream("w-never-started")
+    streams.ensure_group(r, mine)
+    streams.ensure_group(r, keys.req_any())
+    for rid in ("a", "b"):
+        streams.enqueue(r, request(rid), OLD)
+    streams.enqueue(r, request("c"), None)
+    [a] = streams.read_requests(r, OLD, {mine: ">"}, count=1)
+    streams.read_requests(r, NEW, {mine: ">"}, count=1)
+    [c] = streams.read_requests(r, NEW, {keys.req_any(): ">"}, count=1)
+    streams.ack_and_delete(r, c.ack)
+    assert streams.pending_owners(r, [mine, keys.req_any(), gone]) == {mine: {OLD, NEW}, keys.req_any(): set()}
+    streams.ack_and_delete(r, a.ack)
+    assert streams.pending_owners(r, [mine]) == {mine: {NEW}}
+
+
 def test_a_dead_worker_is_forgotten_only_when_it_left_nothing_and_stays_dead(r):
     dead = "w-dead"
     streams.ensure_group(r, keys.req_any())

@@ -212,6 +212,27 @@ def test_takes_over_what_a_dead_worker_read_on_live_workers_streams(r, start_int
     assert r.sismember(keys.workers(), other)
 
 
+def test_a_request_read_on_a_dead_workers_stream_drops_the_reservation_there(r, start_intake):
+    """A router placed a request on a worker this one takes for dead (it may be back already: the list of dead
+    workers is up to a heartbeat old, and a blocking read can outlast its return). This worker reads it as its
+    own; the router's reservation there goes with it, or it would hold that worker's blocks until the hash
+    expires (30 s). Another request's reservation stays."""
+    away = "w-away"
+    for stream in (keys.req_stream(ME), keys.req_stream(away)):
+        streams.ensure_group(r, stream)
+    r.sadd(keys.workers(), ME, away)
+    streams.enqueue(r, request("routed-there").model_copy(update={"kv_blocks": 2}), away)
+    r.hset(keys.reserved(away), "on-its-way", 3)
+    assert r.hgetall(keys.reserved(away)) == {"routed-there": "2", "on-its-way": "3"}
+
+    room = roomy()
+    intake, inbox = start_intake(room)
+    job = next_job(inbox)
+    assert (job.request_id, job.stream, job.deliveries) == ("routed-there", keys.req_stream(away), 1)
+    wait_for(lambda: r.hgetall(keys.reserved(away)) == {"on-its-way": "3"},
+             what="the reservation of the request read there to go")
+
+
 def test_prunes_a_dead_worker_once_it_is_drained(r, start_intake):
     dead = "w-gone"
     streams.ensure_group(r, keys.req_stream(dead))
