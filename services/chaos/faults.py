@@ -31,7 +31,7 @@ REDIS_AFTERMATH_S = 20.0  # 503s this long after Redis is back are still the out
 @dataclass
 class FaultLog:
     counts: Counter = field(default_factory=Counter)
-    events: list[tuple[float, str, str]] = field(default_factory=list)  # (time, kind, target)
+    events: list[tuple[float, str, str]] = field(default_factory=list)  # (when it began, kind, target)
     redis_windows: list[tuple[float, float]] = field(default_factory=list)  # (down, back + aftermath)
 
     def in_redis_outage(self, t0: float, t1: float) -> bool:
@@ -39,11 +39,14 @@ class FaultLog:
 
     def handover_during(self, t0: float, t1: float) -> str | None:
         """The first fault in [t0, t1] after which another worker may resume a request from its output so far
-        (a worker killed, drained or stopped; Redis restarted), or None. A Redis restart counts for as long as it
-        and its aftermath last (redis_windows), not only at the moment it began: a worker killed or stopped
-        while Redis is down is taken over a status TTL after Redis is back, well past the restart's start (seed
-        97 saw a Celery task sent 0.2 s after Redis went down taken over 6 s later; a live worker's requests
-        were taken over then too, which the workers no longer do: gpu_worker.serve.intake, 2.)."""
+        (a worker killed, drained or stopped; Redis restarted), or None. A fault's time is when it began: a
+        request in flight at a worker's SIGSTOP is taken over a status TTL later and may be finished elsewhere
+        before the SIGCONT (seed 131 took such a request for a plain mismatch while the event's time was the
+        SIGCONT's). A Redis restart counts for as long as it and its aftermath last (redis_windows), not only at
+        the moment it began: a worker killed or stopped while Redis is down is taken over a status TTL after
+        Redis is back, well past the restart's start (seed 97 saw a Celery task sent 0.2 s after Redis went down
+        taken over 6 s later; a live worker's requests were taken over then too, which the workers no longer do:
+        gpu_worker.serve.intake, 2.)."""
         kind = next((kind for t, kind, _ in self.events if kind in HANDOVER and t0 <= t <= t1), None)
         return kind or ("redis_restart" if self.in_redis_outage(t0, t1) else None)
 
@@ -78,9 +81,10 @@ class Injector:
                 self._wait_whole()
                 if self._stop.is_set():
                     return
+            began = time.time()
             target = getattr(self, kind)()
             self.log.counts[kind] += 1
-            self.log.events.append((time.time(), kind, target))
+            self.log.events.append((began, kind, target))
 
     def _wait_whole(self) -> None:
         """Until every process is back and every worker registered (a restarted worker loads its model first):

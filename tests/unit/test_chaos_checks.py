@@ -6,6 +6,7 @@ over a handful of records."""
 from __future__ import annotations
 
 import argparse
+import time
 from collections import Counter
 from types import SimpleNamespace
 
@@ -45,6 +46,31 @@ def test_kinds_are_the_injectors_methods():
 
     assert all(callable(getattr(Injector, k, None)) for k in KINDS)
     assert set(TAKE_NOTHING_AWAY) < set(KINDS)
+
+
+def test_a_fault_is_logged_at_the_moment_it_began(monkeypatch):
+    """A SIGSTOP lasts past the status TTL; its event's time is the SIGSTOP's, not the SIGCONT's, so a request in
+    flight at the stop and finished elsewhere before the SIGCONT counts as handed over (seed 131 failed a run on
+    such a request while the time logged was the SIGCONT's)."""
+    import signal
+
+    from services.chaos import faults
+
+    monkeypatch.setattr(faults, "STATUS_TTL_S", 0.0)
+    seen: list[tuple[float, int]] = []
+    fleet = SimpleNamespace(workers=[SimpleNamespace(name="w1")], ready=lambda: True,
+                                  signal=lambda child, sig: seen.append((time.time(), sig)))
+    injector = faults.Injector(fleet, seed=0, kinds=("worker_sigstop",), interval_s=(0.0, 0.0))
+    injector.start()
+    deadline = time.time() + 10
+    while not injector.log.events and time.time() < deadline:
+        time.sleep(0.05)
+    injector.stop()
+    [(began, kind, target), *_] = injector.log.events
+    stop_at, cont_at = seen[0][0], next(t for t, sig in seen if sig == signal.SIGCONT)
+    assert (kind, target, seen[0][1]) == ("worker_sigstop", "w1", signal.SIGSTOP)
+    assert began <= stop_at < cont_at - 0.9
+    assert injector.log.handover_during(stop_at - 0.1, cont_at - 0.1) == "worker_sigstop"  # in flight at the stop
 
 
 def test_the_load_uses_every_door():
