@@ -114,6 +114,7 @@ class Intake:
         self.own, self.shared = keys.req_stream(worker_id, self.shard), keys.req_any(self.shard)
         self._stop = threading.Event()
         self._dead: list[str] = []
+        self._shard_streams: list[str] = []  # the request streams, as the last scan that found a dead one read them
         self._next_scan = 0.0
         self._on_redis_since = float("-inf")  # monotonic: its Redis calls have gone through without a break since
         self._off_redis = threading.local()  # .s: seconds of a reader thread's turn spent on other work (compiles)
@@ -316,8 +317,11 @@ class Intake:
             self._dead = []
             return
         self._dead = [w for w, s in streams.other_workers(self.r, self.worker_id, self.shard).items() if s is None]
+        if not self._dead:
+            return
+        self._shard_streams = streams.request_streams(self.r, self.shard)  # for the prunes and _claim_dead
         for dead in list(self._dead):
-            if streams.prune_dead_worker(self.r, dead, self.shard):
+            if streams.prune_dead_worker(self.r, dead, self.shard, self._shard_streams):
                 log.info("forgot dead worker %s", dead)
                 self._dead.remove(dead)
 
@@ -325,7 +329,7 @@ class Intake:
         """Claim everything dead workers left pending, whether or not this worker has room (the engine queues
         what it cannot run yet); their output so far seeds each Job. On every stream of the shard: a worker that
         read new entries on the stream of a worker it took for dead (that one restarted, say) holds them there."""
-        owners = streams.pending_owners(self.r, streams.request_streams(self.r, self.shard))
+        owners = streams.pending_owners(self.r, self._shard_streams)
         return sum(self._claim(stream, dead, min_idle_ms=CLAIM_MIN_IDLE_MS)
                    for stream, held in owners.items() for dead in self._dead if dead in held)
 

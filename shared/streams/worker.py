@@ -190,12 +190,14 @@ return 1
 """)
 
 
-def prune_dead_worker(r: redis.Redis, dead: str, shard: int = 0) -> bool:
+def prune_dead_worker(r: redis.Redis, dead: str, shard: int = 0, shard_streams: Sequence[str] | None = None) -> bool:
     """Forget a dead worker of the shard that left nothing behind (no status, its own stream empty, nothing
-    pending on it in the shard's other streams: `request_streams`): delete its stream and reservations, drop it
-    from the shard's workers and from the other streams' groups, atomically. False: it still has requests to
-    take over (or came back)."""
-    others = [s for s in request_streams(r, shard) if s != keys.req_stream(dead, shard)]
+    pending on it in the shard's other streams: `request_streams`, read here unless the caller just did): delete
+    its stream and reservations, drop it from the shard's workers and from the other streams' groups,
+    atomically. False: it still has requests to take over (or came back)."""
+    if shard_streams is None:
+        shard_streams = request_streams(r, shard)
+    others = [s for s in shard_streams if s != keys.req_stream(dead, shard)]
     return bool(run_script(r, _PRUNE_DEAD, [keys.status(dead, shard), keys.req_stream(dead, shard),
                                             keys.reserved(dead, shard), keys.workers(shard), *others],
                            [keys.GROUP, dead]))
