@@ -9,7 +9,9 @@ the requests nobody reads (gpu_worker.serve.intake). A lease the relay stopped t
 
 A refresh that finds a held lease gone tells the relay its request is lost (`is_lost`): Redis lost its data
 (a restart without persistence or the last second of an AOF, a FLUSHALL), or this gateway stalled past the
-TTL and the worker aborted the request. Either way nobody will answer it: the relay places it again.
+TTL and the worker aborted the request. Either way nobody will answer it: the relay places it again. (When
+the worker's abort chunk reaches the relay before a refresh has run, the relay finds the lease gone itself:
+gateway.relay._let_go.)
 
 The same round trip shortens the expiry of the output streams the relays are done with (`read_out`: the
 streams a relay restored its chunks into when it placed a request again, gateway.relay): no PEXPIRE of its

@@ -1,7 +1,7 @@
 """The fault injector: one fault at a time, a few seconds apart: each kind once, then at random, all from a
-fixed seed. A fault that takes a part of the fleet away (a worker, a gateway, Redis) waits until the fleet is
-whole again (a stopped worker continued, a killed one restarted and registered, Redis started again), so at
-most one part is away at once; the others (CLIENT KILL, poison) come on time, while a part may be restarting.
+fixed seed. A fault that takes a part of the fleet away (a worker, a gateway, Redis: killed, or hung by SIGSTOP)
+waits until the fleet is whole again (a stopped part continued, a killed one restarted and registered, Redis
+started again), so at most one part is away at once; the others (CLIENT KILL, poison) come on time, while a part may be restarting.
 Redis outages are kept as time windows: a 503 redis_unavailable / redis_lost_request is expected only within
 one."""
 
@@ -16,16 +16,19 @@ from dataclasses import dataclass, field
 
 from services.chaos.fleet import STATUS_TTL_S, ChaosFleet
 from shared import streams
+from shared.settings import Settings
 
-KINDS = ("worker_sigkill", "worker_sigterm", "worker_sigstop", "gateway_sigkill", "redis_restart",
-         "redis_client_kill", "poison")
+KINDS = ("worker_sigkill", "worker_sigterm", "worker_sigstop", "gateway_sigkill", "gateway_sigstop", "redis_restart",
+         "redis_sigstop", "redis_client_kill", "poison")
 # kinds after which a request in flight may be resumed by another worker from the tokens it had sent: the new
 # worker computes their keys and values in one prefill, not token by token, so its logits can differ in the
 # last bits, and a seeded sampled continuation may take another token where two were near-equal
-HANDOVER = ("worker_sigkill", "worker_sigterm", "worker_sigstop", "redis_restart")
+# (a hung gateway or Redis: the request's lease lapses, and its gateway places it again after what it relayed)
+HANDOVER = ("worker_sigkill", "worker_sigterm", "worker_sigstop", "gateway_sigstop", "redis_restart", "redis_sigstop")
 TAKE_NOTHING_AWAY = ("redis_client_kill", "poison")  # kinds that need no whole fleet to hit
 WHOLE_TIMEOUT_S = 180.0  # a fleet not whole again by then: the next fault comes anyway (and the checks tell)
 REDIS_AFTERMATH_S = 20.0  # 503s this long after Redis is back are still the outage's (readers' backoff)
+LEASE_TTL_S = Settings().lease_ttl_s  # the fleet's (the soak leaves the default)
 
 
 @dataclass
@@ -119,6 +122,31 @@ class Injector:
         g = self.rng.choice(self.fleet.gateways)
         self.fleet.signal(g, signal.SIGKILL)
         return g.name
+
+    def gateway_sigstop(self) -> str:
+        """A hung gateway, past the lease TTL: the workers take its requests for abandoned and abort them; when it
+        goes on it places them again after what it relayed, and its clients, which only waited, get every token
+        once."""
+        g = self.rng.choice(self.fleet.gateways)
+        self.fleet.signal(g, signal.SIGSTOP)
+        try:
+            self._stop.wait(LEASE_TTL_S + self.rng.uniform(1.0, 5.0))
+        finally:
+            self.fleet.signal(g, signal.SIGCONT)
+        return g.name
+
+    def redis_sigstop(self) -> str:
+        """A hung Redis (every connection open, every command waiting), past the status TTL and at times the
+        lease TTL, under the readers' grace (15 s): statuses and leases expire as if it were gone, but nothing
+        was lost; no live worker may take another's requests over, nothing accepted may fail."""
+        down = time.time()
+        self.fleet.pause_redis()
+        try:
+            self._stop.wait(self.rng.uniform(STATUS_TTL_S + 1.0, 12.0))
+        finally:
+            self.fleet.resume_redis()
+        self.log.redis_windows.append((down, time.time() + REDIS_AFTERMATH_S))
+        return f"port {self.fleet.redis.port}"
 
     def redis_restart(self) -> str:
         down = time.time()

@@ -71,6 +71,7 @@ class ChaosFleet:
         self.env: dict[str, str] = {}
         self._lock = threading.Lock()
         self._stopping = threading.Event()
+        self._redis_paused = False
         self._supervisor = threading.Thread(target=self._supervise, name="chaos-supervisor", daemon=True)
 
     def _add(self, name: str, role: str, args: list[str]) -> None:
@@ -140,6 +141,15 @@ class ChaosFleet:
         proc.wait()
         self.redis.proc = None
 
+    def pause_redis(self) -> None:
+        """SIGSTOP: Redis hangs, its connections open; `resume_redis` (SIGCONT) lets it go on."""
+        os.kill(self.redis.proc.pid, signal.SIGSTOP)
+        self._redis_paused = True
+
+    def resume_redis(self) -> None:
+        os.kill(self.redis.proc.pid, signal.SIGCONT)
+        self._redis_paused = False
+
     def start_redis(self) -> None:
         port = self.redis.port
         self.redis.start()
@@ -154,6 +164,8 @@ class ChaosFleet:
             if p.poll() is None:
                 os.kill(p.pid, signal.SIGCONT)
         stop_all(procs, grace_s=15)
+        if self._redis_paused:
+            self.resume_redis()
         self.redis.stop()
 
     # ---- probes -----------------------------------------------------------------------------------

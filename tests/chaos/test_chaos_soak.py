@@ -2,8 +2,9 @@
 Llama, 2 gateway replicas, a Celery worker) under a steady mixed load (the real `openai` client whole, cancelled
 and disconnecting; the Python client whole and cancelled with Handle.cancel(); Celery tasks; small batch files
 through `kvfleet batch`), while every fault kind is injected (each once, then at random, from a fixed seed):
-worker SIGKILL / SIGTERM / SIGSTOP past the status TTL, gateway SIGKILL, Redis SIGKILL and restart on the same
-AOF and port, CLIENT KILL of every connection, poison requests. Then: zero lost, zero duplicated, outputs of
+worker SIGKILL / SIGTERM / SIGSTOP past the status TTL, gateway SIGKILL and SIGSTOP past the lease TTL, Redis
+SIGKILL and restart on the same AOF and port, Redis SIGSTOP past the status TTL (a hang: connections open, commands
+waiting), CLIENT KILL of every connection, poison requests. Then: zero lost, zero duplicated, outputs of
 every door equal to the fault-free reference, no unexpected 5xx, poison refused with a 4xx, no process gone or
 crashed (the Celery worker included), no work left in the workers, Redis memory back to its baseline.
 

@@ -2,7 +2,11 @@
 and the worker aborts the request once the lease lapsed (lease TTL + a few seconds): its blocks come back,
 its output ends with an "abort" chunk, its entry is acked. A stream through a live gateway outlasts many
 TTLs (its lease is refreshed), and a request the Python client placed has no lease: a job that runs to the
-end even when nobody reads it. The worker is the real one with slower forwards (tests/slow_worker.py)."""
+end even when nobody reads it. A gateway that hangs (SIGSTOP) past the TTL mid-stream finds, when it goes on,
+that the worker aborted its request: it places it again after what it had relayed, and its client gets the whole
+answer, each token once. So does the client of a stream through a Redis that hangs past the TTL, and requests
+sent during the hang are answered after it. The worker is the real one with slower forwards
+(tests/slow_worker.py)."""
 
 from __future__ import annotations
 
@@ -61,18 +65,25 @@ class Stream(threading.Thread):
         super().__init__(daemon=True)
         self.url, self.max_tokens, self.model = fleet.url(port), max_tokens, fleet.model
         self.request_id, self.events, self.finish, self.error = None, 0, None, None
+        self.text, self.usage = "", None
 
     def run(self) -> None:
         body = {"model": self.model, "prompt": PROMPT, "max_tokens": self.max_tokens, "temperature": 0,
-                "stream": True, "ignore_eos": True}
+                "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
         try:
             with httpx.stream("POST", self.url + "/v1/completions", json=body, timeout=120,
                               headers={"Authorization": f"Bearer {API_KEY}"}) as resp:
                 self.request_id = resp.headers["x-request-id"]
                 for line in resp.iter_lines():
                     if line.startswith("data: {"):
-                        choice = json.loads(line[6:])["choices"][0]
+                        event = json.loads(line[6:])
+                        if event.get("usage"):
+                            self.usage = event["usage"]
+                        if not event.get("choices"):
+                            continue
+                        choice = event["choices"][0]
                         self.events += 1
+                        self.text += choice["text"]
                         self.finish = choice.get("finish_reason") or self.finish
         except httpx.HTTPError as e:  # the killed gateway's stream breaks off
             self.error = e
@@ -127,3 +138,71 @@ def test_a_request_the_python_client_placed_runs_to_the_end_unread(fleet, r):
     assert not r.exists(keys.lease(rid))  # fire and forget: the client closed and nobody reads it
     final = fleet.wait_for(lambda: final_chunk(r, rid), timeout_s=60, what="the client's request to finish")
     assert final.finish_reason == "length" and final.usage.completion_tokens == 250
+
+
+def test_a_gateway_that_hangs_past_the_lease_ttl_places_its_request_again(fleet, r):
+    """SIGSTOP the gateway mid-stream for longer than the lease TTL and the worker's confirmation: the worker
+    aborts the request (nobody seemed to read it), its blocks come back. On SIGCONT the gateway's lease refresh
+    finds the lease gone, and it places the request again after what it had relayed. Its client, which only
+    waited, gets the whole greedy answer, each token once, as an undisturbed stream does."""
+    reference = Stream(fleet, fleet.live, max_tokens=300)
+    reference.run()
+    assert reference.error is None and reference.finish == "length", reference.error
+    free_before = status(r).free_blocks
+
+    hung = Stream(fleet, fleet.live, max_tokens=300)
+    hung.start()
+    fleet.wait_for(lambda: hung.events >= 5, what="the stream to get going")
+    rid = hung.request_id
+    gateway = fleet.gateways[fleet.live].pid
+    os.kill(gateway, signal.SIGSTOP)
+    try:
+        final = fleet.wait_for(lambda: final_chunk(r, rid), timeout_s=TTL_S + 15, what="the worker to abort it")
+        assert final.finish_reason == "abort", final
+        fleet.wait_for(lambda: status(r).running == 0, what="the worker to let the request go")
+    finally:
+        os.kill(gateway, signal.SIGCONT)
+    hung.join(90)
+    assert not hung.is_alive(), fleet.tail()
+    assert hung.error is None and hung.finish == "length", (hung.error, fleet.tail())
+    assert hung.text == reference.text  # each token once: nothing skipped, nothing twice
+    assert hung.usage["completion_tokens"] == 300, hung.usage
+    log = fleet.logs[f"gateway-{fleet.live}"].read_text(errors="replace")
+    assert f"placed again as {rid}~1" in log, fleet.tail()
+    fleet.wait_for(lambda: (s := status(r)).running == 0 and s.free_blocks == free_before,
+                   what="the worker to be idle with every block free")
+
+
+def test_a_redis_that_hangs_past_the_lease_ttl_fails_nothing(fleet, r):
+    """SIGSTOP redis-server mid-stream for 5 s (2.5 lease TTLs; under the grace and the clients' timeouts): every
+    connection stays open, every command waits, the stream's lease expires. When Redis goes on, the gateway's
+    refresh finds the lease gone (or the worker's abort comes first) and places the request again after what it
+    had relayed; its client gets the whole greedy answer, each token once. Two requests sent during the hang
+    are answered whole after it. Nothing exits."""
+    reference = Stream(fleet, fleet.live, max_tokens=300)
+    reference.run()
+    assert reference.error is None and reference.finish == "length", reference.error
+    hung = Stream(fleet, fleet.live, max_tokens=300)
+    hung.start()
+    fleet.wait_for(lambda: hung.events >= 5, what="the stream to get going")
+    late = [Stream(fleet, fleet.live, max_tokens=100) for _ in range(2)]
+    redis_pid = fleet.redis.proc.pid
+    os.kill(redis_pid, signal.SIGSTOP)
+    try:
+        for stream in late:
+            stream.start()
+        time.sleep(5)
+        assert hung.is_alive() and not any(s.events for s in late), "answered while Redis hung"
+    finally:
+        os.kill(redis_pid, signal.SIGCONT)
+    for stream in (hung, *late):
+        stream.join(90)
+        assert not stream.is_alive(), fleet.tail()
+    assert hung.error is None and hung.finish == "length", (hung.error, fleet.tail())
+    assert hung.text == reference.text and hung.usage["completion_tokens"] == 300, hung.usage
+    for stream in late:
+        assert stream.error is None and stream.finish == "length", (stream.error, fleet.tail())
+        assert stream.text == reference.text[:len(stream.text)] and stream.usage["completion_tokens"] == 100
+    log = fleet.logs[f"gateway-{fleet.live}"].read_text(errors="replace")
+    assert f"placed again as {hung.request_id}~1" in log, fleet.tail()
+    assert fleet.workers[WID].poll() is None and fleet.gateways[fleet.live].poll() is None, fleet.tail()

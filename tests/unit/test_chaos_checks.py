@@ -6,6 +6,7 @@ over a handful of records."""
 from __future__ import annotations
 
 import argparse
+import threading
 import time
 from collections import Counter
 from types import SimpleNamespace
@@ -71,6 +72,36 @@ def test_a_fault_is_logged_at_the_moment_it_began(monkeypatch):
     assert (kind, target, seen[0][1]) == ("worker_sigstop", "w1", signal.SIGSTOP)
     assert began <= stop_at < cont_at - 0.9
     assert injector.log.handover_during(stop_at - 0.1, cont_at - 0.1) == "worker_sigstop"  # in flight at the stop
+
+
+def test_a_hang_always_ends_and_a_redis_hang_is_an_outage_window(monkeypatch):
+    """gateway_sigstop and redis_sigstop continue what they stopped, even when the soak stops during the hang;
+    a Redis hang is logged as an outage window (503s inside it are expected, and a request over it may be
+    resumed elsewhere), a gateway hang as a handover."""
+    import signal
+
+    from services.chaos import faults
+
+    monkeypatch.setattr(faults, "LEASE_TTL_S", 30.0)  # longer than the test: only stop() ends the hangs
+    monkeypatch.setattr(faults, "STATUS_TTL_S", 30.0)
+    seen: list[tuple[str, int]] = []
+    fleet = SimpleNamespace(gateways=[SimpleNamespace(name="gateway-1")], redis=SimpleNamespace(port=7),
+                            signal=lambda child, sig: seen.append((child.name, sig)),
+                            pause_redis=lambda: seen.append(("redis", signal.SIGSTOP)),
+                            resume_redis=lambda: seen.append(("redis", signal.SIGCONT)))
+    for kind, target in (("gateway_sigstop", "gateway-1"), ("redis_sigstop", "redis")):
+        injector = faults.Injector(fleet, seed=0, kinds=(kind,))
+        hang = threading.Thread(target=getattr(injector, kind))
+        began = time.time()
+        hang.start()
+        time.sleep(0.3)
+        assert hang.is_alive() and seen[-1] == (target, signal.SIGSTOP)
+        injector._stop.set()  # the soak ends mid-hang
+        hang.join(5)
+        assert not hang.is_alive() and seen[-1] == (target, signal.SIGCONT)
+        injector.log.events.append((began, kind, target))
+        assert injector.log.handover_during(began - 1, began + 1) == kind
+        assert injector.log.in_redis_outage(began, began + 1) == (kind == "redis_sigstop")
 
 
 def test_the_load_uses_every_door():
