@@ -5,6 +5,7 @@ what needs the model (top_k, stop_token_ids and logit_bias keys against the voca
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from typing import Annotated, Any, Literal
@@ -26,8 +27,12 @@ from shared.sampling_params import (
     structured_error,
 )
 
+log = logging.getLogger("kvfleet.gateway")
+
 PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1  # a signed 32-bit integer; lower runs first
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_IGNORED_LOGGED: set[str] = set()  # request fields this process warned it ignores (each once)
+MAX_IGNORED_LOGGED = 256  # names are the clients' to choose: the set stays small
 
 
 def invalid(param: str, message: str) -> PydanticCustomError:
@@ -174,6 +179,20 @@ class _SamplingFields(BaseModel):
                                              "streaming, or use echo with logprobs on /v1/completions")
         return self
 
+    @model_validator(mode="wrap")
+    @classmethod
+    def _warn_ignored_fields(cls, data: Any, handler: Any) -> Any:
+        """Fields this API does not know are ignored, as vLLM and OpenAI's clients expect (a newer client's field,
+        a provider's extension), and named in a warning, each once per process (vLLM warns on every request)."""
+        result = handler(data)
+        if isinstance(data, dict) and len(_IGNORED_LOGGED) < MAX_IGNORED_LOGGED:
+            new = sorted(str(k) for k in data.keys() - cls.model_fields.keys() - _IGNORED_LOGGED)
+            if new:
+                _IGNORED_LOGGED.update(new)
+                log.warning("%s: ignoring field(s) this API does not know: %s (each named once)", cls.__name__,
+                            ", ".join(new[:20]))
+        return result
+
     @model_validator(mode="before")
     @classmethod
     def _no_lone_surrogates(cls, data: Any, info: ValidationInfo) -> Any:
@@ -231,6 +250,16 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = Field(None, ge=1, le=MAX_N, description="only best_of == n (kvfleet does not rank)")
     echo: bool = Field(False, description="the prompt before the completion; with logprobs, the prompt tokens' "
                                           "logprobs too (the first is null), as OpenAI's legacy completions")
+    suffix: str | None = Field(None, description="not supported: a non-empty suffix is a 400 (as in vLLM)")
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, suffix: str | None) -> str | None:
+        if suffix:
+            raise invalid("", "is not supported: kvfleet completes the prompt left to right (inserting before a "
+                              "suffix needs a fill-in-the-middle prompt format; vLLM refuses it as well); put "
+                              "the text in the prompt, or send no suffix")
+        return suffix
 
     @model_validator(mode="after")
     def _best_of_is_n(self) -> CompletionRequest:

@@ -48,6 +48,7 @@ def test_each_bad_field_gets_400_naming_it_and_the_fleet_keeps_serving(fleet, vo
         ({"seed": 2**64}, "seed", "9223372036854775807"),
         ({"n": 65}, "n", "64"),
         ({"best_of": 3}, "best_of", "must equal n"),
+        ({"suffix": "\n}"}, "suffix", "not supported"),
         ({"logprobs": 21}, "logprobs", "20"),
         ({"max_tokens": 2**40}, "max_tokens", "2147483647"),
         ({"min_tokens": 9, "max_tokens": 4}, "min_tokens", "<= max_tokens"),

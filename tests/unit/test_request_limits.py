@@ -76,6 +76,7 @@ def test_chat_fields_and_content_parts(body, param, words):
     ({"logit_bias": {"5": 101}}, "logit_bias.5", "[-100, 100]"),
     ({"logit_bias": {"x": 1}}, "logit_bias.x", "token ids"),
     ({"best_of": 2, "n": 1}, "best_of", "must equal n"),
+    ({"suffix": "}"}, "suffix", "not supported"),
     ({"prompt": [[1, -5]]}, "prompt[0][1]", "0"),
     ({"prompt": "\udfff"}, "prompt", "surrogate"),
     ({"user": "ok", "stop": ["\ud83d"]}, "stop[0]", "surrogate"),
@@ -278,3 +279,15 @@ def test_structured_outputs_reach_the_sampling_params_in_one_form():
     assert spec(response_format={"type": "text"}) is None and spec() is None
     assert spec(guided_choice=["a", "b"]) == {"choice": ["a", "b"]}
     assert spec(guided_grammar='root ::= "x"') == {"grammar": 'root ::= "x"'}
+
+
+def test_unknown_fields_are_ignored_and_named_once(caplog):
+    """As vLLM: a field this API does not know (a newer client's, a provider's extension) is no error, but the
+    gateway names it in a warning, once per process; an empty suffix is no suffix."""
+    body = {"model": "m", "prompt": "hi", "suffix": "", "kvfleet_test_unknown": 1, "kvfleet_test_other": {"a": 1}}
+    with caplog.at_level("WARNING", logger="kvfleet.gateway"):
+        for _ in range(3):
+            assert CompletionRequest.model_validate(body).suffix == ""
+    warned = [r.getMessage() for r in caplog.records if "does not know" in r.getMessage()]
+    assert warned == ["CompletionRequest: ignoring field(s) this API does not know: kvfleet_test_other, "
+                      "kvfleet_test_unknown (each named once)"], warned
