@@ -7,11 +7,15 @@ lease is left to expire. When the gateway dies the refreshes stop, the leases la
 the requests nobody reads (gpu_worker.serve.intake). A lease the relay stopped touching for request_timeout_s
 (a relay that never started) is dropped, so none is held forever.
 
-A refresh that finds a held lease gone tells the relay its request is lost (`is_lost`): Redis lost its data
-(a restart without persistence or the last second of an AOF, a FLUSHALL), or this gateway stalled past the
-TTL and the worker aborted the request. Either way nobody will answer it: the relay places it again. (When
-the worker's abort chunk reaches the relay before a refresh has run, the relay finds the lease gone itself:
-gateway.relay._let_go.)
+A refresh that finds a held lease gone (its SET puts it back) looks for the request's stream entry in the
+same turn. Still there (queued, or pending on its worker: not acked), the lease only lapsed while Redis or
+this gateway stalled, and the request goes on: the worker confirms a lapse on two reads 2 s apart, and the
+lease is back before the second (a Redis stall past the TTL would otherwise have every request in flight
+placed again at once). Gone, the request is lost (`is_lost`): Redis lost its data (a restart without
+persistence or the last second of an AOF, a FLUSHALL), or the worker let the request go (this gateway
+stalled past the TTL and the worker's confirmation, and the worker aborted it), or the entry moved (handed
+back, forwarded): the relay places it again. (A worker's abort that reaches the relay before a refresh has
+run tells it the same: gateway.relay.)
 
 The same round trip shortens the expiry of the output streams the relays are done with (`read_out`: the
 streams a relay restored its chunks into when it placed a request again, gateway.relay): no PEXPIRE of its
@@ -36,14 +40,17 @@ class Leases:
         self.ttl_s, self.max_idle_s, self.read_out_ttl_s = ttl_s, max_idle_s, read_out_ttl_s
         self.held: dict[str, float] = {}  # request id -> loop time after which it is dropped unless touched
         self.shards: dict[str, int] = {}  # request id -> the shard its lease is in
+        self.entries: dict[str, tuple[str, str]] = {}  # request id -> its request-stream entry (stream, id)
         self.lost: set[str] = set()  # held requests whose lease a refresh found gone
         self.read_out: list[str] = []  # output streams read to their end, to expire in read_out_ttl_s
         self._task: asyncio.Task | None = None
         self._r: Any = None
 
-    def hold(self, r: Any, request_id: str, shard: int) -> None:
-        """Keep the request's lease (set by its enqueue, in `shard`) refreshed until released."""
+    def hold(self, r: Any, request_id: str, shard: int, entry: tuple[str, str]) -> None:
+        """Keep the request's lease (set by its enqueue, in `shard`, of its request-stream `entry`) refreshed until
+        released."""
         self.shards[request_id] = shard
+        self.entries[request_id] = entry
         self.touch(request_id)
         self._r = r
         self._run()
@@ -65,6 +72,7 @@ class Leases:
         """Its relay ended: stop refreshing (the key expires within the TTL)."""
         self.held.pop(request_id, None)
         self.shards.pop(request_id, None)
+        self.entries.pop(request_id, None)
         self.lost.discard(request_id)
 
     def is_lost(self, request_id: str) -> bool:
@@ -86,14 +94,23 @@ class Leases:
                 log.warning("lease on %s dropped: its relay did not touch it for %.0fs", rid, self.max_idle_s)
                 del self.held[rid]
                 self.shards.pop(rid, None)
+                self.entries.pop(rid, None)
             read_out, self.read_out = self.read_out, []
             try:
                 gone = await streams.ahold_leases(r, {rid: self.shards.get(rid, 0) for rid in self.held}, self.ttl_s,
                                                   expire=read_out,
                                                   expire_s=self.read_out_ttl_s) & self.held.keys()
                 if gone:
-                    log.warning("%d lease(s) were gone from Redis (lost with its data, or lapsed): %s",
-                                len(gone), ", ".join(sorted(gone)[:5]))
+                    going = await streams.aentries_exist(r, {rid: self.entries[rid] for rid in gone
+                                                             if rid in self.entries})
+                    if going:
+                        log.warning("%d lease(s) had lapsed (Redis or this gateway stalled past the TTL), their "
+                                    "requests still queued or running: set again, %s", len(going),
+                                    ", ".join(sorted(going)[:5]))
+                    gone -= going
+                if gone:
+                    log.warning("%d lease(s) were gone from Redis with their requests (lost with its data, or let "
+                                "go by their workers): %s", len(gone), ", ".join(sorted(gone)[:5]))
                 self.lost |= gone
                 wait = self.ttl_s / 3
             except streams.RedisError as e:

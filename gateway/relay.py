@@ -42,8 +42,8 @@ async def relay(state: GatewayState, sub: Submitted) -> AsyncIterator[OutputChun
     chunk arrives within request_timeout_s (-> 504). Redis unreachable pauses the relay for up to
     redis_grace_s, then it goes on where it stopped; past the grace it ends with a 503 (an error event, then
     [DONE], when streaming). When Redis lost the request (restarted without its data or the last second of
-    its AOF, flushed; or the lease lapsed while this gateway or Redis stalled, found by a lease refresh or by
-    the worker's abort chunk, whichever comes first: `_let_go`) the relay places it again under a new
+    its AOF, flushed; or the worker let it go, its lease having lapsed while this gateway stalled: found by a
+    lease refresh, or by the worker's abort, which it never asked for) the relay places it again under a new
     id, with the chunks already relayed restored, so a worker resumes after them: the client sees every
     token once (MAX_REPLACEMENTS times; then a 503). So it does when the worker running it died (the worker
     that took its entry over hands it back: gateway.inbox.WorkerLost), up to max_deliveries times in all."""
@@ -57,7 +57,10 @@ async def relay(state: GatewayState, sub: Submitted) -> AsyncIterator[OutputChun
         while True:
             try:
                 async for chunk in _chunks(state, sub, relayed[-1].seq if relayed else -1):
-                    if chunk.final and chunk.finish_reason == "abort" and await _let_go(state, sub):
+                    if chunk.final and chunk.finish_reason == "abort" and leases is not None:
+                        # an abort it did not ask for (it cancels only once it has stopped reading, and nothing
+                        # else cancels what a gateway relays): the worker let the request go, its lease having
+                        # lapsed while this gateway (or Redis) stalled past the TTL
                         raise streams.OutputLost(f"request {sub.request_id}: its worker let it go, its lease having "
                                                  "lapsed while this gateway or Redis stalled (lease_ttl_s)")
                     if leases is not None:
@@ -117,22 +120,6 @@ def _chunks(state: GatewayState, sub: Submitted, after_seq: int) -> AsyncIterato
                                 expire_after_s=settings.output_ttl_after_read_s, grace_s=settings.redis_grace_s,
                                 entry=entry, after_seq=after_seq, lost=lost,
                                 expire_later=leases.expire_later if leases is not None else None)
-
-
-async def _let_go(state: GatewayState, sub: Submitted) -> bool:
-    """The relay reads an abort it did not ask for (it cancels only once it has stopped reading, and nothing
-    else cancels the requests a gateway relays): did the worker let the request go because its lease lapsed
-    (this gateway or Redis stalled past the lease TTL, and the worker took it for abandoned)? Yes when a
-    refresh found the lease gone, or it is gone now (the refresh has not run since the stall)."""
-    leases = state.leases
-    if leases is None:
-        return False
-    if leases.is_lost(sub.request_id):
-        return True
-    try:
-        return not await streams.alease_held(state.redis, sub.request_id, sub.placement.shard)
-    except streams.RedisError:
-        return True  # no way to tell: placing it again beats an abort its client never asked for
 
 
 async def _stranded(state: GatewayState, shard: int) -> bool:

@@ -56,7 +56,7 @@ from shared.streams.jobs import (  # noqa: F401
     areplace_job,
     arequest_in_fleet,
 )
-from shared.streams.leases import ahold_leases, alease_held, leases_alive  # noqa: F401
+from shared.streams.leases import ahold_leases, leases_alive  # noqa: F401
 from shared.streams.multiplexed import Multiplexed, multiplexed  # noqa: F401
 from shared.streams.output import (  # noqa: F401
     ChunkDeduper,
@@ -67,6 +67,7 @@ from shared.streams.output import (  # noqa: F401
     acreate_inbox,
     add_chunk_commands,
     adelete_inbox,
+    aentries_exist,
     aentry_exists,
     aiter_output,
     akeep_inbox,

@@ -30,11 +30,6 @@ async def ahold_leases(r: aioredis.Redis, request_ids: Mapping[str, int], ttl_s:
     return {rid for rid, old in zip(ids, previous, strict=True) if old is None}
 
 
-async def alease_held(r: aioredis.Redis, request_id: str, shard: int = 0) -> bool:
-    """Is the request's lease in Redis now? One EXISTS."""
-    return bool(await r.exists(keys.lease(request_id, shard)))
-
-
 def leases_alive(r: redis.Redis, request_ids: list[str], shard: int = 0) -> set[str]:
     """Which of `request_ids` (all in `shard`) still have their lease: one MGET."""
     if not request_ids:

@@ -11,7 +11,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import Any
 
 import redis
@@ -239,6 +239,19 @@ def output_exists(r: redis.Redis, request_id: str, shard: int = 0) -> bool:
 async def aentry_exists(r: aioredis.Redis, stream: str, entry_id: str) -> bool:
     """The request-stream entry is still there (queued, or pending on a worker): not acked yet."""
     return bool(await r.xrange(stream, entry_id, entry_id))
+
+
+async def aentries_exist(r: aioredis.Redis, entries: Mapping[str, tuple[str, str]]) -> set[str]:
+    """Of `entries` (a name -> its request-stream entry (stream, id)), the names whose entry is still there
+    (queued, or pending on a worker: not acked). One round trip; the same shard's keys share a slot."""
+    names = list(entries)
+    if not names:
+        return set()
+    pipe = r.pipeline(transaction=False)
+    for name in names:
+        stream, entry_id = entries[name]
+        pipe.xrange(stream, entry_id, entry_id)
+    return {name for name, found in zip(names, await pipe.execute(), strict=True) if found}
 
 
 async def aoutput_exists(r: aioredis.Redis, request_id: str, shard: int = 0) -> bool:

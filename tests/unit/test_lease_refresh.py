@@ -1,7 +1,8 @@
 """gateway.leases alone, against a recording stand-in for the asyncio Redis client: every lease a gateway
 holds is refreshed in one pipelined round trip per turn (never one per request); released leases and those
 no relay touched for max_idle_s are not refreshed; a failed refresh is retried soon. And the worker side's
-rule (gpu_worker.serve.intake): a lease must stay gone for LEASE_CONFIRM_S before its request is cancelled."""
+rule (gpu_worker.serve.intake): a lease must stay gone for LEASE_CONFIRM_S before its request is cancelled. A lease
+found gone while its request's entry is still there lapsed in a stall: set again, not lost."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.unit
 
 class Pipe:
     def __init__(self, redis: FakeRedis):
-        self.redis, self.sets = redis, []
+        self.redis, self.sets, self.ranges = redis, [], []
 
     def set(self, key, value, px, get):
         assert get  # SET ... GET: the refresh learns which leases were gone
@@ -29,7 +30,15 @@ class Pipe:
     def pexpire(self, key, ms):
         self.redis.expired.append((key, ms, len(self.redis.round_trips)))
 
+    def xrange(self, stream, first, last):
+        assert first == last  # one entry
+        self.ranges.append((stream, first))
+
     async def execute(self):
+        if self.ranges:  # the entries of leases found gone: still there?
+            self.redis.entry_trips.append(self.ranges)
+            return [[(entry_id, {})] if (stream, entry_id) in self.redis.entries else []
+                    for stream, entry_id in self.ranges]
         if self.redis.fail:
             self.redis.fail -= 1
             raise streams.CONNECTION_ERRORS[0]("Redis away")
@@ -40,9 +49,15 @@ class Pipe:
 
 
 def place(leases: Leases, r: FakeRedis, rid: str) -> None:
-    """What placing a request does to its lease: the enqueue sets it (a SET, here), the gateway holds it."""
+    """What placing a request does to its lease: the enqueue sets it (a SET, here) with its stream entry, the
+    gateway holds it."""
     r.stored.add(keys.lease(rid))
-    leases.hold(r, rid, 0)
+    r.entries.add(entry(rid))
+    leases.hold(r, rid, 0, entry(rid))
+
+
+def entry(rid: str) -> tuple[str, str]:
+    return keys.req_stream("w0"), f"1-{ord(rid[0])}"
 
 
 class FakeRedis:
@@ -50,6 +65,8 @@ class FakeRedis:
         self.round_trips: list[list[tuple[str, int]]] = []
         self.fail = 0
         self.stored: set[str] = set()  # lease keys Redis holds (none ever expire here)
+        self.entries: set[tuple[str, str]] = set()  # request-stream entries not acked
+        self.entry_trips: list[list[tuple[str, str]]] = []
         self.expired: list[tuple[str, int, int]] = []  # (key, ms, the round trip it went with)
 
     def pipeline(self, transaction):
@@ -82,20 +99,27 @@ def test_every_held_lease_is_refreshed_in_one_round_trip_per_turn():
     assert trips[released_at:] == [kept] * (len(trips) - released_at), trips
 
 
-def test_a_lease_found_gone_marks_its_request_lost_until_released():
-    async def go(r: FakeRedis) -> tuple[bool, bool, bool]:
+def test_a_lease_found_gone_marks_its_request_lost_until_released_unless_its_entry_is_there():
+    """Gone with its request's entry: lost (Redis lost its data, or the worker let it go and acked it). Gone while
+    the entry is there (queued, or pending on its worker): the lease lapsed in a stall; the refresh's SET put it
+    back and the request goes on."""
+    async def go(r: FakeRedis) -> tuple[bool, bool, bool, bool]:
         leases = Leases(ttl_s=0.3, max_idle_s=60)
-        place(leases, r, "kept")
-        place(leases, r, "flushed")
+        for rid in ("kept", "flushed", "lapsed"):
+            place(leases, r, rid)
         assert not leases.is_lost("flushed")
-        r.stored.discard(keys.lease("flushed"))  # Redis lost it (a restart without its data, a FLUSHALL)
+        r.stored -= {keys.lease("flushed"), keys.lease("lapsed")}
+        r.entries.discard(entry("flushed"))  # Redis lost it (a restart without its data, a FLUSHALL)
         await asyncio.sleep(0.2)  # one refresh
-        lost = leases.is_lost("flushed"), leases.is_lost("kept")
+        lost = leases.is_lost("flushed"), leases.is_lost("kept"), leases.is_lost("lapsed")
         leases.release("flushed")
         await leases.close()
         return (*lost, leases.is_lost("flushed"))
 
-    assert asyncio.run(go(FakeRedis())) == (True, False, False)
+    r = FakeRedis()
+    assert asyncio.run(go(r)) == (True, False, False, False)
+    assert sorted(r.entry_trips[0]) == sorted([entry("flushed"), entry("lapsed")])  # one round trip for both
+    assert keys.lease("lapsed") in r.stored  # set again
 
 
 def test_an_untouched_lease_is_dropped_and_a_failed_refresh_is_retried():
