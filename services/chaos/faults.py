@@ -142,7 +142,7 @@ class Injector:
         down = time.time()
         self.fleet.pause_redis()
         try:
-            self._stop.wait(self.rng.uniform(STATUS_TTL_S + 1.0, 12.0))
+            self._stop.wait(self.rng.uniform(STATUS_TTL_S + 1.0, LEASE_TTL_S + 4.0))
         finally:
             self.fleet.resume_redis()
         self.log.redis_windows.append((down, time.time() + REDIS_AFTERMATH_S))
