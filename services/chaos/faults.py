@@ -1,7 +1,8 @@
 """The fault injector: one fault at a time, a few seconds apart: each kind once, then at random, all from a
 fixed seed. A fault that takes a part of the fleet away (a worker, a gateway, Redis: killed, or hung by SIGSTOP)
 waits until the fleet is whole again (a stopped part continued, a killed one restarted and registered, Redis
-started again), so at most one part is away at once; the others (CLIENT KILL, poison) come on time, while a part may be restarting.
+started again), so at most one part is away at once; the others (CLIENT KILL, poison) come on time, while a part
+may be restarting.
 Redis outages are kept as time windows: a 503 redis_unavailable / redis_lost_request is expected only within
 one."""
 
@@ -124,9 +125,9 @@ class Injector:
         return g.name
 
     def gateway_sigstop(self) -> str:
-        """A hung gateway, past the lease TTL: the workers take its requests for abandoned and abort them; when it
-        goes on it places them again after what it relayed, and its clients, which only waited, get every token
-        once."""
+        """A hung gateway, past the lease TTL: the workers take its requests for abandoned and abort them, and when
+        it goes on it places them again after what it relayed (or, back before a worker confirmed the lapse, it
+        sets the lease again and the worker goes on); its clients, which only waited, get every token once."""
         g = self.rng.choice(self.fleet.gateways)
         self.fleet.signal(g, signal.SIGSTOP)
         try:

@@ -163,9 +163,9 @@ class ChaosFleet:
         for p in procs:  # a SIGSTOPped child would never see the SIGTERM
             if p.poll() is None:
                 os.kill(p.pid, signal.SIGCONT)
-        stop_all(procs, grace_s=15)
-        if self._redis_paused:
+        if self._redis_paused:  # the workers drain through it
             self.resume_redis()
+        stop_all(procs, grace_s=15)
         self.redis.stop()
 
     # ---- probes -----------------------------------------------------------------------------------

@@ -6,8 +6,8 @@ end even when nobody reads it. A gateway that hangs (SIGSTOP) past the TTL mid-s
 that the worker aborted its request: it places it again after what it had relayed, and its client gets the whole
 answer, each token once. A Redis that hangs past the TTL mid-stream costs nothing but the wait: the gateway
 sets the lapsed lease again (the request's entry is still there) before the worker confirms the lapse, the
-stream goes on where it was, and requests sent during the hang are answered after it. The worker is the real one with slower forwards
-(tests/slow_worker.py)."""
+stream goes on where it was, and requests sent during the hang are answered after it. The worker is the real
+one with slower forwards (tests/slow_worker.py)."""
 
 from __future__ import annotations
 
