@@ -14,6 +14,8 @@ from gateway.router import POLICIES
 from shared import telemetry
 from shared.settings import Settings, hf_offline, redacted_url
 
+KEEP_ALIVE_S = 75  # nginx's keepalive_timeout: above every usual client pool and AWS ALB's 60 s
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", help="Redis URL (redis://, rediss://, with password); env KVFLEET_REDIS_URL")
@@ -29,6 +31,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_chat_arguments(p)
     p.add_argument("--graceful-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let open streams finish")
+    p.add_argument("--timeout-keep-alive", type=int, default=KEEP_ALIVE_S,
+                   help="seconds an idle HTTP/1.1 connection is kept open; keep it above the idle timeout of the "
+                        "clients' pools and the load balancer in front (httpx 5 s, aiohttp 15 s, AWS ALB 60 s), so "
+                        "that they close an idle connection first and never send a request into one the gateway "
+                        "is closing (uvicorn's own default, 5 s, races httpx's)")
     p.add_argument("--log-level", default="info", help='uvicorn log level: critical, error, warning, info, debug')
 
 
@@ -100,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         f"{len(settings.api_keys)} API key(s)" if settings.api_keys else "no API keys")
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                    timeout_graceful_shutdown=int(args.graceful_timeout))
+                    timeout_graceful_shutdown=int(args.graceful_timeout), timeout_keep_alive=args.timeout_keep_alive)
     finally:
         telemetry.shutdown()  # on a signal uvicorn exits by re-raising it: the app's lifespan flushes first
     return 0

@@ -8,6 +8,7 @@ import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -45,6 +46,33 @@ def client(fleet):
 @pytest.fixture(scope="module")
 def model(fleet):
     return os.path.basename(fleet.model)
+
+
+def _http_get(sock: socket.socket, path: str) -> bytes:
+    """One HTTP/1.1 GET on an open connection: the response's status line ('' if the gateway closed it)."""
+    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: gateway\r\n\r\n".encode())
+    data = b""
+    while b"\r\n\r\n" not in data:
+        more = sock.recv(65536)
+        if not more:
+            return b""
+        data += more
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head.split(b"\r\n", 1)[0]
+
+
+def test_an_idle_connection_outlives_the_clients_pools(fleet):
+    """The gateway keeps an idle HTTP/1.1 connection open past uvicorn's default 5 s (--timeout-keep-alive, 75
+    s): a client whose pool keeps it 5 s (httpx, the openai client) or 15 s (aiohttp) closes it first, and never
+    sends a request into one the gateway is closing ("Server disconnected without sending a response")."""
+    port = int(fleet.url().rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        assert _http_get(sock, "/livez") == b"HTTP/1.1 200 OK"
+        time.sleep(6)
+        assert _http_get(sock, "/livez") == b"HTTP/1.1 200 OK", "the gateway closed an idle connection after 6 s"
 
 
 def test_health_models_and_fleet_status(fleet, client, model):
