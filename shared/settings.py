@@ -44,6 +44,11 @@ class Settings:
     # A worker's status lives this long unless refreshed; heartbeats come every heartbeat_s.
     status_ttl_s: float = 5.0
     heartbeat_s: float = 1.0
+    # A worker whose main loop has not come round for this long is hung (an engine step that never returns): it
+    # logs where, removes its status (the others take its requests over) and exits 1; /livez fails past it too.
+    # Above the longest step the worker can take (a 2,048-token prefill of a large model on a few CPU cores
+    # takes minutes). 0: never.
+    engine_stall_s: float = 300.0
     status_max_hz: float = 20.0
     # free_blocks routing keeps this many blocks free on every worker for the requests it already runs.
     reserve_blocks: int = 2

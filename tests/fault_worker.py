@@ -7,6 +7,8 @@ into a stream and through the gateway:
   seed SAMPLER_SEED   the sampler raises whenever the request's row is in the batch (the engine samples
                       row by row)
   seed DETOK_SEED     detokenizing the request's tokens raises
+  seed HANG_SEED      the model runner never returns whenever the request is in the batch (the engine hangs:
+                      the worker's watchdog must notice)
   a cancel of KILL_CANCEL_THREAD  the cancel reader thread dies (SystemExit is not an error it survives)
 
     python tests/fault_worker.py --model DIR --worker-id W [kvfleet worker flags]
@@ -15,11 +17,12 @@ into a stream and through the gateway:
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-FORWARD_SEED, SAMPLER_SEED, DETOK_SEED = 4242, 4343, 4444
+FORWARD_SEED, SAMPLER_SEED, DETOK_SEED, HANG_SEED = 4242, 4343, 4444, 4545
 KILL_CANCEL_THREAD = "kill-the-cancel-thread"
 
 
@@ -31,17 +34,22 @@ def install() -> None:
     from shared import streams
 
     forward_poison: set[str] = set()
+    hanging: set[str] = set()
     add_request, execute, sample = LLMEngine.add_request, ModelRunner.execute, Sampler.__call__
     process = LLMEngine._process_new_tokens
 
     def add_request_hook(self, request_id, prompt_token_ids, params, **kw):
         if params.seed == FORWARD_SEED:
             forward_poison.update({request_id} | {f"{request_id}-{i}" for i in range(params.n)})
+        if params.seed == HANG_SEED:
+            hanging.add(request_id)
         return add_request(self, request_id, prompt_token_ids, params, **kw)
 
     def execute_hook(self, sched):
         if any(s.request_id in forward_poison for s in sched.seqs):
             raise RuntimeError("injected forward fault")
+        while any(s.request_id in hanging for s in sched.seqs):
+            time.sleep(1)  # an injected hang: the forward never returns (and holds no lock the writer needs)
         return execute(self, sched)
 
     def sample_hook(self, logits, rows):

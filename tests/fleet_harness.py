@@ -53,15 +53,19 @@ class Fleet:
         self.env["KVFLEET_REDIS_URL"] = self.redis.url  # secrets via the environment, as `kvfleet up` does
         return self
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+    def _spawn(self, name: str, args: list[str], command: list[str] | None = None) -> subprocess.Popen:
         log = self.log_dir / f"{name}.log"
         self.logs[name] = log
         with open(log, "ab") as f:
-            return subprocess.Popen([sys.executable, "-m", "services.cli", *args], cwd=REPO, env=self.env,
-                                    stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            return subprocess.Popen([sys.executable, *(command or ["-m", "services.cli"]), *args], cwd=REPO,
+                                    env=self.env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
-    def start_worker(self, worker_id: str, *flags: str) -> subprocess.Popen:
-        proc = self._spawn(worker_id, ["worker", "--model", self.model, "--worker-id", worker_id, *flags])
+    def start_worker(self, worker_id: str, *flags: str, script: str | None = None) -> subprocess.Popen:
+        """`script`: a file of tests/ that runs the worker with hooks (slow_worker.py, fault_worker.py) instead
+        of `python -m services.cli worker`."""
+        args = ["--model", self.model, "--worker-id", worker_id, *flags]
+        proc = (self._spawn(worker_id, ["worker", *args]) if script is None
+                else self._spawn(worker_id, args, command=[str(REPO / "tests" / script)]))
         self.workers[worker_id] = proc
         return proc
 

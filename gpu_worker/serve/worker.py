@@ -9,7 +9,8 @@ Faults stay local. A request the engine fails (finish_reason "error") or cannot 
 goes to kvfleet:dead; the rest carry on. The main loop survives unexpected errors (logged, retried after a
 backoff); it ends with exit status 1, so the supervisor restarts the worker and others take over what it
 held, only when the engine is broken (EngineFault), errors come MAX_TICK_FAILURES times in a row, or a
-reader or writer thread died. Until then, and after, /readyz says why it is not ready. A request another
+reader or writer thread died; and with exit status 1 from its watchdog when the main loop hangs
+(gpu_worker.serve.watchdog). Until then, and after, /readyz says why it is not ready. A request another
 worker took over (this one was paused past its status TTL) is aborted here once the outbox's writes for it
 are refused: it frees its blocks, and the worker carries on. So is one whose gateway's lease lapsed (the
 gateway died mid-stream): the intake cancels it, finish_reason "abort".
@@ -32,6 +33,7 @@ from gpu_worker.serve.metrics import WorkerMetrics
 from gpu_worker.serve.outbox import Outbox
 from gpu_worker.serve.request_telemetry import RequestTelemetry
 from gpu_worker.serve.request_tracker import Job, RequestTracker
+from gpu_worker.serve.watchdog import StallWatchdog
 from shared import keys, streams
 from shared.messages import ChunkError, DeadLetter, ErrorKind, WorkerStatus
 from shared.settings import Settings, redacted_url
@@ -82,6 +84,9 @@ class Worker:
                              metrics=self.metrics, on_regroup=self.outbox.republish, leased=self._leased,
                              precompile=getattr(self.engine, "grammars", None))
         self.intake.start(lambda: self.draining)  # (not ready while it waits for Redis: intake.redis_failing)
+        self.last_tick = time.monotonic()
+        StallWatchdog(self.worker_id, lambda: self.last_tick, self.settings.engine_stall_s,
+                      on_stall=lambda: self.outbox.close(timeout_s=2.0)).start()
         if not self.draining:  # (a signal while it waited for Redis at start: it took nothing, and stops)
             log.info("worker %s serving %s on %s", self.worker_id, self.model_name,
                      redacted_url(self.settings.redis_url))
@@ -327,7 +332,8 @@ class Worker:
         if self.broken:
             return False, self.broken
         stalled = time.monotonic() - self.last_tick
-        return (stalled < 300, f"main loop last ran {stalled:.1f}s ago")
+        limit = self.settings.engine_stall_s
+        return (limit <= 0 or stalled < limit, f"main loop last ran {stalled:.1f}s ago")
 
     def ready(self) -> tuple[bool, str]:
         if self.broken or (dead := self._dead_threads()):

@@ -14,15 +14,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
-from fleet_harness import API_KEY, REPO, Fleet, inbox_chunks
+from fleet_harness import API_KEY, Fleet, inbox_chunks
 
 from services.client import FleetClient
 from shared import keys, streams
@@ -40,13 +37,7 @@ PROMPT = "Once upon a time, in a land of many rivers,"
 def fleet(tiny_llama_dir, tmp_path_factory):
     env = {"KVFLEET_HEARTBEAT_S": "0.5", "KVFLEET_LEASE_TTL_S": str(TTL_S)}
     with Fleet(tiny_llama_dir, tmp_path_factory.mktemp("leases"), env=env) as f:
-        log = f.log_dir / f"{WID}.log"
-        f.logs[WID] = log
-        with open(log, "ab") as out:
-            f.workers[WID] = subprocess.Popen(
-                [sys.executable, str(Path(__file__).parent.parent / "slow_worker.py"), "--model", f.model,
-                 "--worker-id", WID, "--num-kv-blocks", "256"], cwd=REPO, env=f.env, stdout=out,
-                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        f.start_worker(WID, "--num-kv-blocks", "256", script="slow_worker.py")
         f.doomed, f.live = f.start_gateway(), f.start_gateway()
         f.wait_ready(workers=1)
         yield f

@@ -8,14 +8,12 @@ and a reader thread that dies: the worker stops, exit status 1, its status gone.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import openai
 import pytest
 from fault_worker import DETOK_SEED, FORWARD_SEED, KILL_CANCEL_THREAD, SAMPLER_SEED
-from fleet_harness import REPO, Fleet
+from fleet_harness import Fleet
 
 from shared import keys, streams
 from shared.messages import DeadLetter, GenerationRequest, OutputChunk, WorkerStatus
@@ -27,21 +25,10 @@ WID = "w-poison"
 MAX_TOKENS = 24
 
 
-def start_fault_worker(fleet: Fleet, worker_id: str, *flags: str) -> subprocess.Popen:
-    log = fleet.log_dir / f"{worker_id}.log"
-    fleet.logs[worker_id] = log
-    with open(log, "ab") as f:
-        proc = subprocess.Popen([sys.executable, str(Path(__file__).parent.parent / "fault_worker.py"),
-                                 "--model", fleet.model, "--worker-id", worker_id, *flags], cwd=REPO, env=fleet.env,
-                                stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    fleet.workers[worker_id] = proc
-    return proc
-
-
 @pytest.fixture(scope="module")
 def fleet(tiny_llama_dir, tmp_path_factory):
     with Fleet(tiny_llama_dir, tmp_path_factory.mktemp("poison"), env={"KVFLEET_HEARTBEAT_S": "0.5"}) as f:
-        start_fault_worker(f, WID, "--num-kv-blocks", "256", "--max-num-seqs", "32")
+        f.start_worker(WID, "--num-kv-blocks", "256", "--max-num-seqs", "32", script="fault_worker.py")
         f.start_gateway()
         f.wait_ready(workers=1)
         yield f
