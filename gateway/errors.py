@@ -90,6 +90,10 @@ def error_response(exc: Exception) -> JSONResponse:
             return APIError(400, f"the request body is not valid UTF-8 (byte {cause.start} of the body): send "
                                  "JSON encoded as UTF-8", code="invalid_utf8").response()
         return APIError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None)).response()
+    if isinstance(exc, streams.RedisError) and streams.out_of_memory(exc):
+        log.warning("redis full: %s", exc)
+        return APIError(503, f"the request queue is full and takes no new request now. {streams.FULL}",
+                        code="redis_full", headers={"Retry-After": "5"}).response()
     if isinstance(exc, streams.RedisError):
         log.warning("redis unavailable: %s", exc)
         return APIError(503, "the request queue (Redis) is unavailable; retry shortly", code="redis_unavailable",

@@ -51,6 +51,18 @@ class FleetReader:
         self.loop.close()
 
 
+def redis_memory(memory: dict[str, Any] | None) -> str:
+    """" | redis 3.3 of 64.0 MiB", and when it is past its cap under noeviction, that it refuses writes."""
+    if not memory:
+        return ""
+    used, cap, mib = memory["used_memory"], memory["maxmemory"], 1024 * 1024
+    if not cap:
+        return f" | redis {used / mib:.1f} MiB"
+    full = used >= cap and memory.get("maxmemory_policy") == "noeviction"
+    return f" | redis {used / mib:.1f} of {cap / mib:.1f} MiB" + (
+        ": FULL, it refuses writes (raise its maxmemory)" if full else "")
+
+
 def bar(free: int, total: int, width: int = BAR_WIDTH) -> str:
     """`[######..............]`: '#' for used blocks, '.' for free ones."""
     used = 0 if total <= 0 else round(width * (total - free) / total)
@@ -105,7 +117,7 @@ def render(now: Sample, prev: Sample | None, width: int = 150) -> list[str]:
         lines.append(f"{name[:40]:<40} {info['length']:>8} {info['pending']:>8} {lag(info):>8}")
     lines.append("")
     lines.append(f"workers {len(snap['workers'])} live, {len(snap['dead_workers'])} dead | "
-                 f"{total_tps:.1f} tokens/s | dead letters {snap['dead_letters']}")
+                 f"{total_tps:.1f} tokens/s | dead letters {snap['dead_letters']}{redis_memory(snap.get('redis'))}")
     return [line[:width] for line in lines]
 
 

@@ -42,6 +42,8 @@ class FleetSnapshot(TypedDict):
     dead_workers: list[str]
     streams: dict[str, StreamInfo]  # request stream -> its counts
     dead_letters: int  # entries in the dead-letter stream
+    # Redis's memory (INFO memory): used_memory, maxmemory (0: no cap) and maxmemory_policy; None on a cluster
+    redis: dict[str, Any] | None
 
 
 def lag(info: StreamInfo) -> int:
@@ -55,7 +57,8 @@ def snapshot_streams(view: FleetView) -> list[str]:
             + [keys.req_stream(w, view.shards.get(w, 0)) for w in [s.worker_id for s in view.live] + view.dead])
 
 
-def snapshot(view: FleetView, streams: dict[str, StreamInfo], dead_letters: int, now: float) -> FleetSnapshot:
+def snapshot(view: FleetView, streams: dict[str, StreamInfo], dead_letters: int, now: float,
+             redis_memory: dict[str, Any] | None = None) -> FleetSnapshot:
     return {
         "workers": [s.model_dump() | {"heartbeat_age_s": round(now - s.heartbeat, 3),
                                       "reserved_blocks": view.reservations.get(s.worker_id, 0)}
@@ -63,4 +66,5 @@ def snapshot(view: FleetView, streams: dict[str, StreamInfo], dead_letters: int,
         "dead_workers": view.dead,
         "streams": streams,
         "dead_letters": dead_letters,
+        "redis": redis_memory,
     }

@@ -11,7 +11,9 @@ worker took over (this one was paused or cut off past the status TTL) are refuse
 `lost`, and the main thread aborts it. The status goes out when it changes, at most `status_max_hz` times a second
 (while the engine steps, with the next step's chunks when they come within another period), and every
 `heartbeat_s` regardless (from this thread, so a long engine step does not make the worker look dead).
-A failed flush is retried: nothing queued here is dropped while Redis is away. Dead letters (requests the
+A failed flush is retried: nothing queued here is dropped while Redis is away, or full (at its maxmemory under
+noeviction, it refuses the flush's writes: the status is then kept alive with PEXPIRE, which it still takes, so
+the fleet does not take this worker for dead). Dead letters (requests the
 engine failed) go to kvfleet:dead just before the flush that carries their final chunk and ack. The thread
 survives any error: one that is not Redis's is logged with its traceback and the batch is written piece by
 piece, dropping (and logging) only what cannot be written at all; `alive` tells the worker it still runs.
@@ -35,6 +37,8 @@ from shared.messages import DeadLetter, GenerationRequest, OutputChunk, WorkerSt
 from shared.settings import Settings
 
 log = logging.getLogger("kvfleet.worker")
+
+FULL_SAY_S = 30.0  # while Redis is full, say so this often at most (each flush is retried every 0.2 s)
 
 
 @dataclass
@@ -70,6 +74,8 @@ class Outbox:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvfleet-outbox", daemon=True)
         self.healthy = False  # the last flush reached Redis
+        self.full = False  # the last flush was refused: Redis is full (maxmemory, noeviction)
+        self._full_said = float("-inf")  # when that was last logged
         # (request id, delivery) of the requests another worker owns now (fenced out)
         self.lost: queue.SimpleQueue[tuple[str, streams.Ack]] = queue.SimpleQueue()
         self.fenced_out: set[streams.Ack] = set()  # the deliveries whose writes were refused: never written again
@@ -212,6 +218,22 @@ class Outbox:
         changed = not self._status.same_state(self._published)
         return changed and now - self._last_pub >= 1.0 / self.settings.status_max_hz
 
+    def _while_full(self, status_due: bool) -> None:
+        """Redis is full (maxmemory, noeviction): every flush is refused (its writes are SETs and XADDs). Say so,
+        every FULL_SAY_S at most, and keep the status alive as it is (PEXPIRE, which a full Redis takes): else it
+        expires, and the fleet takes this live worker for dead (no route to it, its requests taken over)."""
+        self.full = True
+        now = time.monotonic()
+        if now - self._full_said >= FULL_SAY_S:
+            self._full_said = now
+            log.warning("%s. This worker's output and status wait (retried; it stays in the fleet)", streams.FULL)
+        if status_due:
+            try:
+                if streams.keep_status(self.r, self.worker_id, self.settings.status_ttl_s, self.settings.worker_shard):
+                    self._last_pub = now
+            except streams.RedisError as e:
+                log.warning("could not keep the status alive while Redis is full: %s", e)
+
     def _flush(self, batch: _Batch) -> bool:
         """Write the batch (and the status when due). On success the caller keeps only `batch.taken`,
         which this clears when the status that covers it went out."""
@@ -229,8 +251,14 @@ class Outbox:
             self._publish(batch, status if status_due else None)
         except streams.RedisError as e:
             self.healthy = False
-            log.warning("redis write failed (%s); retrying", e)
+            if streams.out_of_memory(e):
+                self._while_full(status_due)
+            else:
+                log.warning("redis write failed (%s); retrying", e)
             return False
+        if self.full:
+            log.warning("Redis takes writes again: this worker's output goes out")
+            self.full, self._full_said = False, float("-inf")
         self.healthy = True
         if batch.chunks:
             self._last_chunks = now

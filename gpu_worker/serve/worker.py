@@ -340,6 +340,8 @@ class Worker:
             return False, self.broken or f"thread(s) {', '.join(dead)} died"
         if self.draining:
             return False, "draining"
+        if self.outbox is not None and self.outbox.full:
+            return False, "redis is full (maxmemory): its writes wait"
         if self.outbox is None or not self.outbox.healthy:
             return False, "redis unreachable"
         if self.intake is not None and self.intake.redis_failing:

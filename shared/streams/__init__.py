@@ -27,6 +27,7 @@ from shared.streams.admin import (  # noqa: F401
 )
 from shared.streams.client import (  # noqa: F401
     CONNECTION_ERRORS,
+    FULL,
     Client,
     LuaScript,
     RedisError,
@@ -35,6 +36,7 @@ from shared.streams.client import (  # noqa: F401
     connect,
     connect_async,
     group_missing,
+    out_of_memory,
     run_script,
 )
 from shared.streams.fleet import (  # noqa: F401
@@ -103,6 +105,7 @@ from shared.streams.worker import (  # noqa: F401
     ensure_group,
     forward,
     is_cancelled,
+    keep_status,
     leave,
     other_workers,
     pending_owners,

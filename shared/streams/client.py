@@ -102,6 +102,18 @@ RedisError = redis.RedisError  # any failed command: the worker's threads log it
 Client = redis.Redis  # what `connect` returns (the worker's threads share one)
 
 
+FULL = ("Redis is full: it is at its maxmemory under the noeviction policy and refuses writes until memory frees "
+        "(outputs read or expired, job records expired); nothing queued is dropped. Raise its maxmemory "
+        "(`kvfleet up --redis-maxmemory`, KVFLEET_REDIS_MAXMEMORY for docker-compose, the --maxmemory of the "
+        "Redis of k8s/), or read what is waiting")
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """Redis refused a write because it is full (maxmemory, noeviction): OOM, from a command or inside a script.
+    Reads, deletes, acks and PEXPIRE still work then."""
+    return isinstance(e, redis.ResponseError) and "command not allowed when used memory" in str(e)
+
+
 def group_missing(e: Exception) -> bool:
     """The error says a consumer group or its stream is missing (NOGROUP; XINFO's "no such key"): Redis
     restarted without its data, or was flushed. The worker then creates its groups again and re-registers."""

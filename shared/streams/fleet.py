@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import redis
 import redis.asyncio as aioredis
@@ -72,10 +73,19 @@ async def _astream_info(r: aioredis.Redis, stream: str) -> StreamInfo:
 
 
 async def afleet_snapshot(r: aioredis.Redis) -> FleetSnapshot:
-    """The fleet at a glance: workers, request streams with their pending counts, dead letters."""
+    """The fleet at a glance: workers, request streams with their pending counts, dead letters, Redis's memory."""
     view = await aread_fleet(r)
     infos = {name: await _astream_info(r, name) for name in fleet_state.snapshot_streams(view)}
-    return fleet_state.snapshot(view, infos, await r.xlen(keys.DEAD), time.time())
+    return fleet_state.snapshot(view, infos, await r.xlen(keys.DEAD), time.time(), await _amemory(r))
+
+
+async def _amemory(r: aioredis.Redis) -> dict[str, Any] | None:
+    """used_memory, maxmemory and its policy (one INFO memory); None on a cluster (a figure per master)."""
+    if isinstance(r, aioredis.RedisCluster):
+        return None
+    info = await r.info("memory")
+    return {"used_memory": int(info["used_memory"]), "maxmemory": int(info.get("maxmemory", 0)),
+            "maxmemory_policy": info.get("maxmemory_policy", "")}
 
 
 async def anext_turn(r: aioredis.Redis) -> int:

@@ -10,6 +10,7 @@ import redis
 import redis.asyncio as aioredis
 
 from shared import keys
+from shared.streams.client import out_of_memory
 
 
 async def ahold_leases(r: aioredis.Redis, request_ids: Mapping[str, int], ttl_s: float, *,
@@ -17,16 +18,28 @@ async def ahold_leases(r: aioredis.Redis, request_ids: Mapping[str, int], ttl_s:
     """Set (or refresh) the lease of every request in `request_ids` (request id -> its shard) to expire in
     `ttl_s`: one round trip.
     SET, not PEXPIRE, so a lease that expired while Redis was away comes back. -> the requests whose lease
-    was not there (SET ... GET): Redis lost it (a restart without the data, a FLUSHALL), or it lapsed.
+    was not there (SET ... GET): Redis lost it (a restart without the data, a FLUSHALL), or it lapsed. A full Redis
+    (maxmemory, noeviction) refuses the SETs: the leases there are then kept with PEXPIRE.
     In the same round trip, the keys in `expire` (output streams read to their end) expire in `expire_s`."""
     ms = max(1, int(ttl_s * 1000))
-    ids = list(request_ids)
+    ids, expire = list(request_ids), list(expire)
     pipe = r.pipeline(transaction=False)
     for rid in ids:
         pipe.set(keys.lease(rid, request_ids[rid]), 1, px=ms, get=True)
     for key in expire:
         pipe.pexpire(key, max(1, int(expire_s * 1000)))
-    previous = (await pipe.execute())[:len(ids)]
+    try:
+        previous = (await pipe.execute())[:len(ids)]
+    except redis.ResponseError as e:
+        if not out_of_memory(e):
+            raise
+        # Redis is full: it refuses the SETs but takes PEXPIRE, so the leases that are there are kept (else they
+        # would lapse and the workers abort what their clients wait for); one gone cannot be set again
+        pipe = r.pipeline(transaction=False)
+        for rid in ids:
+            pipe.pexpire(keys.lease(rid, request_ids[rid]), ms)
+        previous = (await pipe.execute(raise_on_error=False))[:len(ids)]
+        previous = [None if not kept or isinstance(kept, Exception) else kept for kept in previous]
     return {rid for rid, old in zip(ids, previous, strict=True) if old is None}
 
 

@@ -507,6 +507,12 @@ def publish(r: redis.Redis, worker_id: str, *, output_ttl_s: float, chunks: Sequ
     return [plan.owners[i - 1] for i in refused or []]
 
 
+def keep_status(r: redis.Redis, worker_id: str, ttl_s: float, shard: int = 0) -> bool:
+    """Push out the expiry of the worker's status as it is (PEXPIRE, which a full Redis still takes, where the
+    flush's SET is refused): the worker stays in the fleet while its writes wait. -> whether it was there."""
+    return bool(r.pexpire(keys.status(worker_id, shard), max(1, int(ttl_s * 1000))))
+
+
 def leave(r: redis.Redis, worker_id: str, shard: int = 0) -> bool:
     """The worker stops: delete its status, so to the others it is dead at once and they take over what it
     left; when it left nothing, it leaves the fleet too (as prune_dead_worker forgets a dead one), so gateways

@@ -1,0 +1,121 @@
+"""Redis full: at its maxmemory under noeviction (as `kvfleet up`, compose and k8s run it) it refuses every write
+but reads, deletes, acks and PEXPIRE. Under a real worker and gateway, with Redis's maxmemory set below what it
+holds mid-stream:
+- the worker's flushes are refused, but its status is kept alive with PEXPIRE: after several status TTLs it is
+  still in the fleet (before, its status expired and the fleet answered "no worker is alive", while
+  `kvfleet status` called it dead and its requests were taken over);
+- a new request gets 503 `redis_full` whose message says what to do, not a misleading `no_workers`;
+- the worker's /readyz says Redis is full, and it says so in its log (once, not at every retry); `kvfleet status`
+  shows the worker live and Redis FULL;
+- once memory is back, the stream goes on to the whole greedy answer, each token once, and new requests are
+  served: nothing accepted was lost.
+And a gateway's lease refresh keeps the leases that are there with PEXPIRE when Redis refuses its SETs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from fleet_harness import API_KEY, REPO, Fleet
+
+from services.redis_server import free_port
+from shared import keys, streams
+
+pytestmark = pytest.mark.integration
+
+PROMPT = "Once upon a time, in a land of many rivers,"
+MAX_TOKENS = 600
+STATUS_TTL_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_llama_dir, tmp_path_factory):
+    env = {"KVFLEET_HEARTBEAT_S": "0.5", "KVFLEET_STATUS_TTL_S": str(STATUS_TTL_S), "KVFLEET_LEASE_TTL_S": "3"}
+    with Fleet(tiny_llama_dir, tmp_path_factory.mktemp("redis-full"), env=env) as f:
+        f.worker_metrics_port = free_port()
+        f.start_worker("w0", "--num-kv-blocks", "128", "--metrics-port", str(f.worker_metrics_port))
+        f.start_gateway()
+        f.wait_ready(workers=1)
+        yield f
+
+
+def body(stream: bool) -> dict:
+    return {"model": "tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "stream": stream}
+
+
+def test_a_full_redis_keeps_the_worker_in_the_fleet_and_loses_nothing(fleet):
+    r = streams.connect(fleet.redis.url)
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with fleet.http(timeout=60) as h:
+        model = h.get("/v1/models").json()["data"][0]["id"]
+        reference = h.post("/v1/completions", json=body(False) | {"model": model}).json()["choices"][0]["text"]
+    events: list[str] = []
+    started = threading.Event()
+
+    def read() -> None:
+        with httpx.stream("POST", fleet.url() + "/v1/completions", json=body(True) | {"model": model},
+                          headers=headers, timeout=120) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    started.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    assert started.wait(30), fleet.tail()
+    r.config_set("maxmemory", 1)  # full from now on, whatever is read and freed meanwhile
+    try:
+        time.sleep(4 * STATUS_TTL_S)
+        assert r.get(keys.status("w0")) is not None, "the worker's status expired while Redis was full"
+        assert [w["worker_id"] for w in fleet.fleet_status()["workers"]] == ["w0"]
+        with fleet.http(timeout=30) as h:
+            refused = h.post("/v1/completions", json=body(False) | {"model": model, "max_tokens": 4})
+        assert refused.status_code == 503 and refused.headers.get("retry-after"), refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "redis_full" and "maxmemory" in error["message"], error
+        status = subprocess.run([sys.executable, "-m", "services.cli", "status"], cwd=REPO, env=fleet.env,
+                                capture_output=True, text=True, timeout=60)
+        assert "FULL, it refuses writes" in status.stdout and "dead:" not in status.stdout, status.stdout
+        ready = httpx.get(f"http://127.0.0.1:{fleet.worker_metrics_port}/readyz", timeout=5)
+        assert ready.status_code == 503 and "redis is full" in ready.text, ready.text
+        assert reader.is_alive(), "the stream ended while Redis was full"
+    finally:
+        r.config_set("maxmemory", 0)
+    reader.join(60)
+    assert not reader.is_alive() and events[-1] == "[DONE]", fleet.tail()
+    payloads = [json.loads(e) for e in events[:-1]]
+    assert not [p for p in payloads if "error" in p], payloads[-3:]
+    assert "".join(c["text"] for p in payloads for c in p["choices"]) == reference
+    log = fleet.logs["w0"].read_text(errors="replace")
+    assert log.count("Redis is full: it is at its maxmemory") == 1, fleet.tail()
+    assert "Redis takes writes again" in log
+    assert "left pending by" not in log
+    with fleet.http(timeout=60) as h:
+        again = h.post("/v1/completions", json=body(False) | {"model": model})
+    assert again.status_code == 200 and again.json()["choices"][0]["text"] == reference
+    r.close()
+
+
+def test_the_lease_refresh_keeps_the_leases_there_when_redis_refuses_its_sets(fleet):
+    async def refresh() -> tuple[set[str], int]:
+        r = streams.connect_async(fleet.redis.url)
+        try:
+            await r.set(keys.lease("held"), 1, px=1000)
+            await r.config_set("maxmemory", 1)
+            try:
+                gone = await streams.ahold_leases(r, {"held": 0, "lapsed": 0}, 30.0)
+                return gone, await r.pttl(keys.lease("held"))
+            finally:
+                await r.config_set("maxmemory", 0)
+        finally:
+            await r.aclose()
+
+    gone, ttl_ms = asyncio.run(refresh())
+    assert gone == {"lapsed"} and ttl_ms > 20_000, (gone, ttl_ms)
