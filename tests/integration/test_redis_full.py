@@ -4,7 +4,8 @@ holds mid-stream:
 - the worker's flushes are refused, but its status is kept alive with PEXPIRE: after several status TTLs it is
   still in the fleet (before, its status expired and the fleet answered "no worker is alive", while
   `kvfleet status` called it dead and its requests were taken over);
-- a new request gets 503 `redis_full` whose message says what to do, not a misleading `no_workers`;
+- a new request gets 503 `redis_full` whose message says what to do, not a misleading `no_workers` (the Python
+  client, and so Celery tasks, FleetUnavailable with that code: retried as a full fleet);
 - the worker's /readyz says Redis is full, and it says so in its log (once, not at every retry); `kvfleet status`
   shows the worker live and Redis FULL;
 - once memory is back, the stream goes on to the whole greedy answer, each token once, and new requests are
@@ -24,8 +25,11 @@ import httpx
 import pytest
 from fleet_harness import API_KEY, REPO, Fleet
 
+from services.call_errors import FleetUnavailable
+from services.client import FleetClient
 from services.redis_server import free_port
 from shared import keys, streams
+from shared.settings import Settings
 
 pytestmark = pytest.mark.integration
 
@@ -83,6 +87,10 @@ def test_a_full_redis_keeps_the_worker_in_the_fleet_and_loses_nothing(fleet):
         status = subprocess.run([sys.executable, "-m", "services.cli", "status"], cwd=REPO, env=fleet.env,
                                 capture_output=True, text=True, timeout=60)
         assert "FULL, it refuses writes" in status.stdout and "dead:" not in status.stdout, status.stdout
+        with FleetClient(settings=Settings.from_env(redis_url=fleet.redis.url)) as client:
+            with pytest.raises(FleetUnavailable) as refused_too:
+                client.submit(PROMPT, max_tokens=4)
+        assert refused_too.value.code == "redis_full" and "maxmemory" in refused_too.value.message
         ready = httpx.get(f"http://127.0.0.1:{fleet.worker_metrics_port}/readyz", timeout=5)
         assert ready.status_code == 503 and "redis is full" in ready.text, ready.text
         assert reader.is_alive(), "the stream ended while Redis was full"
