@@ -22,7 +22,7 @@ async def ahold_leases(r: aioredis.Redis, request_ids: Mapping[str, int], ttl_s:
     (maxmemory, noeviction) refuses the SETs: the leases there are then kept with PEXPIRE.
     In the same round trip, the keys in `expire` (output streams read to their end) expire in `expire_s`."""
     ms = max(1, int(ttl_s * 1000))
-    ids, expire = list(request_ids), list(expire)
+    ids = list(request_ids)
     pipe = r.pipeline(transaction=False)
     for rid in ids:
         pipe.set(keys.lease(rid, request_ids[rid]), 1, px=ms, get=True)
