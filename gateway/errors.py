@@ -92,14 +92,19 @@ def error_response(exc: Exception) -> JSONResponse:
         return APIError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None)).response()
     if isinstance(exc, streams.RedisError) and streams.out_of_memory(exc):
         log.warning("redis full: %s", exc)
-        return APIError(503, f"the request queue is full and takes no new request now. {streams.FULL}",
-                        code="redis_full", headers={"Retry-After": "5"}).response()
+        return redis_full().response()
     if isinstance(exc, streams.RedisError):
         log.warning("redis unavailable: %s", exc)
         return APIError(503, "the request queue (Redis) is unavailable; retry shortly", code="redis_unavailable",
                         headers={"Retry-After": "1"}).response()
     log.error("internal error", exc_info=exc)
     return APIError(500, f"internal error: {type(exc).__name__}", type="server_error").response()
+
+
+def redis_full() -> APIError:
+    """The 503 for a write a full Redis refused (maxmemory, noeviction): what is wrong and what to do."""
+    return APIError(503, f"the request queue is full and takes no new request now. {streams.FULL}",
+                    code="redis_full", headers={"Retry-After": "5"})
 
 
 async def _handled(_request: Request, exc: Exception) -> JSONResponse:

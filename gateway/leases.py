@@ -28,7 +28,7 @@ import asyncio
 import logging
 from typing import Any
 
-from shared import streams
+from shared import keys, streams
 
 log = logging.getLogger("kvfleet.gateway")
 
@@ -39,17 +39,16 @@ class Leases:
     def __init__(self, ttl_s: float, max_idle_s: float, read_out_ttl_s: float = 120.0):
         self.ttl_s, self.max_idle_s, self.read_out_ttl_s = ttl_s, max_idle_s, read_out_ttl_s
         self.held: dict[str, float] = {}  # request id -> loop time after which it is dropped unless touched
-        self.shards: dict[str, int] = {}  # request id -> the shard its lease is in
-        self.entries: dict[str, tuple[str, str]] = {}  # request id -> its request-stream entry (stream, id)
+        # request id -> its request-stream entry (stream, id); the stream's name says the shard its lease is in
+        self.entries: dict[str, tuple[str, str]] = {}
         self.lost: set[str] = set()  # held requests whose lease a refresh found gone
         self.read_out: list[str] = []  # output streams read to their end, to expire in read_out_ttl_s
         self._task: asyncio.Task | None = None
         self._r: Any = None
 
-    def hold(self, r: Any, request_id: str, shard: int, entry: tuple[str, str]) -> None:
-        """Keep the request's lease (set by its enqueue, in `shard`, of its request-stream `entry`) refreshed until
-        released."""
-        self.shards[request_id] = shard
+    def hold(self, r: Any, request_id: str, entry: tuple[str, str]) -> None:
+        """Keep the request's lease (set by its enqueue of the request-stream `entry`, in that stream's shard)
+        refreshed until released."""
         self.entries[request_id] = entry
         self.touch(request_id)
         self._r = r
@@ -71,7 +70,6 @@ class Leases:
     def release(self, request_id: str) -> None:
         """Its relay ended: stop refreshing (the key expires within the TTL)."""
         self.held.pop(request_id, None)
-        self.shards.pop(request_id, None)
         self.entries.pop(request_id, None)
         self.lost.discard(request_id)
 
@@ -93,16 +91,14 @@ class Leases:
             for rid in [rid for rid, until in self.held.items() if until < now]:
                 log.warning("lease on %s dropped: its relay did not touch it for %.0fs", rid, self.max_idle_s)
                 del self.held[rid]
-                self.shards.pop(rid, None)
                 self.entries.pop(rid, None)
             read_out, self.read_out = self.read_out, []
             try:
-                gone = await streams.ahold_leases(r, {rid: self.shards.get(rid, 0) for rid in self.held}, self.ttl_s,
-                                                  expire=read_out,
+                shards = {rid: keys.stream_shard(self.entries[rid][0]) for rid in self.held}
+                gone = await streams.ahold_leases(r, shards, self.ttl_s, expire=read_out,
                                                   expire_s=self.read_out_ttl_s) & self.held.keys()
                 if gone:
-                    going = await streams.aentries_exist(r, {rid: self.entries[rid] for rid in gone
-                                                             if rid in self.entries})
+                    going = await streams.aentries_exist(r, {rid: self.entries[rid] for rid in gone})
                     if going:
                         log.warning("%d lease(s) had lapsed (Redis or this gateway stalled past the TTL), their "
                                     "requests still queued or running: set again, %s", len(going),

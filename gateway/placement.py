@@ -239,7 +239,7 @@ async def place(state: GatewayState, planned: Planned, restore: list[OutputChunk
         state.let_go(rid)
         raise
     if leases is not None:
-        leases.hold(state.redis, rid, placement.shard, (placement.stream, placement.entry_id))
+        leases.hold(state.redis, rid, (placement.stream, placement.entry_id))
     state.metrics.routed(placement.policy, placement.worker_id)
     sub = Submitted(planned.request.request_id, planned.target, planned.request, placement)
     annotate_request(sub)

@@ -22,7 +22,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from gateway import tool_calls
-from gateway.errors import APIError
+from gateway.errors import APIError, redis_full
 from gateway.openai_api import ChatCompletionRequest, CompletionRequest, CompletionResponse
 from gateway.placement import (
     OPERATIONS,
@@ -41,13 +41,7 @@ from gateway.state import GatewayState
 from gateway.tokenizer import tokenizers_for
 from gateway.tool_calls import ToolCalls
 from services import job_record
-from services.call_errors import (
-    FleetUnavailable,
-    GenerationFailed,
-    InvalidRequest,
-    from_api_error,
-    from_validation_error,
-)
+from services.call_errors import GenerationFailed, InvalidRequest, from_api_error, from_validation_error
 from services.job_record import Claim
 from shared import streams, telemetry
 from shared.fleet_state import FleetView
@@ -165,9 +159,8 @@ class FleetCaller:
             except APIError as e:
                 raise from_api_error(e) from None
             except streams.RedisError as e:
-                if streams.out_of_memory(e):  # as the gateway's 503: a Celery task retries it as a full fleet
-                    raise FleetUnavailable(f"the request queue is full and takes no new request now. {streams.FULL}",
-                                           503, None, "redis_full") from None
+                if streams.out_of_memory(e):  # the gateway's 503: a Celery task retries it as a full fleet
+                    raise from_api_error(redis_full()) from None
                 raise
         done = [c for c in calls if c is not None]
         return done[0] if len(done) == 1 else Call(rid, done[0].info, parts=done, request_hash=digest)

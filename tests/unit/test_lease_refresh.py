@@ -53,7 +53,7 @@ def place(leases: Leases, r: FakeRedis, rid: str) -> None:
     gateway holds it."""
     r.stored.add(keys.lease(rid))
     r.entries.add(entry(rid))
-    leases.hold(r, rid, 0, entry(rid))
+    leases.hold(r, rid, entry(rid))
 
 
 def entry(rid: str) -> tuple[str, str]:
