@@ -104,7 +104,7 @@ class Handle:
             if self._gone(await streams.aoutput_exists(r, self.request_id, self._call.info.shard)):
                 return
             async for chunk in streams.aiter_output(r, self.request_id, self._call.info.shard,
-                                                    timeout_s=s.request_timeout_s,
+                                                    timeout_s=s.request_timeout_s, entry=self._call.info.entry,
                                                     expire_after_s=s.output_ttl_s, grace_s=s.redis_grace_s):
                 yield chunk
         finally:
@@ -116,4 +116,4 @@ class Handle:
         if self._gone(streams.output_exists(r, self.request_id, self._call.info.shard)):
             return iter(())
         return streams.iter_output(r, self.request_id, self._call.info.shard, timeout_s=s.request_timeout_s,
-                                   expire_after_s=s.output_ttl_s, grace_s=s.redis_grace_s)
+                                   expire_after_s=s.output_ttl_s, grace_s=s.redis_grace_s, entry=self._call.info.entry)

@@ -66,6 +66,13 @@ class CallInfo:
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs (top N); None: off
     tool_calls: dict[str, Any] | None = None  # chat: how its tool calls are read (gateway.tool_calls.ToolCalls)
     shard: int = 0  # where it was enqueued (shared.keys): its output stream is there
+    # its request-stream entry (stream, id) as placed (None: attached to it): a reader back from a Redis outage
+    # with no output yet tells from it whether Redis still holds the request (streams.aiter_output)
+    entry: tuple[str, str] | None = None
+
+    def __post_init__(self) -> None:
+        if self.entry is not None:  # (a job record's JSON gives a list)
+            self.entry = (self.entry[0], self.entry[1])
 
 
 @dataclass
@@ -175,6 +182,7 @@ class FleetCaller:
             return call.result
         info, s = call.info, self.settings
         chunks = streams.aiter_output(self.redis, call.request_id, info.shard, timeout_s=s.request_timeout_s,
+                                      entry=info.entry,
                                       expire_after_s=s.output_ttl_s,  # job_record.finish shortens it
                                       grace_s=s.redis_grace_s)  # then RedisAway/OutputLost: Celery retries
         sub = await self._submitted(call)
@@ -242,7 +250,8 @@ class FleetCaller:
                     found = None if claimed.outcome is Claim.FRESH else await streams.arequest_in_fleet(r, rid)
                     if found is None:
                         try:
-                            info.shard = (await place(self.gateway, planned)).placement.shard
+                            placement = (await place(self.gateway, planned)).placement
+                            info.shard, info.entry = placement.shard, (placement.stream, placement.entry_id)
                         except APIError:  # refused before anything was enqueued (429): a retry may place it
                             await job_record.release(r, rid, claimed.lease)
                             raise

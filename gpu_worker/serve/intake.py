@@ -25,6 +25,9 @@ Requests come from, in order of preference:
   4. when it has room (nothing waiting, free blocks to spare, and everything it took already accounted), the
      oldest untaken request of the shared stream kvfleet:{s}:req:any, if it fits its free blocks (or it is idle);
      else it stays, in order, for a worker with more room.
+A read or a claim whose reply was lost with the connection (Redis stopped just after answering) delivered its
+entries all the same: the readers' client never sends a command twice (streams.NO_RESEND), and the turn after a
+failed one claims back what is pending on this worker but was never taken (_take_orphans).
 A request delivered more than `max_deliveries` times goes to kvfleet:dead and its reader gets an error; one
 its whole cache cannot hold is forwarded to the live worker with room that can. So does an entry that cannot
 be read (bad JSON, a missing field, a schema version other than shared.messages.SCHEMA_VERSION) or whose
@@ -76,6 +79,7 @@ SHARED_LOOK_MS = 200
 LATEST_KEPT = 4096  # entries whose latest delivery count it remembers (to ignore refusals of older ones)
 LEASE_CHECK_S = 1.0  # read the leases of the requests held this often
 LEASE_CONFIRM_S = 2.0  # a lease must be seen gone this long before its request is aborted
+ORPHAN_SLACK_MS = 1000  # an entry delivered this long before the failed turn began may still be its orphan
 
 
 @dataclass
@@ -122,6 +126,8 @@ class Intake:
         self._empty_looks = 0  # looks in a row that found the shared stream empty
         self._was_spare = False
         self._recheck: queue.SimpleQueue[streams.Ack] = queue.SimpleQueue()  # entries of refused writes
+        # monotonic start of the first request-read turn that failed on Redis since the last look for orphans
+        self._orphans_since: float | None = None
         # entry (stream, id) -> the delivery count it last took it with (read, claimed at start or claimed back): a
         # refusal of an older delivery, reported by a later flush too, must not claim it once more (each claim
         # counts toward max_deliveries)
@@ -225,7 +231,39 @@ class Intake:
 
     # ---- requests ----------------------------------------------------------------------------
     def _requests(self) -> None:
-        self._survive(self._read_once, "request read")
+        self._survive(self._request_turn, "request read")
+
+    def _request_turn(self) -> None:
+        """One turn of the request reader. A turn that failed on Redis may have been answered all the same: a
+        read or a claim whose reply was lost with the connection (Redis stopped just after it answered, a socket
+        timeout) has delivered its entries to this worker, which never got them (its client sends nothing twice:
+        streams.NO_RESEND), and so has a read whose entries the turn did not get to take. They are pending here
+        with nobody to run them, their readers waiting out their timeout: the next turn that reaches Redis
+        takes them (_take_orphans)."""
+        began = time.monotonic()
+        try:
+            if self._orphans_since is not None:
+                self._take_orphans(self._orphans_since)
+                self._orphans_since = None
+            self._read_once()
+        except streams.RedisError:
+            if self._orphans_since is None:
+                self._orphans_since = began
+            raise
+
+    def _take_orphans(self, since: float) -> None:
+        """Claim again (and take) the entries pending on this worker that it never took, delivered since `since`
+        (monotonic): what failed turns left behind. Those it took are in `_latest`; one delivered before the
+        failure (which `_latest` may have forgotten, if thousands came after it) is left alone."""
+        window_ms = int(1000 * (time.monotonic() - since)) + ORPHAN_SLACK_MS
+        for stream in dict.fromkeys([self.own, self.shared, *streams.request_streams(self.r, self.shard)]):
+            taken = {entry_id for s, entry_id in self._latest if s == stream}
+            for d in streams.claim_pending(self.r, stream, self.worker_id, self.worker_id, min_idle_ms=0,
+                                           skip=taken, max_idle_ms=window_ms):
+                if d.fields is not None:  # None: deleted meanwhile
+                    log.warning("request entry %s on %s was delivered here by a read whose reply was lost: "
+                                "claimed again", d.entry_id, d.stream)
+                    self._take(d, first_run=d.deliveries == 2)
 
     def _spare(self) -> bool:
         room = self.room()
@@ -343,9 +381,11 @@ class Intake:
             log.info("claimed %d request(s) left pending by %s on %s", len(claimed), owner, stream)
         return len(claimed)
 
-    def _take(self, d: streams.Delivery) -> None:
+    def _take(self, d: streams.Delivery, first_run: bool = False) -> None:
         """Hand one delivery to the main thread, or close it here. An error that is not Redis's is this
-        entry's fault: it is dead-lettered, so it cannot stop the reader or the stream."""
+        entry's fault: it is dead-lettered, so it cannot stop the reader or the stream. A Redis error leaves it
+        pending here, untaken: the next turn's _take_orphans takes it. `first_run`: a delivery count over 1
+        that only counts a read whose reply was lost (nobody ran the request before)."""
         self._latest[(d.stream, d.entry_id)] = d.deliveries
         self._latest.move_to_end((d.stream, d.entry_id))
         if len(self._latest) > LATEST_KEPT:
@@ -358,8 +398,9 @@ class Intake:
         job = Job(request=request, stream=d.stream, entry_id=d.entry_id, deliveries=d.deliveries)
         handed = self.handed
         try:
-            self._take_job(job, d)
+            self._take_job(job, d, first_run)
         except streams.RedisError:
+            self._latest.pop((d.stream, d.entry_id), None)
             raise
         except Exception as e:  # noqa: BLE001
             log.exception("request %s cannot be taken", job.request_id)
@@ -377,7 +418,7 @@ class Intake:
         if self.metrics is not None:
             self.metrics.dead_letters.inc()
 
-    def _take_job(self, job: Job, d: streams.Delivery) -> None:
+    def _take_job(self, job: Job, d: streams.Delivery, first_run: bool) -> None:
         request = job.request
         if request.v != SCHEMA_VERSION:
             self._dead_letter(job, f"schema version v={request.v}; this worker reads v={SCHEMA_VERSION}",
@@ -388,7 +429,7 @@ class Intake:
         except (TypeError, ValueError) as e:
             self._dead_letter(job, f"invalid sampling_params: {e}", kind="invalid_request")
             return
-        if d.deliveries > 1 and request.reply_to:
+        if d.deliveries > 1 and request.reply_to and not first_run:
             self._back_to_gateway(job)
             return
         if d.deliveries > 1 or request.attempt > 0:

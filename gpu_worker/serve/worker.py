@@ -80,7 +80,9 @@ class Worker:
         self.outbox.set_status(self.status)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
-        self.intake = Intake(r, self.settings, self.worker_id, self.inbox, lambda: self._room,
+        # the reader threads' own client: their reads and claims are never sent twice (streams.NO_RESEND)
+        reader_r = streams.connect(self.settings.redis_url, resend=False, health_check_interval=30)
+        self.intake = Intake(reader_r, self.settings, self.worker_id, self.inbox, lambda: self._room,
                              metrics=self.metrics, on_regroup=self.outbox.republish, leased=self._leased,
                              precompile=getattr(self.engine, "grammars", None))
         self.intake.start(lambda: self.draining)  # (not ready while it waits for Redis: intake.redis_failing)

@@ -11,7 +11,7 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry as AsyncRetry
-from redis.backoff import ExponentialWithJitterBackoff
+from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.retry import Retry
 
 # A command that meets a dropped connection reconnects and is sent again, RETRIES times, after 50 ms, 100 ms,
@@ -26,6 +26,14 @@ def _retry_options(for_asyncio: bool) -> dict[str, Any]:
     return {"retry": retry, "retry_on_error": [redis.ConnectionError, redis.TimeoutError]}
 
 
+# A client that never sends a command twice, for callers whose commands are not safe to repeat: a consumer-group
+# read (XREADGROUP >) or a claim whose reply was lost with the connection (Redis stopped just after answering, a
+# socket timeout) has run all the same, and a blind resend reads the entries after it, leaving those it delivered
+# pending on a consumer that never got them. The worker's reader threads use it and look for those themselves
+# after a failed turn (gpu_worker.serve.intake).
+NO_RESEND = {"retry": Retry(NoBackoff(), 0)}
+
+
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 
 
@@ -36,14 +44,17 @@ def cluster_url(url: str) -> str | None:
     return f"{CLUSTER_SCHEMES[scheme]}://{rest}" if sep and scheme in CLUSTER_SCHEMES else None
 
 
-def connect(url: str, **kwargs: Any) -> redis.Redis:
+def connect(url: str, *, resend: bool = True, **kwargs: Any) -> redis.Redis:
     """A client of the server, or of the cluster (the client discovers every master and sends each command to
-    the one that holds its keys' slot; it retries a moved slot or a failed node itself)."""
+    the one that holds its keys' slot; it retries a moved slot or a failed node itself). `resend=False`: a
+    command that meets a dropped connection fails at once instead of being sent again (NO_RESEND)."""
     if (node := cluster_url(url)) is not None:
         kwargs.pop("health_check_interval", None)
+        if not resend:
+            kwargs |= NO_RESEND | {"cluster_error_retry_attempts": 0}
         return redis.RedisCluster.from_url(node, decode_responses=True, socket_connect_timeout=5, **kwargs)
     return redis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=5,
-                                **_retry_options(False) | kwargs)
+                                **(_retry_options(False) if resend else NO_RESEND) | kwargs)
 
 
 def connect_async(url: str, *, max_connections: int | None = None, **kwargs: Any) -> aioredis.Redis:

@@ -89,9 +89,10 @@ def shared_head(r: redis.Redis, shard: int = 0) -> dict[str, str] | None:
 
 
 def claim_pending(r: redis.Redis, stream: str, owner: str, consumer: str, *, min_idle_ms: int,
-                  skip: Container[str] = ()) -> list[Delivery]:
+                  skip: Container[str] = (), max_idle_ms: int | None = None) -> list[Delivery]:
     """Move to `consumer` every entry `owner` left pending on `stream` (but the ids in `skip`: those a claim that
-    Redis broke off had already taken), CLAIM_PAGE at a time: XPENDING for that one consumer, then XCLAIM with
+    Redis broke off had already taken, and with `max_idle_ms` those delivered longer ago than that), CLAIM_PAGE at
+    a time: XPENDING for that one consumer, then XCLAIM with
     `min_idle_ms`, so of two claimers only one gets each entry (XAUTOCLAIM by idle time alone would also take a
     live worker's long request). [] when the stream or group does not exist.
     Each Delivery's count is the one XCLAIM set (the one it saw plus one): its owner token. After each page
@@ -106,7 +107,8 @@ def claim_pending(r: redis.Redis, stream: str, owner: str, consumer: str, *, min
             return claimed
         if not pending:
             return claimed
-        counts = {p["message_id"]: p["times_delivered"] for p in pending if p["message_id"] not in skip}
+        counts = {p["message_id"]: p["times_delivered"] for p in pending if p["message_id"] not in skip
+                  and (max_idle_ms is None or p["time_since_delivered"] <= max_idle_ms)}
         got = r.xclaim(stream, keys.GROUP, consumer, min_idle_ms, list(counts)) if counts else []
         if got and owner != consumer:  # the fence: the owner's next flush finds no status of its run
             r.delete(keys.status(owner, keys.stream_shard(stream)))

@@ -24,14 +24,15 @@ QUIET_S = 0.6  # several read turns of the intake: long enough to see it leave s
 
 
 @pytest.fixture
-def start_intake(r):
-    """start_intake(room, **settings) -> the running Intake (stopped after the test) and its inbox."""
+def start_intake(r, redis_url):
+    """start_intake(room, **settings) -> the running Intake (stopped after the test) and its inbox. Its client is
+    the worker's: one that never sends a command twice."""
     started: list[Intake] = []
 
     def start(room: Room, **settings) -> tuple[Intake, queue.Queue]:
         inbox: queue.Queue = queue.Queue()
         cfg = Settings(worker_id=ME, heartbeat_s=0.2, **settings)
-        intake = Intake(r, cfg, ME, inbox, lambda: room).start()
+        intake = Intake(streams.connect(redis_url, resend=False), cfg, ME, inbox, lambda: room).start()
         started.append(intake)
         return intake, inbox
 
@@ -126,6 +127,34 @@ def test_claims_back_what_it_read_on_another_workers_stream_before_a_restart(r, 
     _, inbox = start_intake(roomy(spare=False))
     job = next_job(inbox)
     assert (job.request_id, job.stream, job.deliveries) == ("read-elsewhere", keys.req_stream(other), 2)
+
+
+def test_takes_what_a_read_whose_reply_was_lost_delivered_to_it(r, start_intake):
+    """Redis answered a read (XREADGROUP) of the worker's, but the reply was lost with the connection (Redis
+    stopped just after answering it, a socket timeout): its entries are pending on the worker, which never got
+    them, and their readers would wait out their timeout. Here the test makes that read as the worker (in one
+    transaction with the enqueue, so the worker's own blocked read does not get there first), then drops the
+    worker's connections (CLIENT KILL): its failed turn makes it look, and it takes both entries. A gateway's
+    request among them is run here, not handed back (nobody ran it before); the one it took earlier is not
+    taken twice."""
+    room = roomy()
+    intake, inbox = start_intake(room)
+    streams.enqueue(r, request("taken-before"), ME)
+    take_jobs(intake, inbox, room, 1)
+    lost = [request("lost-1"), request("lost-2").model_copy(update={"reply_to": keys.inbox("gw-1")})]
+    pipe = r.pipeline(transaction=True)
+    for req in lost:
+        streams.enqueue_commands(pipe, req, ME, 0)
+    pipe.xreadgroup(keys.GROUP, ME, {keys.req_stream(ME): ">"}, count=8)
+    assert [e for _, e in pipe.execute()[-1][0][1]], "the test's read (the lost reply) got nothing"
+    time.sleep(0.3)  # the worker's read blocks on its stream again
+    assert inbox.empty()
+    r.client_kill_filter(_type="normal", skipme=True)
+    jobs = take_jobs(intake, inbox, room, 2)  # (a gateway's request handed back would not come here)
+    assert sorted(jobs) == ["lost-1", "lost-2"] and all(j.deliveries == 2 for j in jobs.values()), jobs
+    time.sleep(QUIET_S)
+    assert inbox.empty(), "an entry it had taken before was taken again"
+    assert r.xpending(keys.req_stream(ME), keys.GROUP)["pending"] == 3
 
 
 def test_a_refusal_reported_twice_claims_the_entry_back_once(r, start_intake):

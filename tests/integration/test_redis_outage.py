@@ -6,7 +6,8 @@ worker and real gateways:
 - stopped for less than the grace and started again WITH its data (AOF): a stream in flight pauses and goes
   on, and the client gets the whole answer, each token once, equal to an undisturbed greedy run;
 - stopped for longer than the grace: the stream ends with an OpenAI error event, then [DONE];
-- restarted without its data while a request is queued: its reader fails at once with "Redis lost";
+- restarted without its data while a request is queued (through a gateway, or the Python client): its reader
+  fails at once with "Redis lost";
 - restarted without its data mid-stream, or flushed while a request waits: the gateway places the request
   again with what it relayed restored, and the client gets the whole greedy answer, each token once;
 - away for longer than the workers' status TTL, with its data: the statuses expired while it was away, and
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -282,6 +284,40 @@ def test_queued_request_lost_with_the_data_fails_at_once(fleet):
     assert outcome and isinstance(outcome[0], streams.OutputLost), outcome
     assert "Redis lost request lost-1" in str(outcome[0])
     fleet.wait_for(lambda: _ready(fleet.url() + "/health") == 200, timeout_s=20, what="the fleet to be ready")
+
+
+def test_the_python_client_is_told_at_once_when_redis_lost_its_queued_request(fleet):
+    """A request the Python client placed is still queued (its worker is paused: SIGSTOP) when Redis restarts
+    without its data: reading its output fails at once with OutputLost (a retry places it again: Celery's, a
+    batch's) instead of waiting out the request timeout. The client knows its entry from placing it."""
+    from services.client import FleetClient
+
+    fleet.wait_ready(workers=1)
+    port, worker = fleet.redis.port, fleet.workers["w0"]
+    outcome: list = []
+    with FleetClient(fleet.redis.url) as client:
+        os.kill(worker.pid, signal.SIGSTOP)
+        try:
+            handle = client.submit(PROMPT, max_tokens=8)
+
+            def read() -> None:
+                try:
+                    outcome.append(list(handle))
+                except Exception as e:  # noqa: BLE001 (what the test checks)
+                    outcome.append(e)
+
+            reader = threading.Thread(target=read, daemon=True)
+            reader.start()
+            time.sleep(0.5)
+            _stop_redis(fleet, keep_data=False)
+            time.sleep(1)
+            _start_redis(fleet, port)
+            reader.join(20)
+        finally:
+            os.kill(worker.pid, signal.SIGCONT)
+    assert outcome and isinstance(outcome[0], streams.OutputLost), outcome
+    assert f"Redis lost request {handle.request_id}" in str(outcome[0])
+    fleet.wait_for(lambda: _ready(fleet.url() + "/health") == 200, timeout_s=30, what="the fleet to be ready")
 
 
 def test_the_python_client_rides_out_a_short_outage(fleet):
