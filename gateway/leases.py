@@ -95,11 +95,16 @@ class Leases:
             read_out, self.read_out = self.read_out, []
             try:
                 shards = {rid: keys.stream_shard(self.entries[rid][0]) for rid in self.held}
-                gone = await streams.ahold_leases(r, shards, self.ttl_s, expire=read_out,
-                                                  expire_s=self.read_out_ttl_s) & self.held.keys()
+                gone, full = await streams.ahold_leases(r, shards, self.ttl_s, expire=read_out,
+                                                        expire_s=self.read_out_ttl_s)
+                gone &= self.held.keys()
                 if gone:
                     going = await streams.aentries_exist(r, {rid: self.entries[rid] for rid in gone})
-                    if going:
+                    if going and full:  # not set: their workers will abort them, and the relays place them again
+                        log.warning("%d lease(s) had lapsed, their requests still queued or running, and Redis is "
+                                    "full: it refused to set them again (retried at the next refresh), %s",
+                                    len(going), ", ".join(sorted(going)[:5]))
+                    elif going:
                         log.warning("%d lease(s) had lapsed (Redis or this gateway stalled past the TTL), their "
                                     "requests still queued or running: set again, %s", len(going),
                                     ", ".join(sorted(going)[:5]))

@@ -14,12 +14,13 @@ from shared.streams.client import out_of_memory
 
 
 async def ahold_leases(r: aioredis.Redis, request_ids: Mapping[str, int], ttl_s: float, *,
-                       expire: Iterable[str] = (), expire_s: float = 0.0) -> set[str]:
+                       expire: Iterable[str] = (), expire_s: float = 0.0) -> tuple[set[str], bool]:
     """Set (or refresh) the lease of every request in `request_ids` (request id -> its shard) to expire in
     `ttl_s`: one round trip.
-    SET, not PEXPIRE, so a lease that expired while Redis was away comes back. -> the requests whose lease
-    was not there (SET ... GET): Redis lost it (a restart without the data, a FLUSHALL), or it lapsed. A full Redis
-    (maxmemory, noeviction) refuses the SETs: the leases there are then kept with PEXPIRE.
+    SET, not PEXPIRE, so a lease that expired while Redis was away comes back. -> (the requests whose lease
+    was not there (SET ... GET): Redis lost it (a restart without the data, a FLUSHALL), or it lapsed; whether
+    Redis was full). A full Redis (maxmemory, noeviction) refuses the SETs: the leases there are then kept with
+    PEXPIRE, and those not there stay gone.
     In the same round trip, the keys in `expire` (output streams read to their end) expire in `expire_s`."""
     ms = max(1, int(ttl_s * 1000))
     ids = list(request_ids)
@@ -28,6 +29,7 @@ async def ahold_leases(r: aioredis.Redis, request_ids: Mapping[str, int], ttl_s:
         pipe.set(keys.lease(rid, request_ids[rid]), 1, px=ms, get=True)
     for key in expire:
         pipe.pexpire(key, max(1, int(expire_s * 1000)))
+    full = False
     try:
         previous = (await pipe.execute())[:len(ids)]
     except redis.ResponseError as e:
@@ -40,7 +42,8 @@ async def ahold_leases(r: aioredis.Redis, request_ids: Mapping[str, int], ttl_s:
             pipe.pexpire(keys.lease(rid, request_ids[rid]), ms)
         previous = (await pipe.execute(raise_on_error=False))[:len(ids)]
         previous = [None if not kept or isinstance(kept, Exception) else kept for kept in previous]
-    return {rid for rid, old in zip(ids, previous, strict=True) if old is None}
+        full = True
+    return {rid for rid, old in zip(ids, previous, strict=True) if old is None}, full
 
 
 def leases_alive(r: redis.Redis, request_ids: list[str], shard: int = 0) -> set[str]:

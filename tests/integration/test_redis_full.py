@@ -118,7 +118,8 @@ def test_the_lease_refresh_keeps_the_leases_there_when_redis_refuses_its_sets(fl
             await r.set(keys.lease("held"), 1, px=1000)
             await r.config_set("maxmemory", 1)
             try:
-                gone = await streams.ahold_leases(r, {"held": 0, "lapsed": 0}, 30.0)
+                gone, full = await streams.ahold_leases(r, {"held": 0, "lapsed": 0}, 30.0)
+                assert full
                 return gone, await r.pttl(keys.lease("held"))
             finally:
                 await r.config_set("maxmemory", 0)

@@ -10,6 +10,7 @@ import asyncio
 import queue
 
 import pytest
+import redis
 
 from gateway.leases import Leases
 from gpu_worker.serve.intake import LEASE_CONFIRM_S, Cancel, Intake
@@ -21,20 +22,26 @@ pytestmark = pytest.mark.unit
 
 class Pipe:
     def __init__(self, redis: FakeRedis):
-        self.redis, self.sets, self.ranges = redis, [], []
+        self.redis, self.sets, self.ranges, self.pexpires = redis, [], [], []
 
     def set(self, key, value, px, get):
         assert get  # SET ... GET: the refresh learns which leases were gone
         self.sets.append((key, px))
 
     def pexpire(self, key, ms):
+        self.pexpires.append(key)
         self.redis.expired.append((key, ms, len(self.redis.round_trips)))
 
     def xrange(self, stream, first, last):
         assert first == last  # one entry
         self.ranges.append((stream, first))
 
-    async def execute(self):
+    async def execute(self, raise_on_error=True):
+        if self.redis.full:  # maxmemory under noeviction: SETs refused, PEXPIRE taken
+            if self.sets:
+                raise redis.ResponseError("OOM command not allowed when used memory > 'maxmemory'.")
+            if not self.ranges:
+                return [int(key in self.redis.stored) for key in self.pexpires]
         if self.ranges:  # the entries of leases found gone: still there?
             self.redis.entry_trips.append(self.ranges)
             return [[(entry_id, {})] if (stream, entry_id) in self.redis.entries else []
@@ -64,6 +71,7 @@ class FakeRedis:
     def __init__(self):
         self.round_trips: list[list[tuple[str, int]]] = []
         self.fail = 0
+        self.full = False
         self.stored: set[str] = set()  # lease keys Redis holds (none ever expire here)
         self.entries: set[tuple[str, str]] = set()  # request-stream entries not acked
         self.entry_trips: list[list[tuple[str, str]]] = []
@@ -120,6 +128,32 @@ def test_a_lease_found_gone_marks_its_request_lost_until_released_unless_its_ent
     assert asyncio.run(go(r)) == (True, False, False, False)
     assert sorted(r.entry_trips[0]) == sorted([entry("flushed"), entry("lapsed")])  # one round trip for both
     assert keys.lease("lapsed") in r.stored  # set again
+
+
+def test_a_lapsed_lease_a_full_redis_refuses_to_set_again_is_said_so_and_set_once_it_takes_writes(caplog):
+    """Redis full (maxmemory, noeviction): the refresh keeps the leases there with PEXPIRE, and one that lapsed
+    in a stall (its request's entry still there) cannot be set again. The log says that (not "set again"), the
+    request is not marked lost, and the next refresh sets it once Redis takes writes again."""
+    async def go(r: FakeRedis) -> tuple[bool, bool, bool]:
+        leases = Leases(ttl_s=0.3, max_idle_s=60)
+        for rid in ("kept", "lapsed"):
+            place(leases, r, rid)
+        r.stored.discard(keys.lease("lapsed"))
+        r.full = True
+        await asyncio.sleep(0.15)  # one refresh while full
+        while_full = leases.is_lost("lapsed"), keys.lease("lapsed") in r.stored
+        r.full = False
+        await asyncio.sleep(0.1)  # the next one
+        await leases.close()
+        return (*while_full, keys.lease("lapsed") in r.stored)
+
+    r = FakeRedis()
+    with caplog.at_level("WARNING", logger="kvfleet.gateway"):
+        assert asyncio.run(go(r)) == (False, False, True)
+    said = [rec.getMessage() for rec in caplog.records]
+    assert any("Redis is full: it refused to set them again" in m and "lapsed" in m for m in said), said
+    assert sum("set again, lapsed" in m for m in said) == 1, said  # the refresh after: set again
+    assert (keys.lease("kept"), 300, 0) in r.expired  # kept with PEXPIRE while full
 
 
 def test_an_untouched_lease_is_dropped_and_a_failed_refresh_is_retried():
