@@ -55,6 +55,7 @@ class _FleetCollector(Collector):
         live = GaugeMetricFamily("kvfleet_fleet_workers", "Workers by state.", labels=["state"])
         live.add_metric(["live"], len(snap["workers"]))
         live.add_metric(["dead"], len(snap["dead_workers"]))
+        live.add_metric(["unreadable"], len(snap.get("unreadable_workers") or {}))
         yield live
         dead = GaugeMetricFamily("kvfleet_dead_letter_stream_length", "Entries in the dead-letter stream.")
         dead.add_metric([], snap["dead_letters"])

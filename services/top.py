@@ -111,6 +111,9 @@ def render(now: Sample, prev: Sample | None, width: int = 150) -> list[str]:
         lines.append("(no live worker)")
     if snap["dead_workers"]:
         lines.append(f"dead: {', '.join(snap['dead_workers'])} (their requests are being taken over)")
+    for worker, why in (snap.get("unreadable_workers") or {}).items():
+        lines.append(f"unreadable: {worker}'s status ({why}): left out of the fleet; a worker of another kvfleet "
+                     "version?")
     lines.append("")
     lines.append(f"{'STREAM':<40} {'LENGTH':>8} {'PENDING':>8} {'LAG':>8}")
     for name, info in snap["streams"].items():

@@ -2,16 +2,47 @@
 reserved on each; and the snapshot shaped from it (GET /v1/fleet, `kvfleet status` / `top`, the gateway's
 fleet gauges). No Redis commands here: shared.streams reads the fleet (aread_fleet, afleet_snapshot) and
 fills these in.
+
+A status this version cannot read (a worker of another kvfleet version in a rolling upgrade, a key something
+else wrote) leaves that worker out: neither routed to nor taken for dead (its status is there, so it lives).
+It is said once per worker and reason, and shown apart (`unreadable`); the rest of the fleet goes on.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
+from pydantic import ValidationError
+
 from shared import keys
 from shared.messages import WorkerStatus
+
+log = logging.getLogger("kvfleet.fleet")
+_said: set[tuple[str, str]] = set()  # (worker, reason) of the unreadable statuses logged by this process
+
+
+class UnreadableStatus(ValueError):
+    """A worker's status that this version cannot read; the message says why."""
+
+
+def parse_status(worker_id: str, raw: str) -> WorkerStatus:
+    """The status `worker_id` published; UnreadableStatus (logged once per worker and reason) when it is not one
+    this version reads."""
+    try:
+        return WorkerStatus.model_validate_json(raw)
+    except ValidationError as e:
+        errors = e.errors()
+        first = errors[0]
+        where = ".".join(str(p) for p in first["loc"]) or "the value"
+        reason = f"{where}: {first['msg']}" + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else "")
+    if (worker_id, reason) not in _said:
+        _said.add((worker_id, reason))
+        log.warning("the status of worker %s cannot be read (%s): left out of the fleet, neither routed to nor taken "
+                    "for dead. Is it a worker of another kvfleet version?", worker_id, reason)
+    raise UnreadableStatus(reason)
 
 
 @dataclass
@@ -22,6 +53,7 @@ class FleetView:
 
     live: list[WorkerStatus] = field(default_factory=list)
     dead: list[str] = field(default_factory=list)
+    unreadable: dict[str, str] = field(default_factory=dict)  # worker -> why its status cannot be read
     reservations: dict[str, int] = field(default_factory=dict)  # worker -> reserved blocks
     shards: dict[str, int] = field(default_factory=dict)  # worker (live or dead) -> its shard
     in_use: list[int] = field(default_factory=lambda: [0])  # the shards workers ever lived in
@@ -40,6 +72,7 @@ class FleetSnapshot(TypedDict):
 
     workers: list[dict[str, Any]]  # each live worker's WorkerStatus, plus heartbeat_age_s and reserved_blocks
     dead_workers: list[str]
+    unreadable_workers: dict[str, str]  # worker -> why its status cannot be read (left out of the fleet)
     streams: dict[str, StreamInfo]  # request stream -> its counts
     dead_letters: int  # entries in the dead-letter stream
     # Redis's memory (INFO memory): used_memory, maxmemory (0: no cap) and maxmemory_policy; None on a cluster
@@ -64,6 +97,7 @@ def snapshot(view: FleetView, streams: dict[str, StreamInfo], dead_letters: int,
                                       "reserved_blocks": view.reservations.get(s.worker_id, 0)}
                     for s in view.live],
         "dead_workers": view.dead,
+        "unreadable_workers": view.unreadable,
         "streams": streams,
         "dead_letters": dead_letters,
         "redis": redis_memory,

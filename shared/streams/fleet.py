@@ -11,7 +11,6 @@ import redis.asyncio as aioredis
 
 from shared import fleet_state, keys
 from shared.fleet_state import FleetSnapshot, FleetView, StreamInfo
-from shared.messages import WorkerStatus
 from shared.streams.client import LuaScript, arun_script
 
 # ---- fleet reads ----------------------------------------------------------------------------------
@@ -56,7 +55,11 @@ async def aread_fleet(r: aioredis.Redis, in_use: list[int] | None = None) -> Fle
         if raw is None:
             view.dead.append(w)
             continue
-        view.live.append(WorkerStatus.model_validate_json(raw))
+        try:
+            view.live.append(fleet_state.parse_status(w, raw))
+        except fleet_state.UnreadableStatus as e:
+            view.unreadable[w] = str(e)
+            continue
         view.reservations[w] = sum(int(v) for v in reserved)
     return view
 

@@ -21,6 +21,7 @@ from typing import Any
 import redis
 
 from shared import keys
+from shared.fleet_state import UnreadableStatus, parse_status
 from shared.messages import DeadLetter, GenerationRequest, OutputChunk, WorkerStatus
 from shared.streams.client import LuaScript, group_missing, run_script, xread, xreadgroup
 from shared.streams.requests import enqueue_commands
@@ -170,10 +171,17 @@ def release_reservation(r: redis.Redis, worker_id: str, request_id: str, shard: 
 
 def other_workers(r: redis.Redis, worker_id: str, shard: int = 0) -> dict[str, WorkerStatus | None]:
     """Every other worker of the shard ever seen, by id, with its status: None when the status expired (the
-    worker is dead). One MGET: the statuses share the shard's slot."""
+    worker is dead). One whose status this version cannot read is left out (shared.fleet_state.parse_status).
+    One MGET: the statuses share the shard's slot."""
     members = sorted(r.smembers(keys.workers(shard)) - {worker_id})
     raw = r.mget([keys.status(w, shard) for w in members]) if members else []
-    return {w: None if s is None else WorkerStatus.model_validate_json(s) for w, s in zip(members, raw, strict=True)}
+    others: dict[str, WorkerStatus | None] = {}
+    for w, s in zip(members, raw, strict=True):
+        try:
+            others[w] = None if s is None else parse_status(w, s)
+        except UnreadableStatus:
+            pass
+    return others
 
 
 # Forget a dead worker, in one step: only if its status is still gone, its stream empty and nothing pending on

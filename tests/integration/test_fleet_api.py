@@ -537,6 +537,43 @@ def test_tokenize_and_detokenize_as_vllm(fleet, client, model):
     assert httpx.post(fleet.url() + "/tokenize", json={"model": model, "prompt": "x"}).status_code == 401
 
 
+def test_a_status_this_version_cannot_read_leaves_the_rest_of_the_fleet_serving(fleet, client, model):
+    """A worker of another kvfleet version (a rolling upgrade) registers and publishes a status this version cannot
+    read. It used to stop the fleet: every request a 500, /health 503, `kvfleet status` a traceback, and the
+    workers' takeover scans an error each heartbeat. Now that worker is left out, neither routed to nor taken for
+    dead (what is pending on it stays there), said once in the log and shown apart; the rest serves."""
+    from shared import keys, streams
+
+    r = streams.connect(fleet.redis.url)
+    stream = keys.req_stream("w-next")
+    try:
+        r.sadd(keys.workers(), "w-next")
+        r.set(keys.status("w-next"), json.dumps({"worker_id": "w-next", "kv": {"free": 9}}), px=60_000)
+        r.xgroup_create(stream, keys.GROUP, id="0", mkstream=True)
+        r.xadd(stream, {"request": "{}"})
+        r.xreadgroup(keys.GROUP, "w-next", {stream: ">"}, count=1)  # pending on it: a takeover would claim it
+        out = client.completions.create(model=model, prompt="still serving?", max_tokens=4)
+        assert out.usage.completion_tokens == 4
+        assert httpx.get(fleet.url() + "/health").json() == {"status": "ok", "workers": 2}
+        snap = fleet.fleet_status()
+        assert sorted(w["worker_id"] for w in snap["workers"]) == ["w0", "w1"] and snap["dead_workers"] == []
+        assert snap["unreadable_workers"] == {"w-next": "model: Field required (and 4 more)"}, snap
+        status = subprocess.run([sys.executable, "-m", "services.cli", "status"], cwd=REPO, env=fleet.env,
+                                capture_output=True, text=True, timeout=60)
+        assert status.returncode == 0 and "unreadable: w-next's status (model: Field required" in \
+            status.stdout, status.stdout + status.stderr
+        time.sleep(3)  # takeover scans of both workers (one a heartbeat)
+        assert r.xpending(stream, keys.GROUP)["consumers"] == [{"name": "w-next", "pending": 1}]
+        gateway_log = next(p for name, p in fleet.logs.items() if name.startswith("gateway"))
+        assert gateway_log.read_text().count("the status of worker w-next cannot be read") == 1, fleet.tail()
+        for wid in ("w0", "w1"):
+            assert "unexpected error" not in fleet.logs[wid].read_text(), fleet.tail()
+    finally:
+        r.delete(keys.status("w-next"), stream)
+        r.srem(keys.workers(), "w-next")
+        r.close()
+
+
 def test_no_live_worker_then_no_redis_answer_503(fleet, client, model):  # last: it stops the fleet
     """Last in the module: it stops the fleet's workers, then its Redis."""
     for wid in ("w0", "w1"):
