@@ -51,7 +51,7 @@ def connect(url: str, *, resend: bool = True, **kwargs: Any) -> redis.Redis:
     if (node := cluster_url(url)) is not None:
         kwargs.pop("health_check_interval", None)
         if not resend:
-            kwargs |= NO_RESEND | {"cluster_error_retry_attempts": 0}
+            kwargs |= NO_RESEND
         return redis.RedisCluster.from_url(node, decode_responses=True, socket_connect_timeout=5, **kwargs)
     return redis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=5,
                                 **(_retry_options(False) if resend else NO_RESEND) | kwargs)

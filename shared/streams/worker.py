@@ -14,6 +14,7 @@ is not, every request the worker holds is checked before the status it writes re
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,8 @@ from shared.fleet_state import UnreadableStatus, parse_status
 from shared.messages import DeadLetter, GenerationRequest, OutputChunk, WorkerStatus
 from shared.streams.client import LuaScript, group_missing, run_script, xread, xreadgroup
 from shared.streams.requests import enqueue_commands
+
+log = logging.getLogger("kvfleet.streams")
 
 # ---- worker side: intake --------------------------------------------------------------------------
 # The worker's reader threads (gpu_worker.serve.intake): its consumer-group reads, the takeover of what dead
@@ -254,12 +257,17 @@ def cancel_cursor(r: redis.Redis) -> str:
 
 
 def read_cancels(r: redis.Redis, after: str, *, block_ms: int = 1000, count: int = 256) -> tuple[str, list[str]]:
-    """The request ids cancelled after entry `after` (waiting up to block_ms for one), and the new cursor."""
+    """The request ids cancelled after entry `after` (waiting up to block_ms for one), and the new cursor. An
+    entry without one (a foreign writer's) is skipped and logged: it must not stop the reader on it."""
     ids = []
     for _stream, entries in xread(r, {keys.CANCEL: after}, block_ms=block_ms, count=count) or []:
         for entry_id, fields in entries:
             after = entry_id
-            ids.append(fields[keys.FIELD])
+            if isinstance(request_id := fields.get(keys.FIELD), str):
+                ids.append(request_id)
+            else:
+                log.error("skipping unreadable entry %s of %s (no %r field): %s", entry_id, keys.CANCEL, keys.FIELD,
+                          str(fields)[:200])
     return after, ids
 
 

@@ -329,6 +329,18 @@ def test_cancels_written_after_start_reach_the_main_thread(r, start_intake):
     assert [inbox.get(timeout=5), inbox.get(timeout=5)] == [Cancel("a"), Cancel("b")]
 
 
+def test_an_unreadable_cancel_entry_is_skipped_not_read_forever(r, start_intake):
+    """An entry of the cancel stream without a request id (a foreign writer's, another version's) used to stop
+    every worker's cancel reader on it: each turn failed on that entry, so no cancel and no lease lapse was ever
+    seen again. It is skipped; the cancels after it arrive."""
+    intake, inbox = start_intake(roomy())
+    time.sleep(0.2)
+    r.xadd(keys.CANCEL, {"request": "x"})
+    streams.cancel(r, "after")
+    assert inbox.get(timeout=5) == Cancel("after")
+    assert not intake.redis_failing and not intake.dead_threads()
+
+
 def test_a_request_too_big_for_this_cache_goes_to_a_worker_that_holds_it(r, start_intake):
     big = "w-big"
     streams.publish(r, big, output_ttl_s=60, status_ttl_s=60, status=WorkerStatus(
