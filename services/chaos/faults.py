@@ -20,13 +20,14 @@ from shared import streams
 from shared.settings import Settings
 
 KINDS = ("worker_sigkill", "worker_sigterm", "worker_sigstop", "gateway_sigkill", "gateway_sigstop", "redis_restart",
-         "redis_sigstop", "redis_client_kill", "poison")
+         "redis_sigstop", "redis_client_kill", "poison", "foreign_writes")
 # kinds after which a request in flight may be resumed by another worker from the tokens it had sent: the new
 # worker computes their keys and values in one prefill, not token by token, so its logits can differ in the
 # last bits, and a seeded sampled continuation may take another token where two were near-equal
 # (a hung gateway or Redis: the request's lease lapses, and its gateway places it again after what it relayed)
 HANDOVER = ("worker_sigkill", "worker_sigterm", "worker_sigstop", "gateway_sigstop", "redis_restart", "redis_sigstop")
-TAKE_NOTHING_AWAY = ("redis_client_kill", "poison")  # kinds that need no whole fleet to hit
+TAKE_NOTHING_AWAY = ("redis_client_kill", "poison", "foreign_writes")  # kinds that need no whole fleet to hit
+FOREIGN_STATUS_TTL_S = 20.0  # how long a foreign worker's unreadable status stays
 WHOLE_TIMEOUT_S = 180.0  # a fleet not whole again by then: the next fault comes anyway (and the checks tell)
 REDIS_AFTERMATH_S = 20.0  # 503s this long after Redis is back are still the outage's (readers' backoff)
 LEASE_TTL_S = Settings().lease_ttl_s  # the fleet's (the soak leaves the default)
@@ -162,6 +163,22 @@ class Injector:
             r = streams.connect(self.fleet.redis.url)
             try:
                 return f"{streams.kill_clients(r)} connections"
+            finally:
+                r.close()
+        except streams.RedisError as e:
+            return f"failed: {e}"
+
+    def foreign_writes(self) -> str:
+        """What another kvfleet version or another program may leave in Redis: a worker registered with a status
+        this version cannot read (for FOREIGN_STATUS_TTL_S; then it is a dead worker with nothing to take over)
+        and a cancel entry without a request id. Before, the status failed every request with a 500 and the cancel
+        entry stopped the workers' cancel readers for good."""
+        worker_id = f"w-foreign-{self.log.counts['foreign_writes']}"
+        try:
+            r = streams.connect(self.fleet.redis.url)
+            try:
+                streams.plant_foreign_state(r, worker_id, FOREIGN_STATUS_TTL_S)
+                return worker_id
             finally:
                 r.close()
         except streams.RedisError as e:

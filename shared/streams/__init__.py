@@ -22,6 +22,7 @@ from shared.streams.admin import (  # noqa: F401
     cluster_problem,
     kill_clients,
     meet,
+    plant_foreign_state,
     used_memory,
     work_counters,
 )

@@ -1,10 +1,14 @@
 """Operations on the Redis server itself, for fault injection and checks (`kvfleet chaos`): drop every client
-connection, read how much memory the server uses; its work counters (`kvfleet bench serve --redis-stats`); and
-forming a Redis Cluster from fresh nodes (services.redis_cluster)."""
+connection, leave what a foreign writer would, read how much memory the server uses; its work counters
+(`kvfleet bench serve --redis-stats`); and forming a Redis Cluster from fresh nodes (services.redis_cluster)."""
 
 from __future__ import annotations
 
+import json
+
 import redis
+
+from shared import keys
 
 
 def _info(r: redis.Redis, section: str) -> list[dict]:
@@ -21,6 +25,18 @@ def kill_clients(r: redis.Redis) -> int:
         killed = r.client_kill_filter(_type="normal", skipme=True, target_nodes=redis.RedisCluster.PRIMARIES)
         return sum(int(n) for n in killed.values())
     return int(r.client_kill_filter(_type="normal", skipme=True))
+
+
+def plant_foreign_state(r: redis.Redis, worker_id: str, ttl_s: float, shard: int = 0) -> None:
+    """What a kvfleet of another version (in a rolling upgrade) or another program may leave in Redis: `worker_id`
+    registered in `shard` with a status this version cannot read (expiring in `ttl_s`), and an entry of the cancel
+    stream without a request id. The fleet must go on past both."""
+    pipe = r.pipeline(transaction=False)
+    pipe.sadd(keys.workers(shard), worker_id)
+    pipe.set(keys.status(worker_id, shard), json.dumps({"worker_id": worker_id, "kv_cache": {"free": 1}}),
+             px=max(1, int(ttl_s * 1000)))
+    pipe.xadd(keys.CANCEL, {"cancelled_by": worker_id})
+    pipe.execute()
 
 
 def used_memory(r: redis.Redis) -> int:

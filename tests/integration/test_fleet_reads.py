@@ -4,6 +4,8 @@ prompt prefixes were routed."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from fleet_harness import run_async as run
 
@@ -70,5 +72,30 @@ def test_prefix_index_remembers_where_blocks_went(redis_url):
             await streams.aremember_prefix(r, a, w)
         assert await streams.aprefix_owners(r, a) == [["w6", "w5", "w4", "w1"]] * 2
         assert streams.PREFIX_OWNERS == 4
+
+    run(redis_url, body)
+
+
+def test_what_a_foreign_writer_leaves_is_left_out_of_the_fleet_reads(redis_url):
+    """streams.plant_foreign_state (the chaos soak's `foreign_writes`): the planted worker is neither live nor dead
+    but unreadable, while its status lasts; the cancel reader skips the planted entry."""
+    async def body(r):
+        await r.set(keys.status("w0"), status("w0", 40).model_dump_json())
+        await r.sadd(keys.workers(), "w0")
+        sync = streams.connect(redis_url)
+        try:
+            cursor = streams.cancel_cursor(sync)
+            streams.plant_foreign_state(sync, "w-foreign", ttl_s=0.5)
+            streams.cancel(sync, "real")
+            assert streams.read_cancels(sync, cursor, block_ms=10)[1] == ["real"]
+        finally:
+            sync.close()
+        view = await streams.aread_fleet(r)
+        assert [w.worker_id for w in view.live] == ["w0"] and view.dead == []
+        assert view.unreadable == {"w-foreign": "model: Field required (and 4 more)"}
+        assert (await streams.afleet_snapshot(r))["unreadable_workers"] == view.unreadable
+        await asyncio.sleep(0.6)  # its status expired: a dead worker, for the takeover to look at and forget
+        view = await streams.aread_fleet(r)
+        assert view.unreadable == {} and view.dead == ["w-foreign"]
 
     run(redis_url, body)
