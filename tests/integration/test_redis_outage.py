@@ -30,7 +30,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import httpx
 import pytest
@@ -257,20 +257,14 @@ def test_flushed_while_queued_the_gateway_places_it_again(fleet):
     assert _placed_again(fleet) == before_count + 1
 
 
-def test_queued_request_lost_with_the_data_fails_at_once(fleet):
-    """A request queued (no worker can take it: it is for a worker that does not exist) when Redis restarts
-    without its data: its reader says Redis lost it instead of waiting for the request timeout."""
-    r = streams.connect(fleet.redis.url)
-    request = GenerationRequest(request_id="lost-1", prompt_token_ids=[1, 2, 3], sampling_params={"max_tokens": 4})
-    entry_id = streams.enqueue(r, request, "nobody")
-    port = fleet.redis.port
-    chunks = streams.iter_output(r, "lost-1", timeout_s=60, grace_s=30, entry=(keys.req_stream("nobody"), entry_id))
-    outcome: list = []
+def _read_over_a_restart_without_data(fleet: Fleet, chunks: Iterable) -> list:
+    """Read `chunks` in a thread while Redis restarts without its data (1 s down): [the chunks] or [the error]."""
+    port, outcome = fleet.redis.port, []
 
     def read() -> None:
         try:
             outcome.append(list(chunks))
-        except Exception as e:  # noqa: BLE001 (what the test checks)
+        except Exception as e:  # noqa: BLE001 (what the tests check)
             outcome.append(e)
 
     reader = threading.Thread(target=read, daemon=True)
@@ -280,6 +274,17 @@ def test_queued_request_lost_with_the_data_fails_at_once(fleet):
     time.sleep(1)
     _start_redis(fleet, port)
     reader.join(20)
+    return outcome
+
+
+def test_queued_request_lost_with_the_data_fails_at_once(fleet):
+    """A request queued (no worker can take it: it is for a worker that does not exist) when Redis restarts
+    without its data: its reader says Redis lost it instead of waiting for the request timeout."""
+    r = streams.connect(fleet.redis.url)
+    request = GenerationRequest(request_id="lost-1", prompt_token_ids=[1, 2, 3], sampling_params={"max_tokens": 4})
+    entry_id = streams.enqueue(r, request, "nobody")
+    chunks = streams.iter_output(r, "lost-1", timeout_s=60, grace_s=30, entry=(keys.req_stream("nobody"), entry_id))
+    outcome = _read_over_a_restart_without_data(fleet, chunks)
     r.close()
     assert outcome and isinstance(outcome[0], streams.OutputLost), outcome
     assert "Redis lost request lost-1" in str(outcome[0])
@@ -293,26 +298,12 @@ def test_the_python_client_is_told_at_once_when_redis_lost_its_queued_request(fl
     from services.client import FleetClient
 
     fleet.wait_ready(workers=1)
-    port, worker = fleet.redis.port, fleet.workers["w0"]
-    outcome: list = []
+    worker = fleet.workers["w0"]
     with FleetClient(fleet.redis.url) as client:
         os.kill(worker.pid, signal.SIGSTOP)
         try:
             handle = client.submit(PROMPT, max_tokens=8)
-
-            def read() -> None:
-                try:
-                    outcome.append(list(handle))
-                except Exception as e:  # noqa: BLE001 (what the test checks)
-                    outcome.append(e)
-
-            reader = threading.Thread(target=read, daemon=True)
-            reader.start()
-            time.sleep(0.5)
-            _stop_redis(fleet, keep_data=False)
-            time.sleep(1)
-            _start_redis(fleet, port)
-            reader.join(20)
+            outcome = _read_over_a_restart_without_data(fleet, handle)
         finally:
             os.kill(worker.pid, signal.SIGCONT)
     assert outcome and isinstance(outcome[0], streams.OutputLost), outcome
