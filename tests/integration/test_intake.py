@@ -31,7 +31,7 @@ def start_intake(r, redis_url):
 
     def start(room: Room, **settings) -> tuple[Intake, queue.Queue]:
         inbox: queue.Queue = queue.Queue()
-        cfg = Settings(worker_id=ME, heartbeat_s=0.2, **settings)
+        cfg = Settings(**{"worker_id": ME, "heartbeat_s": 0.2} | settings)
         intake = Intake(streams.connect(redis_url, resend=False), cfg, ME, inbox, lambda: room).start()
         started.append(intake)
         return intake, inbox
@@ -134,11 +134,11 @@ def test_takes_what_a_read_whose_reply_was_lost_delivered_to_it(r, start_intake)
     stopped just after answering it, a socket timeout): its entries are pending on the worker, which never got
     them, and their readers would wait out their timeout. Here the test makes that read as the worker (in one
     transaction with the enqueue, so the worker's own blocked read does not get there first), then drops the
-    worker's connections (CLIENT KILL): its failed turn makes it look, and it takes both entries. A gateway's
-    request among them is run here, not handed back (nobody ran it before); the one it took earlier is not
-    taken twice."""
-    room = roomy()
-    intake, inbox = start_intake(room)
+    connection of the worker's blocked read (CLIENT KILL): its failed turn makes it look, and it takes both
+    entries. A gateway's request among them is run here, not handed back (nobody ran it before); the one it took
+    earlier is not taken twice. (A heartbeat of 5 s: the worker's read blocks for a second at a time.)"""
+    room = roomy(spare=False)
+    intake, inbox = start_intake(room, heartbeat_s=5.0)
     streams.enqueue(r, request("taken-before"), ME)
     take_jobs(intake, inbox, room, 1)
     lost = [request("lost-1"), request("lost-2").model_copy(update={"reply_to": keys.inbox("gw-1")})]
@@ -147,9 +147,17 @@ def test_takes_what_a_read_whose_reply_was_lost_delivered_to_it(r, start_intake)
         streams.enqueue_commands(pipe, req, ME, 0)
     pipe.xreadgroup(keys.GROUP, ME, {keys.req_stream(ME): ">"}, count=8)
     assert [e for _, e in pipe.execute()[-1][0][1]], "the test's read (the lost reply) got nothing"
-    time.sleep(0.3)  # the worker's read blocks on its stream again
     assert inbox.empty()
-    r.client_kill_filter(_type="normal", skipme=True)
+    for _ in range(5):  # (a read that ended just before the kill meets a new connection: kill the next one)
+        blocked = wait_for(lambda: [c["id"] for c in r.client_list() if c["cmd"] == "xreadgroup" and "b" in c["flags"]],
+                           what="the worker's blocked read")
+        for client_id in blocked:
+            r.client_kill_filter(_id=client_id)
+        deadline = time.monotonic() + 3
+        while inbox.empty() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not inbox.empty():
+            break
     jobs = take_jobs(intake, inbox, room, 2)  # (a gateway's request handed back would not come here)
     assert sorted(jobs) == ["lost-1", "lost-2"] and all(j.deliveries == 2 for j in jobs.values()), jobs
     time.sleep(QUIET_S)
