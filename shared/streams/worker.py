@@ -335,9 +335,12 @@ for _, box in ipairs(plan['inboxes']) do
   end
 end
 for _, q in ipairs(plan['requeued']) do
-  if owned[q[1]] then
+  local o = plan['owners'][q[1]]
+  -- the ack first: 0 when the entry was no longer pending (this flush ran already, its reply lost, and it was
+  -- sent again): the hand-back is not made twice
+  if owned[q[1]] and redis.call('XACK', KEYS[o[1]], group, o[2]) == 1 then
+    redis.call('XDEL', KEYS[o[1]], o[2])
     local id = redis.call('XADD', KEYS[plan['any']], '*', field, ARGV[q[2]])
-    ack(plan['owners'][q[1]])
     if q[3] then  -- a gateway's request: where it is now, for its relay's silence check
       redis.call('XADD', KEYS[q[3]], 'NOMKSTREAM', '*', plan['moved'], cjson.encode({q[4], KEYS[plan['any']], id}))
     end

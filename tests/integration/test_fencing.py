@@ -56,6 +56,19 @@ def test_a_worker_that_lost_the_entry_can_neither_write_nor_ack_nor_hand_back(r)
     assert r.xpending(old.stream, keys.GROUP)["pending"] == 0 and r.xlen(old.stream) == 0
 
 
+def test_a_hand_back_sent_twice_is_made_once(r):
+    """A flush whose reply was lost (the connection dropped after Redis ran it) is sent again by redis-py: its
+    hand-back must not put the request on the shared stream twice (two workers would run it)."""
+    old = taken_by_old(r, "handed")
+    run = "run-1"
+    streams.publish(r, OLD, output_ttl_s=60, status=status_of(OLD, run), status_ttl_s=5, run_id=run)
+    for _ in range(2):  # the flush, and the same flush again
+        assert streams.publish(r, OLD, output_ttl_s=60, run_id=run, owners={"handed": old.ack},
+                               requeued=[(request("handed"), old.ack)]) == []
+    assert [streams.parse_request(f).request_id for _, f in r.xrange(keys.req_any())] == ["handed"]
+    assert r.xpending(old.stream, keys.GROUP)["pending"] == 0 and r.xlen(old.stream) == 0
+
+
 def test_a_refused_request_does_not_hold_back_the_rest_of_the_flush(r):
     lost, kept = taken_by_old(r, "lost"), taken_by_old(r, "kept")
     streams.claim_pending(r, lost.stream, OLD, NEW, min_idle_ms=0)  # takes both
