@@ -93,12 +93,21 @@ def error_response(exc: Exception) -> JSONResponse:
     if isinstance(exc, streams.RedisError) and streams.out_of_memory(exc):
         log.warning("redis full: %s", exc)
         return redis_full().response()
+    if isinstance(exc, streams.RedisError) and streams.cannot_persist(exc):
+        log.warning("redis cannot persist: %s", exc)
+        return redis_cannot_persist().response()
     if isinstance(exc, streams.RedisError):
         log.warning("redis unavailable: %s", exc)
         return APIError(503, "the request queue (Redis) is unavailable; retry shortly", code="redis_unavailable",
                         headers={"Retry-After": "1"}).response()
     log.error("internal error", exc_info=exc)
     return APIError(500, f"internal error: {type(exc).__name__}", type="server_error").response()
+
+
+def redis_cannot_persist() -> APIError:
+    """The 503 for a write Redis refused because it cannot save it to disk (MISCONF)."""
+    return APIError(503, f"the request queue takes no new request now. {streams.CANNOT_PERSIST}",
+                    code="redis_cannot_persist", headers={"Retry-After": "5"})
 
 
 def redis_full() -> APIError:

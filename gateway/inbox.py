@@ -200,6 +200,11 @@ class Inbox:
                     if chunk.final:
                         return
             if lost is not None and lost():
+                # its lease and its entry were gone: Redis lost it, or it just ended (its lease lapsed while Redis
+                # refused writes, say), and its last chunks, written with its ack, are on their way here
+                await box.wait(TICK_S)
+                if box.items:
+                    continue
                 raise streams.OutputLost(f"Redis lost request {request_id}: its lease vanished (Redis restarted "
                                          "without its data or was flushed, or the gateway stalled past the lease TTL)")
             now = time.monotonic()

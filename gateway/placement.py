@@ -64,7 +64,9 @@ async def target_for(state: GatewayState, model: str, view: FleetView | None = N
             raise
         return await _own_model(state, model, FleetView(), outage=e)
     if not view.live and not settings.queue_when_no_workers:
-        raise APIError(503, "no worker is alive to serve requests; start one with `kvfleet worker`",
+        silent = f"; {len(view.dead)} stopped reporting their status ({', '.join(view.dead[:5])}): they are down, " \
+                 "or cannot write to Redis (`kvfleet status` shows Redis's state)" if view.dead else ""
+        raise APIError(503, f"no worker is alive to serve requests{silent}; start one with `kvfleet worker`",
                        code="no_workers", headers={"Retry-After": str(settings.retry_after_s)})
     workers = view.serving(lambda w: same_model(model, w.model, w.model_path))
     if not workers and view.live:

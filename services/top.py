@@ -52,15 +52,18 @@ class FleetReader:
 
 
 def redis_memory(memory: dict[str, Any] | None) -> str:
-    """" | redis 3.3 of 64.0 MiB", and when it is past its cap under noeviction, that it refuses writes."""
+    """" | redis 3.3 of 64.0 MiB", and when it refuses writes, why: past its cap under noeviction, or unable to
+    persist (a full disk)."""
     if not memory:
         return ""
     used, cap, mib = memory["used_memory"], memory["maxmemory"], 1024 * 1024
+    failed = memory.get("persistence_error")
+    cannot_persist = f": CANNOT PERSIST, {failed}: it refuses writes (free space on its data volume)" if failed else ""
     if not cap:
-        return f" | redis {used / mib:.1f} MiB"
+        return f" | redis {used / mib:.1f} MiB{cannot_persist}"
     full = used >= cap and memory.get("maxmemory_policy") == "noeviction"
     return f" | redis {used / mib:.1f} of {cap / mib:.1f} MiB" + (
-        ": FULL, it refuses writes (raise its maxmemory)" if full else "")
+        ": FULL, it refuses writes (raise its maxmemory)" if full else "") + cannot_persist
 
 
 def bar(free: int, total: int, width: int = BAR_WIDTH) -> str:

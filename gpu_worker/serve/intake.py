@@ -42,7 +42,8 @@ thread, which fails the request.
 
 The cancel thread also reads, every LEASE_CHECK_S in one MGET, the leases of the requests the worker holds
 whose gateway holds one (GenerationRequest.lease): a lease seen gone on checks LEASE_CONFIRM_S apart, with no
-failed read between (Redis back from an outage: the gateway sets its leases again within a second), becomes a
+failed read between (Redis back from an outage: the gateway sets its leases again within a second) and while
+Redis takes the worker's writes (full or unable to persist, it refuses the gateways' SETs too), becomes a
 cancel, since nobody reads that output any more (its gateway died).
 """
 
@@ -104,7 +105,8 @@ class Room:
 class Intake:
     def __init__(self, r: streams.Client, settings: Settings, worker_id: str, inbox: queue.Queue,
                  room: Callable[[], Room], *, metrics: Any = None, on_regroup: Callable[[], None] | None = None,
-                 leased: Callable[[], list[str]] | None = None, precompile: Any = None):
+                 leased: Callable[[], list[str]] | None = None, writes_refused: Callable[[], bool] | None = None,
+                 precompile: Any = None):
         self.r, self.settings, self.worker_id = r, settings, worker_id
         self.precompile = precompile  # gpu_worker.engine.structured.Grammars, or None
         self.metrics = metrics  # gpu_worker.serve.metrics.WorkerMetrics: counts dead letters
@@ -112,6 +114,7 @@ class Intake:
         self.redis_failing: set[str] = set()  # the threads whose last turn failed on Redis (-> not ready)
         self.inbox, self.room = inbox, room
         self.leased = leased  # the request ids the worker holds that carry a lease
+        self.writes_refused = writes_refused  # Redis refuses the worker's writes now (full, or cannot persist)
         self._next_lease_check = 0.0
         self._lease_gone: dict[str, float] = {}  # request id -> when its lease was first seen gone
         self.shard = settings.worker_shard  # every stream and key it reads or writes is in its shard
@@ -525,7 +528,12 @@ class Intake:
             self.inbox.put(Cancel(request_id))
 
     def _check_leases(self, request_ids: list[str]) -> None:
-        """Cancel the requests whose lease is gone and stayed gone for LEASE_CONFIRM_S (one MGET)."""
+        """Cancel the requests whose lease is gone and stayed gone for LEASE_CONFIRM_S (one MGET). Not while Redis
+        refuses writes (full, or unable to persist): the gateways cannot set their leases either, so a lapsed one
+        proves nothing; they set them again once Redis takes writes."""
+        if self.writes_refused is not None and self.writes_refused():
+            self._lease_gone.clear()
+            return
         try:
             alive = streams.leases_alive(self.r, request_ids, self.shard)
         except streams.RedisError:

@@ -13,7 +13,8 @@ worker took over (this one was paused or cut off past the status TTL) are refuse
 `heartbeat_s` regardless (from this thread, so a long engine step does not make the worker look dead).
 A failed flush is retried: nothing queued here is dropped while Redis is away, or full (at its maxmemory under
 noeviction, it refuses the flush's writes: the status is then kept alive with PEXPIRE, which it still takes, so
-the fleet does not take this worker for dead). Dead letters (requests the
+the fleet does not take this worker for dead), or unable to persist (MISCONF: a full disk; it then refuses every
+write, PEXPIRE too, so the status expires until Redis takes writes again). Dead letters (requests the
 engine failed) go to kvfleet:dead just before the flush that carries their final chunk and ack. The thread
 survives any error: one that is not Redis's is logged with its traceback and the batch is written piece by
 piece, dropping (and logging) only what cannot be written at all; `alive` tells the worker it still runs.
@@ -38,7 +39,7 @@ from shared.settings import Settings
 
 log = logging.getLogger("kvfleet.worker")
 
-FULL_SAY_S = 30.0  # while Redis is full, say so this often at most (each flush is retried every 0.2 s)
+FULL_SAY_S = 30.0  # while Redis refuses writes, say so this often at most (each flush is retried every 0.2 s)
 
 
 @dataclass
@@ -74,7 +75,9 @@ class Outbox:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvfleet-outbox", daemon=True)
         self.healthy = False  # the last flush reached Redis
-        self.full = False  # the last flush was refused: Redis is full (maxmemory, noeviction)
+        # why Redis refused the last flush's writes ("" when it took them): it is full (maxmemory, noeviction), or
+        # cannot persist (MISCONF)
+        self.refused = ""
         self._full_said = float("-inf")  # when that was last logged
         # (request id, delivery) of the requests another worker owns now (fenced out)
         self.lost: queue.SimpleQueue[tuple[str, streams.Ack]] = queue.SimpleQueue()
@@ -218,16 +221,21 @@ class Outbox:
         changed = not self._status.same_state(self._published)
         return changed and now - self._last_pub >= 1.0 / self.settings.status_max_hz
 
-    def _while_full(self, status_due: bool) -> None:
-        """Redis is full (maxmemory, noeviction): every flush is refused (its writes are SETs and XADDs). Say so,
-        every FULL_SAY_S at most, and keep the status alive as it is (PEXPIRE, which a full Redis takes): else it
-        expires, and the fleet takes this live worker for dead (no route to it, its requests taken over)."""
-        self.full = True
+    def _while_refused(self, why: str, status_due: bool) -> None:
+        """Redis refuses every flush: it is full (maxmemory, noeviction: its writes are SETs and XADDs) or cannot
+        persist (MISCONF). Say so, every FULL_SAY_S at most. When full, keep the status alive as it is (PEXPIRE,
+        which a full Redis takes): else it expires, and the fleet takes this live worker for dead (no route to it,
+        its requests taken over). A Redis that cannot persist takes no PEXPIRE either."""
+        self.refused = why
         now = time.monotonic()
         if now - self._full_said >= FULL_SAY_S:
             self._full_said = now
-            log.warning("%s. This worker's output and status wait (retried; it stays in the fleet)", streams.FULL)
-        if status_due:
+            if why == "full":
+                log.warning("%s. This worker's output and status wait (retried; it stays in the fleet)", streams.FULL)
+            else:
+                log.warning("%s. This worker's output and status wait (retried); its status expires meanwhile, so "
+                            "the fleet takes it for dead until Redis takes writes again", streams.CANNOT_PERSIST)
+        if status_due and why == "full":
             try:
                 if streams.keep_status(self.r, self.worker_id, self.settings.status_ttl_s, self.settings.worker_shard):
                     self._last_pub = now
@@ -252,13 +260,15 @@ class Outbox:
         except streams.RedisError as e:
             self.healthy = False
             if streams.out_of_memory(e):
-                self._while_full(status_due)
+                self._while_refused("full", status_due)
+            elif streams.cannot_persist(e):
+                self._while_refused("cannot persist", status_due)
             else:
                 log.warning("redis write failed (%s); retrying", e)
             return False
-        if self.full:
+        if self.refused:
             log.warning("Redis takes writes again: this worker's output goes out")
-            self.full, self._full_said = False, float("-inf")
+            self.refused, self._full_said = "", float("-inf")
         self.healthy = True
         if batch.chunks:
             self._last_chunks = now

@@ -84,6 +84,7 @@ class Worker:
         reader_r = streams.connect(self.settings.redis_url, resend=False, health_check_interval=30)
         self.intake = Intake(reader_r, self.settings, self.worker_id, self.inbox, lambda: self._room,
                              metrics=self.metrics, on_regroup=self.outbox.republish, leased=self._leased,
+                             writes_refused=lambda: bool(self.outbox.refused),
                              precompile=getattr(self.engine, "grammars", None))
         self.intake.start(lambda: self.draining)  # (not ready while it waits for Redis: intake.redis_failing)
         self.last_tick = time.monotonic()
@@ -342,8 +343,10 @@ class Worker:
             return False, self.broken or f"thread(s) {', '.join(dead)} died"
         if self.draining:
             return False, "draining"
-        if self.outbox is not None and self.outbox.full:
+        if self.outbox is not None and self.outbox.refused == "full":
             return False, "redis is full (maxmemory): its writes wait"
+        if self.outbox is not None and self.outbox.refused:
+            return False, "redis cannot persist (MISCONF: its disk?): its writes wait"
         if self.outbox is None or not self.outbox.healthy:
             return False, "redis unreachable"
         if self.intake is not None and self.intake.redis_failing:

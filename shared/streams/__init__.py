@@ -27,12 +27,14 @@ from shared.streams.admin import (  # noqa: F401
     work_counters,
 )
 from shared.streams.client import (  # noqa: F401
+    CANNOT_PERSIST,
     CONNECTION_ERRORS,
     FULL,
     Client,
     LuaScript,
     RedisError,
     arun_script,
+    cannot_persist,
     cluster_url,
     connect,
     connect_async,

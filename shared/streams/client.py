@@ -119,6 +119,18 @@ FULL = ("Redis is full: it is at its maxmemory under the noeviction policy and r
         "Redis of k8s/), or read what is waiting")
 
 
+CANNOT_PERSIST = ("Redis refuses writes: it cannot save them to disk (MISCONF: its AOF or snapshot could not be "
+                  "written; a full or read-only data volume, say) and takes none, PEXPIRE and deletes included, until "
+                  "a write to disk succeeds again; nothing queued is dropped. Free space on its data volume (or fix "
+                  "its persistence: `redis-cli INFO persistence` says what failed)")
+
+
+def cannot_persist(e: BaseException) -> bool:
+    """Redis refused a write because it cannot persist it (MISCONF), from a command or inside a script (Redis 6
+    wraps it: "Error running script ...: -MISCONF ..."). Reads still work then."""
+    return isinstance(e, redis.ResponseError) and (str(e).startswith("MISCONF") or "-MISCONF " in str(e))
+
+
 def out_of_memory(e: BaseException) -> bool:
     """Redis refused a write because it is full (maxmemory, noeviction): OOM, from a command or inside a script.
     Reads, deletes, acks and PEXPIRE still work then."""

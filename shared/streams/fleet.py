@@ -83,12 +83,15 @@ async def afleet_snapshot(r: aioredis.Redis) -> FleetSnapshot:
 
 
 async def _amemory(r: aioredis.Redis) -> dict[str, Any] | None:
-    """used_memory, maxmemory and its policy (one INFO memory); None on a cluster (a figure per master)."""
+    """used_memory, maxmemory and its policy (INFO memory), and persistence_error: what failed of its persistence
+    ("" when nothing did: INFO persistence); None on a cluster (a figure per master)."""
     if isinstance(r, aioredis.RedisCluster):
         return None
-    info = await r.info("memory")
+    info, saved = await r.info("memory"), await r.info("persistence")
+    failed = ("its AOF cannot be written" if saved.get("aof_enabled") and saved.get("aof_last_write_status") == "err"
+              else "its last RDB snapshot failed" if saved.get("rdb_last_bgsave_status") == "err" else "")
     return {"used_memory": int(info["used_memory"]), "maxmemory": int(info.get("maxmemory", 0)),
-            "maxmemory_policy": info.get("maxmemory_policy", "")}
+            "maxmemory_policy": info.get("maxmemory_policy", ""), "persistence_error": failed}
 
 
 async def anext_turn(r: aioredis.Redis) -> int:

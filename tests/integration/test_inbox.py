@@ -115,6 +115,30 @@ def test_a_relay_ends_as_its_request_does(r, redis_url):
     run(main())
 
 
+def test_a_relay_whose_request_ended_as_its_lease_was_found_gone_gets_its_last_chunks(r, redis_url,
+                                                                                   quick_silence_check):
+    """The lease refresh finds a lease gone with its request's entry (acked): Redis lost the request, or it just
+    ended, its lease having lapsed while Redis refused writes, its final chunk written with the ack and still on its
+    way to the relay. The relay waits a tick for it: a request that ended is relayed to its end, not placed again
+    (which ran it a second time)."""
+    async def main():
+        ar = streams.connect_async(redis_url)
+        inbox = Inbox(ar, "gw", ttl_s=60, block_ms=100)
+        await inbox.start()
+        inbox.open("ended")
+        streams.publish(r, W, output_ttl_s=60, chunks=[chunk("ended", 0)], reply_to={"ended": inbox.gateway_id})
+        relay = asyncio.create_task(collect(inbox, "ended", lost=lambda: True))
+        await asyncio.sleep(0.05)  # the relay took chunk 0 and finds its lease gone
+        streams.publish(r, W, output_ttl_s=60, chunks=[chunk("ended", 1, final=True)],
+                        reply_to={"ended": inbox.gateway_id})
+        got = await relay
+        await inbox.close()
+        await ar.aclose()
+        return got
+
+    assert [c.seq for c in run(main())] == [0, 1]
+
+
 def test_a_relay_waits_out_a_short_outage_and_fails_past_the_grace(redis_url):
     async def main():
         ar = streams.connect_async("redis://127.0.0.1:1/0")  # nothing listens there

@@ -128,3 +128,77 @@ def test_the_lease_refresh_keeps_the_leases_there_when_redis_refuses_its_sets(fl
 
     gone, ttl_ms = asyncio.run(refresh())
     assert gone == {"lapsed"} and ttl_ms > 20_000, (gone, ttl_ms)
+
+
+def test_a_redis_that_cannot_persist_is_named_and_loses_nothing(fleet):
+    """Redis unable to save to disk (MISCONF: here its RDB snapshot fails, as on a full or read-only volume) refuses
+    every write, PEXPIRE too, so the worker's status lapses: nothing can keep it. What the fleet says names the
+    cause instead of only "no worker": a new request's 503 `no_workers` says the worker stopped reporting and may
+    be unable to write to Redis; `kvfleet status` says Redis CANNOT PERSIST; the worker's /readyz and its log say
+    so (once). The stream in flight is not aborted although its lease lapsed (the gateway could not set it: that
+    proves nothing), and once Redis persists again it goes on to the whole greedy answer, each token once, without
+    being placed again; new requests are served."""
+    r = streams.connect(fleet.redis.url)
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    fleet.wait_ready(workers=1)
+    gateway_log = next(path for name, path in fleet.logs.items() if name.startswith("gateway"))
+    logged_before, gateway_before = fleet.logs["w0"].stat().st_size, gateway_log.stat().st_size
+    with fleet.http(timeout=60) as h:
+        model = h.get("/v1/models").json()["data"][0]["id"]
+        reference = h.post("/v1/completions", json=body(False) | {"model": model}).json()["choices"][0]["text"]
+    events: list[str] = []
+    started = threading.Event()
+
+    def read() -> None:
+        with httpx.stream("POST", fleet.url() + "/v1/completions", json=body(True) | {"model": model},
+                          headers=headers, timeout=120) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    started.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    assert started.wait(30), fleet.tail()
+    data_dir, save = r.config_get("dir")["dir"], r.config_get("save")["save"]
+    r.config_set("save", "3600 1")  # with a save point, a failed snapshot stops writes (stop-writes-on-bgsave-error)
+    r.config_set("dir", "/proc")  # where no snapshot can be written
+    try:
+        r.bgsave()
+        fleet.wait_for(lambda: r.info("persistence")["rdb_last_bgsave_status"] == "err", what="the failed snapshot")
+        with pytest.raises(streams.RedisError) as refused:
+            r.set("probe", 1)
+        assert streams.cannot_persist(refused.value)
+        fleet.wait_for(lambda: r.get(keys.status("w0")) is None, timeout_s=4 * STATUS_TTL_S,
+                       what="the worker's status to lapse (nothing can keep it)")
+        with fleet.http(timeout=30) as h:
+            answer = h.post("/v1/completions", json=body(False) | {"model": model, "max_tokens": 4})
+        error = answer.json()["error"]
+        assert answer.status_code == 503 and error["code"] == "no_workers", answer.text
+        assert "1 stopped reporting their status (w0)" in error["message"], error
+        assert "cannot write to Redis (`kvfleet status`" in error["message"], error
+        status = subprocess.run([sys.executable, "-m", "services.cli", "status"], cwd=REPO, env=fleet.env,
+                                capture_output=True, text=True, timeout=60)
+        assert "CANNOT PERSIST, its last RDB snapshot failed: it refuses writes" in status.stdout, status.stdout
+        ready = httpx.get(f"http://127.0.0.1:{fleet.worker_metrics_port}/readyz", timeout=5)
+        assert ready.status_code == 503 and "redis cannot persist" in ready.text, ready.text
+        assert reader.is_alive(), "the stream ended while Redis could not persist"
+    finally:
+        r.config_set("dir", data_dir)
+        r.config_set("save", save)
+        r.bgsave()  # a snapshot that succeeds: Redis takes writes again
+    reader.join(90)
+    assert not reader.is_alive() and events[-1] == "[DONE]", fleet.tail()
+    payloads = [json.loads(e) for e in events[:-1]]
+    assert not [p for p in payloads if "error" in p], payloads[-3:]
+    assert "".join(c["text"] for p in payloads for c in p["choices"]) == reference
+    log = fleet.logs["w0"].read_bytes()[logged_before:].decode(errors="replace")
+    assert log.count("Redis refuses writes: it cannot save them to disk") == 1, fleet.tail()
+    assert log.count("Redis takes writes again: this worker's output goes out") == 1, fleet.tail()
+    assert "its lease lapsed" not in log, fleet.tail()
+    assert "placed again" not in gateway_log.read_bytes()[gateway_before:].decode(errors="replace"), fleet.tail()
+    fleet.wait_ready(workers=1)
+    with fleet.http(timeout=60) as h:
+        again = h.post("/v1/completions", json=body(False) | {"model": model})
+    assert again.status_code == 200 and again.json()["choices"][0]["text"] == reference
+    r.close()

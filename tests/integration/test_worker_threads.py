@@ -97,12 +97,12 @@ def test_a_worker_with_a_dead_thread_is_neither_ready_nor_live():
                            prefix_cache_hits=0, allocated_slots=0, stored_tokens=0, fragmentation_slots=0)
     engine = SimpleNamespace(stats=lambda: stats, max_model_len=64, block_size=16)
     worker = Worker(engine, Settings(worker_id=ME), model_name="m")
-    worker.outbox = SimpleNamespace(healthy=True, alive=True, full=False)
+    worker.outbox = SimpleNamespace(healthy=True, alive=True, refused="")
     worker.intake = SimpleNamespace(dead_threads=lambda: [], redis_failing=set())
     assert worker.ready() == (True, "ok") and worker.live()[0]
-    worker.outbox.full, worker.outbox.healthy = True, False  # Redis full: not ready, still live
+    worker.outbox.refused, worker.outbox.healthy = "full", False  # Redis full: not ready, still live
     assert worker.ready() == (False, "redis is full (maxmemory): its writes wait") and worker.live()[0]
-    worker.outbox.full, worker.outbox.healthy = False, True
+    worker.outbox.refused, worker.outbox.healthy = "", True
     worker.intake.redis_failing.add("request read")  # Redis away: not ready, still live
     assert worker.ready() == (False, "redis unreachable (request read failing)") and worker.live()[0]
     worker.intake = SimpleNamespace(dead_threads=lambda: ["kvfleet-intake"])

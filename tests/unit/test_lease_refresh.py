@@ -205,3 +205,24 @@ def test_the_worker_cancels_a_request_only_once_its_lease_stayed_gone(monkeypatc
     clock[0] += LEASE_CONFIRM_S
     intake._check_leases(["kept", "gone"])
     assert [inbox.get_nowait()] == [Cancel("gone")] and inbox.empty()
+
+
+def test_the_worker_cancels_no_request_for_its_lease_while_redis_refuses_writes(monkeypatch):
+    """Redis full or unable to persist refuses the gateways' lease SETs as it refuses the worker's flushes: a lease
+    that lapses then proves nothing, and the request goes on. Once writes go again, a lease still gone must stay
+    gone for a whole LEASE_CONFIRM_S before its request is cancelled."""
+    monkeypatch.setattr(streams, "leases_alive", lambda _r, ids, _shard: set())
+    clock, refused = [100.0], [True]
+    monkeypatch.setattr("gpu_worker.serve.intake.time.monotonic", lambda: clock[0])
+    inbox: queue.Queue = queue.Queue()
+    intake = Intake(None, Settings(worker_id="w"), "w", inbox, lambda: None, writes_refused=lambda: refused[0])
+    for _ in range(3):
+        intake._check_leases(["lapsed"])
+        clock[0] += LEASE_CONFIRM_S
+    assert inbox.empty()
+    refused[0] = False
+    intake._check_leases(["lapsed"])
+    assert inbox.empty()
+    clock[0] += LEASE_CONFIRM_S
+    intake._check_leases(["lapsed"])
+    assert [inbox.get_nowait()] == [Cancel("lapsed")]

@@ -82,3 +82,7 @@ def test_redis_memory_is_shown_and_a_full_redis_said_so():
     assert full == " | redis 65.0 of 64.0 MiB: FULL, it refuses writes (raise its maxmemory)"
     assert "FULL" not in redis_memory({"used_memory": 65 * mib, "maxmemory": 64 * mib,
                                        "maxmemory_policy": "allkeys-lru"})  # it evicts instead
+    disk = redis_memory({"used_memory": 3 * mib, "maxmemory": 0, "maxmemory_policy": "noeviction",
+                         "persistence_error": "its AOF cannot be written"})
+    assert disk == (" | redis 3.0 MiB: CANNOT PERSIST, its AOF cannot be written: it refuses writes (free space on its "
+                    "data volume)")
