@@ -54,9 +54,9 @@ def body(stream: bool) -> dict:
             "stream": stream}
 
 
-def test_a_full_redis_keeps_the_worker_in_the_fleet_and_loses_nothing(fleet):
-    r = streams.connect(fleet.redis.url)
-    headers = {"Authorization": f"Bearer {API_KEY}"}
+def reference_and_stream(fleet: Fleet) -> tuple[str, str, threading.Thread, list[str]]:
+    """The served model, its undisturbed greedy answer, and the same request streaming in a thread (started, its
+    first event in) with the SSE payloads it gets."""
     with fleet.http(timeout=60) as h:
         model = h.get("/v1/models").json()["data"][0]["id"]
         reference = h.post("/v1/completions", json=body(False) | {"model": model}).json()["choices"][0]["text"]
@@ -65,7 +65,7 @@ def test_a_full_redis_keeps_the_worker_in_the_fleet_and_loses_nothing(fleet):
 
     def read() -> None:
         with httpx.stream("POST", fleet.url() + "/v1/completions", json=body(True) | {"model": model},
-                          headers=headers, timeout=120) as resp:
+                          headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as resp:
             for line in resp.iter_lines():
                 if line.startswith("data: "):
                     events.append(line[6:])
@@ -74,6 +74,12 @@ def test_a_full_redis_keeps_the_worker_in_the_fleet_and_loses_nothing(fleet):
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     assert started.wait(30), fleet.tail()
+    return model, reference, reader, events
+
+
+def test_a_full_redis_keeps_the_worker_in_the_fleet_and_loses_nothing(fleet):
+    r = streams.connect(fleet.redis.url)
+    model, reference, reader, events = reference_and_stream(fleet)
     r.config_set("maxmemory", 1)  # full from now on, whatever is read and freed meanwhile
     try:
         time.sleep(4 * STATUS_TTL_S)
@@ -139,27 +145,10 @@ def test_a_redis_that_cannot_persist_is_named_and_loses_nothing(fleet):
     proves nothing), and once Redis persists again it goes on to the whole greedy answer, each token once, without
     being placed again; new requests are served."""
     r = streams.connect(fleet.redis.url)
-    headers = {"Authorization": f"Bearer {API_KEY}"}
     fleet.wait_ready(workers=1)
     gateway_log = next(path for name, path in fleet.logs.items() if name.startswith("gateway"))
     logged_before, gateway_before = fleet.logs["w0"].stat().st_size, gateway_log.stat().st_size
-    with fleet.http(timeout=60) as h:
-        model = h.get("/v1/models").json()["data"][0]["id"]
-        reference = h.post("/v1/completions", json=body(False) | {"model": model}).json()["choices"][0]["text"]
-    events: list[str] = []
-    started = threading.Event()
-
-    def read() -> None:
-        with httpx.stream("POST", fleet.url() + "/v1/completions", json=body(True) | {"model": model},
-                          headers=headers, timeout=120) as resp:
-            for line in resp.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line[6:])
-                    started.set()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    assert started.wait(30), fleet.tail()
+    model, reference, reader, events = reference_and_stream(fleet)
     data_dir, save = r.config_get("dir")["dir"], r.config_get("save")["save"]
     r.config_set("save", "3600 1")  # with a save point, a failed snapshot stops writes (stop-writes-on-bgsave-error)
     r.config_set("dir", "/proc")  # where no snapshot can be written
