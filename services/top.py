@@ -51,14 +51,14 @@ class FleetReader:
         self.loop.close()
 
 
-def redis_memory(memory: dict[str, Any] | None) -> str:
+def redis_state(memory: dict[str, Any] | None) -> str:
     """" | redis 3.3 of 64.0 MiB", and when it refuses writes, why: past its cap under noeviction, or unable to
-    persist (a full disk)."""
+    persist (a full disk: snapshot's persistence_error)."""
     if not memory:
         return ""
     used, cap, mib = memory["used_memory"], memory["maxmemory"], 1024 * 1024
     failed = memory.get("persistence_error")
-    cannot_persist = f": CANNOT PERSIST, {failed}: it refuses writes (free space on its data volume)" if failed else ""
+    cannot_persist = f": CANNOT PERSIST, {failed} (free space on its data volume)" if failed else ""
     if not cap:
         return f" | redis {used / mib:.1f} MiB{cannot_persist}"
     full = used >= cap and memory.get("maxmemory_policy") == "noeviction"
@@ -123,7 +123,7 @@ def render(now: Sample, prev: Sample | None, width: int = 150) -> list[str]:
         lines.append(f"{name[:40]:<40} {info['length']:>8} {info['pending']:>8} {lag(info):>8}")
     lines.append("")
     lines.append(f"workers {len(snap['workers'])} live, {len(snap['dead_workers'])} dead | "
-                 f"{total_tps:.1f} tokens/s | dead letters {snap['dead_letters']}{redis_memory(snap.get('redis'))}")
+                 f"{total_tps:.1f} tokens/s | dead letters {snap['dead_letters']}{redis_state(snap.get('redis'))}")
     return [line[:width] for line in lines]
 
 

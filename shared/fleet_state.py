@@ -75,7 +75,8 @@ class FleetSnapshot(TypedDict):
     unreadable_workers: dict[str, str]  # worker -> why its status cannot be read (left out of the fleet)
     streams: dict[str, StreamInfo]  # request stream -> its counts
     dead_letters: int  # entries in the dead-letter stream
-    # Redis's memory (INFO memory): used_memory, maxmemory (0: no cap) and maxmemory_policy; None on a cluster
+    # Redis's state: used_memory, maxmemory (0: no cap) and maxmemory_policy (INFO memory), persistence_error (""
+    # when its persistence works: INFO persistence); None on a cluster
     redis: dict[str, Any] | None
 
 
@@ -91,7 +92,7 @@ def snapshot_streams(view: FleetView) -> list[str]:
 
 
 def snapshot(view: FleetView, streams: dict[str, StreamInfo], dead_letters: int, now: float,
-             redis_memory: dict[str, Any] | None = None) -> FleetSnapshot:
+             redis_state: dict[str, Any] | None = None) -> FleetSnapshot:
     return {
         "workers": [s.model_dump() | {"heartbeat_age_s": round(now - s.heartbeat, 3),
                                       "reserved_blocks": view.reservations.get(s.worker_id, 0)}
@@ -100,5 +101,5 @@ def snapshot(view: FleetView, streams: dict[str, StreamInfo], dead_letters: int,
         "unreadable_workers": view.unreadable,
         "streams": streams,
         "dead_letters": dead_letters,
-        "redis": redis_memory,
+        "redis": redis_state,
     }

@@ -39,7 +39,7 @@ from shared.settings import Settings
 
 log = logging.getLogger("kvfleet.worker")
 
-FULL_SAY_S = 30.0  # while Redis refuses writes, say so this often at most (each flush is retried every 0.2 s)
+REFUSED_SAY_S = 30.0  # while Redis refuses writes, say so this often at most (each flush is retried every 0.2 s)
 
 
 @dataclass
@@ -78,7 +78,7 @@ class Outbox:
         # why Redis refused the last flush's writes ("" when it took them): it is full (maxmemory, noeviction), or
         # cannot persist (MISCONF)
         self.refused = ""
-        self._full_said = float("-inf")  # when that was last logged
+        self._refused_said = float("-inf")  # when that was last logged
         # (request id, delivery) of the requests another worker owns now (fenced out)
         self.lost: queue.SimpleQueue[tuple[str, streams.Ack]] = queue.SimpleQueue()
         self.fenced_out: set[streams.Ack] = set()  # the deliveries whose writes were refused: never written again
@@ -223,13 +223,13 @@ class Outbox:
 
     def _while_refused(self, why: str, status_due: bool) -> None:
         """Redis refuses every flush: it is full (maxmemory, noeviction: its writes are SETs and XADDs) or cannot
-        persist (MISCONF). Say so, every FULL_SAY_S at most. When full, keep the status alive as it is (PEXPIRE,
+        persist (MISCONF). Say so, every REFUSED_SAY_S at most. When full, keep the status alive as it is (PEXPIRE,
         which a full Redis takes): else it expires, and the fleet takes this live worker for dead (no route to it,
         its requests taken over). A Redis that cannot persist takes no PEXPIRE either."""
         self.refused = why
         now = time.monotonic()
-        if now - self._full_said >= FULL_SAY_S:
-            self._full_said = now
+        if now - self._refused_said >= REFUSED_SAY_S:
+            self._refused_said = now
             if why == "full":
                 log.warning("%s. This worker's output and status wait (retried; it stays in the fleet)", streams.FULL)
             else:
@@ -268,7 +268,7 @@ class Outbox:
             return False
         if self.refused:
             log.warning("Redis takes writes again: this worker's output goes out")
-            self.refused, self._full_said = "", float("-inf")
+            self.refused, self._refused_said = "", float("-inf")
         self.healthy = True
         if batch.chunks:
             self._last_chunks = now

@@ -79,17 +79,18 @@ async def afleet_snapshot(r: aioredis.Redis) -> FleetSnapshot:
     """The fleet at a glance: workers, request streams with their pending counts, dead letters, Redis's memory."""
     view = await aread_fleet(r)
     infos = {name: await _astream_info(r, name) for name in fleet_state.snapshot_streams(view)}
-    return fleet_state.snapshot(view, infos, await r.xlen(keys.DEAD), time.time(), await _amemory(r))
+    return fleet_state.snapshot(view, infos, await r.xlen(keys.DEAD), time.time(), await _aredis_state(r))
 
 
-async def _amemory(r: aioredis.Redis) -> dict[str, Any] | None:
+async def _aredis_state(r: aioredis.Redis) -> dict[str, Any] | None:
     """used_memory, maxmemory and its policy (INFO memory), and persistence_error: what failed of its persistence
     ("" when nothing did: INFO persistence); None on a cluster (a figure per master)."""
     if isinstance(r, aioredis.RedisCluster):
         return None
     info, saved = await r.info("memory"), await r.info("persistence")
-    failed = ("its AOF cannot be written" if saved.get("aof_enabled") and saved.get("aof_last_write_status") == "err"
-              else "its last RDB snapshot failed" if saved.get("rdb_last_bgsave_status") == "err" else "")
+    failed = ("its AOF cannot be written: it refuses writes" if saved.get("aof_enabled")
+              and saved.get("aof_last_write_status") == "err" else "its last RDB snapshot failed: with save points, it "
+              "refuses writes" if saved.get("rdb_last_bgsave_status") == "err" else "")
     return {"used_memory": int(info["used_memory"]), "maxmemory": int(info.get("maxmemory", 0)),
             "maxmemory_policy": info.get("maxmemory_policy", ""), "persistence_error": failed}
 
