@@ -51,19 +51,16 @@ class FleetReader:
         self.loop.close()
 
 
-def redis_state(memory: dict[str, Any] | None) -> str:
-    """" | redis 3.3 of 64.0 MiB", and when it refuses writes, why: past its cap under noeviction, or unable to
-    persist (a full disk: snapshot's persistence_error)."""
+def redis_memory(memory: dict[str, Any] | None) -> str:
+    """" | redis 3.3 of 64.0 MiB", and when it is past its cap under noeviction, that it refuses writes."""
     if not memory:
         return ""
     used, cap, mib = memory["used_memory"], memory["maxmemory"], 1024 * 1024
-    failed = memory.get("persistence_error")
-    cannot_persist = f": CANNOT PERSIST, {failed} (free space on its data volume)" if failed else ""
     if not cap:
-        return f" | redis {used / mib:.1f} MiB{cannot_persist}"
+        return f" | redis {used / mib:.1f} MiB"
     full = used >= cap and memory.get("maxmemory_policy") == "noeviction"
     return f" | redis {used / mib:.1f} of {cap / mib:.1f} MiB" + (
-        ": FULL, it refuses writes (raise its maxmemory)" if full else "") + cannot_persist
+        ": FULL, it refuses writes (raise its maxmemory)" if full else "")
 
 
 def bar(free: int, total: int, width: int = BAR_WIDTH) -> str:
@@ -123,7 +120,9 @@ def render(now: Sample, prev: Sample | None, width: int = 150) -> list[str]:
         lines.append(f"{name[:40]:<40} {info['length']:>8} {info['pending']:>8} {lag(info):>8}")
     lines.append("")
     lines.append(f"workers {len(snap['workers'])} live, {len(snap['dead_workers'])} dead | "
-                 f"{total_tps:.1f} tokens/s | dead letters {snap['dead_letters']}{redis_state(snap.get('redis'))}")
+                 f"{total_tps:.1f} tokens/s | dead letters {snap['dead_letters']}{redis_memory(snap.get('redis'))}")
+    if failed := (snap.get("redis") or {}).get("persistence_error"):  # a full disk, say
+        lines.append(f"redis CANNOT PERSIST: {failed} (free space on its data volume)")
     return [line[:width] for line in lines]
 
 

@@ -168,8 +168,8 @@ def test_a_redis_that_cannot_persist_is_named_and_loses_nothing(fleet):
         assert "cannot write to Redis (`kvfleet status`" in error["message"], error
         status = subprocess.run([sys.executable, "-m", "services.cli", "status"], cwd=REPO, env=fleet.env,
                                 capture_output=True, text=True, timeout=60)
-        assert "CANNOT PERSIST, its last RDB snapshot failed: with save points, it refuses writes" in status.stdout, \
-            status.stdout
+        assert "redis CANNOT PERSIST: its last RDB snapshot failed: with save points, it refuses writes (free space on " \
+            "its data volume)" in status.stdout, status.stdout
         ready = httpx.get(f"http://127.0.0.1:{fleet.worker_metrics_port}/readyz", timeout=5)
         assert ready.status_code == 503 and "redis cannot persist" in ready.text, ready.text
         assert reader.is_alive(), "the stream ended while Redis could not persist"

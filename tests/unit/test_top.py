@@ -70,19 +70,23 @@ def test_frame_marks_simulated_workers_with_their_profile():
     assert "simulated" not in lines[2]
 
 
-def test_redis_memory_is_shown_and_a_redis_that_refuses_writes_said_so():
-    from services.top import redis_state
+def test_redis_memory_is_shown_and_a_full_redis_said_so():
+    from services.top import redis_memory
 
     mib = 1024 * 1024
-    assert redis_state(None) == ""  # a cluster: a figure per master, not shown
-    assert redis_state({"used_memory": 3 * mib, "maxmemory": 0, "maxmemory_policy": "noeviction"}) == " | redis 3.0 MiB"
-    assert redis_state({"used_memory": mib, "maxmemory": 64 * mib, "maxmemory_policy": "noeviction"}) == (
+    assert redis_memory(None) == ""  # a cluster: a figure per master, not shown
+    assert redis_memory({"used_memory": 3 * mib, "maxmemory": 0, "maxmemory_policy": "noeviction"}) == " | redis 3.0 MiB"
+    assert redis_memory({"used_memory": mib, "maxmemory": 64 * mib, "maxmemory_policy": "noeviction"}) == (
         " | redis 1.0 of 64.0 MiB")
-    full = redis_state({"used_memory": 65 * mib, "maxmemory": 64 * mib, "maxmemory_policy": "noeviction"})
+    full = redis_memory({"used_memory": 65 * mib, "maxmemory": 64 * mib, "maxmemory_policy": "noeviction"})
     assert full == " | redis 65.0 of 64.0 MiB: FULL, it refuses writes (raise its maxmemory)"
-    assert "FULL" not in redis_state({"used_memory": 65 * mib, "maxmemory": 64 * mib,
+    assert "FULL" not in redis_memory({"used_memory": 65 * mib, "maxmemory": 64 * mib,
                                        "maxmemory_policy": "allkeys-lru"})  # it evicts instead
-    disk = redis_state({"used_memory": 3 * mib, "maxmemory": 0, "maxmemory_policy": "noeviction",
-                         "persistence_error": "its AOF cannot be written: it refuses writes"})
-    assert disk == (" | redis 3.0 MiB: CANNOT PERSIST, its AOF cannot be written: it refuses writes (free space on its "
-                    "data volume)")
+
+
+def test_a_redis_that_cannot_persist_is_said_so_on_a_line_of_its_own():
+    redis = {"used_memory": 3 * 1024 * 1024, "maxmemory": 0, "maxmemory_policy": "noeviction",
+             "persistence_error": "its last RDB snapshot failed: with save points, it refuses writes"}
+    frame = render(Sample(snap(worker("w1", 5, 10, tokens=0)) | {"redis": redis}, at=0.0), None)
+    assert frame[-1] == ("redis CANNOT PERSIST: its last RDB snapshot failed: with save points, it refuses writes (free "
+                         "space on its data volume)") and frame[-2].endswith("| redis 3.0 MiB")
