@@ -90,18 +90,22 @@ def error_response(exc: Exception) -> JSONResponse:
             return APIError(400, f"the request body is not valid UTF-8 (byte {cause.start} of the body): send "
                                  "JSON encoded as UTF-8", code="invalid_utf8").response()
         return APIError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None)).response()
-    if isinstance(exc, streams.RedisError) and streams.out_of_memory(exc):
-        log.warning("redis full: %s", exc)
-        return redis_full().response()
-    if isinstance(exc, streams.RedisError) and streams.cannot_persist(exc):
-        log.warning("redis cannot persist: %s", exc)
-        return redis_cannot_persist().response()
+    if (refused := refusal(exc)) is not None:
+        log.warning("redis refused a write: %s", exc)
+        return refused.response()
     if isinstance(exc, streams.RedisError):
         log.warning("redis unavailable: %s", exc)
         return APIError(503, "the request queue (Redis) is unavailable; retry shortly", code="redis_unavailable",
                         headers={"Retry-After": "1"}).response()
     log.error("internal error", exc_info=exc)
     return APIError(500, f"internal error: {type(exc).__name__}", type="server_error").response()
+
+
+def refusal(exc: BaseException) -> APIError | None:
+    """The 503 for a write Redis refused (full, or unable to persist: streams.write_refused), None for any other
+    error. The gateway answers it; the Python client and Celery raise it as FleetUnavailable (services.fleet_calls)."""
+    why = streams.write_refused(exc)
+    return redis_full() if why == "full" else redis_cannot_persist() if why else None
 
 
 def redis_cannot_persist() -> APIError:

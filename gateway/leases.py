@@ -100,7 +100,7 @@ class Leases:
                 gone &= self.held.keys()
                 if gone:
                     going = await streams.aentries_exist(r, {rid: self.entries[rid] for rid in gone})
-                    if going and full:  # not set: their workers will abort them, and the relays place them again
+                    if going and full:  # not set; their workers abort nothing while Redis refuses their writes too
                         log.warning("%d lease(s) had lapsed, their requests still queued or running, and Redis is "
                                     "full: it refused to set them again (retried at the next refresh), %s",
                                     len(going), ", ".join(sorted(going)[:5]))

@@ -22,7 +22,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from gateway import tool_calls
-from gateway.errors import APIError, redis_cannot_persist, redis_full
+from gateway.errors import APIError, refusal
 from gateway.openai_api import ChatCompletionRequest, CompletionRequest, CompletionResponse
 from gateway.placement import (
     OPERATIONS,
@@ -166,10 +166,8 @@ class FleetCaller:
             except APIError as e:
                 raise from_api_error(e) from None
             except streams.RedisError as e:
-                if streams.out_of_memory(e):  # the gateway's 503: a Celery task retries it as a full fleet
-                    raise from_api_error(redis_full()) from None
-                if streams.cannot_persist(e):
-                    raise from_api_error(redis_cannot_persist()) from None
+                if (refused := refusal(e)) is not None:  # the gateway's 503: a Celery task retries it as a full fleet
+                    raise from_api_error(refused) from None
                 raise
         done = [c for c in calls if c is not None]
         return done[0] if len(done) == 1 else Call(rid, done[0].info, parts=done, request_hash=digest)

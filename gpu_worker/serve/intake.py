@@ -27,7 +27,7 @@ Requests come from, in order of preference:
      else it stays, in order, for a worker with more room.
 A read or a claim whose reply was lost with the connection (Redis stopped just after answering) delivered its
 entries all the same: the readers' client never sends a command twice (streams.NO_RESEND), and the turn after a
-failed one claims back what is pending on this worker but was never taken (_take_orphans).
+failed one claims back what is pending on this worker but was never taken (_claim_own).
 A request delivered more than `max_deliveries` times goes to kvfleet:dead and its reader gets an error; one
 its whole cache cannot hold is forwarded to the live worker with room that can. So does an entry that cannot
 be read (bad JSON, a missing field, a schema version other than shared.messages.SCHEMA_VERSION) or whose
@@ -55,7 +55,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Container
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,11 +171,7 @@ class Intake:
         streams.ensure_group(self.r, self.shared)
         streams.register_shard(self.r, self.shard)
         self._cancel_from = streams.cancel_cursor(self.r)
-        # what a previous run under this id left pending: on its own stream, the shared one, and the streams of
-        # workers it took for dead
-        for owner_stream in dict.fromkeys([self.own, *streams.request_streams(self.r, self.shard)]):
-            taken = {entry_id for stream, entry_id in self._latest if stream == owner_stream}  # by a broken-off try
-            self._claim(owner_stream, self.worker_id, min_idle_ms=0, skip=taken)
+        self._claim_own()  # what a previous run under this id left pending
 
     def stop(self) -> None:
         self._stop.set()
@@ -242,11 +238,12 @@ class Intake:
         timeout) has delivered its entries to this worker, which never got them (its client sends nothing twice:
         streams.NO_RESEND), and so has a read whose entries the turn did not get to take. They are pending here
         with nobody to run them, their readers waiting out their timeout: the next turn that reaches Redis
-        takes them (_take_orphans)."""
+        takes them (_claim_own)."""
         began = time.monotonic()
         try:
             if self._orphans_since is not None:
-                self._take_orphans(self._orphans_since)
+                self._claim_own(delivered_within_ms=int(1000 * (time.monotonic() - self._orphans_since))
+                                + ORPHAN_SLACK_MS)
                 self._orphans_since = None
             self._read_once()
         except streams.RedisError:
@@ -254,19 +251,26 @@ class Intake:
                 self._orphans_since = began
             raise
 
-    def _take_orphans(self, since: float) -> None:
-        """Claim again (and take) the entries pending on this worker that it never took, delivered since `since`
-        (monotonic): what failed turns left behind. Those it took are in `_latest`; one delivered before the
-        failure (which `_latest` may have forgotten, if thousands came after it) is left alone."""
-        window_ms = int(1000 * (time.monotonic() - since)) + ORPHAN_SLACK_MS
+    def _claim_own(self, delivered_within_ms: int | None = None) -> None:
+        """Claim back (and take) what is pending on this worker id but was not taken by this run (what it took is
+        in `_latest`), on its own stream, the shared one and the streams of workers it took for dead. At start:
+        all of it (a previous run's, or a try of the start that Redis broke off). After a failed turn: what was
+        delivered within `delivered_within_ms`, by reads whose reply was lost (one delivered before, which
+        `_latest` may have forgotten if thousands came after it, is left alone); nobody ran those, so a gateway's
+        request among them runs here instead of going back to its gateway."""
+        lost_replies = delivered_within_ms is not None
         for stream in dict.fromkeys([self.own, self.shared, *streams.request_streams(self.r, self.shard)]):
             taken = {entry_id for s, entry_id in self._latest if s == stream}
-            for d in streams.claim_pending(self.r, stream, self.worker_id, self.worker_id, min_idle_ms=0,
-                                           skip=taken, max_idle_ms=window_ms):
-                if d.fields is not None:  # None: deleted meanwhile
-                    log.warning("request entry %s on %s was delivered here by a read whose reply was lost: "
-                                "claimed again", d.entry_id, d.stream)
-                    self._take(d, first_run=d.deliveries == 2)
+            claimed = streams.claim_pending(self.r, stream, self.worker_id, self.worker_id, min_idle_ms=0, skip=taken,
+                                            max_idle_ms=delivered_within_ms)
+            for d in claimed:
+                if d.fields is not None:  # None: the entry was deleted meanwhile
+                    self._take(d, first_run=lost_replies and d.deliveries == 2)
+            if claimed and lost_replies:
+                log.warning("claimed %d request(s) on %s delivered here by reads whose reply was lost", len(claimed),
+                            stream)
+            elif claimed:
+                log.info("claimed %d request(s) left pending by %s on %s", len(claimed), self.worker_id, stream)
 
     def _spare(self) -> bool:
         room = self.room()
@@ -374,9 +378,9 @@ class Intake:
         return sum(self._claim(stream, dead, min_idle_ms=CLAIM_MIN_IDLE_MS)
                    for stream, held in owners.items() for dead in self._dead if dead in held)
 
-    def _claim(self, stream: str, owner: str, *, min_idle_ms: int, skip: Container[str] = ()) -> int:
-        """Claim every entry `owner` left pending on `stream` (but those in `skip`), page by page, and take each."""
-        claimed = streams.claim_pending(self.r, stream, owner, self.worker_id, min_idle_ms=min_idle_ms, skip=skip)
+    def _claim(self, stream: str, owner: str, *, min_idle_ms: int) -> int:
+        """Claim every entry `owner` left pending on `stream`, page by page, and take each."""
+        claimed = streams.claim_pending(self.r, stream, owner, self.worker_id, min_idle_ms=min_idle_ms)
         for d in claimed:
             if d.fields is not None:  # None: the entry was deleted meanwhile
                 self._take(d)
@@ -387,7 +391,7 @@ class Intake:
     def _take(self, d: streams.Delivery, first_run: bool = False) -> None:
         """Hand one delivery to the main thread, or close it here. An error that is not Redis's is this
         entry's fault: it is dead-lettered, so it cannot stop the reader or the stream. A Redis error leaves it
-        pending here, untaken: the next turn's _take_orphans takes it. `first_run`: a delivery count over 1
+        pending here, untaken: the next turn's _claim_own takes it. `first_run`: a delivery count over 1
         that only counts a read whose reply was lost (nobody ran the request before)."""
         self._latest[(d.stream, d.entry_id)] = d.deliveries
         self._latest.move_to_end((d.stream, d.entry_id))

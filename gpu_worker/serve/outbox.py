@@ -75,8 +75,8 @@ class Outbox:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvfleet-outbox", daemon=True)
         self.healthy = False  # the last flush reached Redis
-        # why Redis refused the last flush's writes ("" when it took them): it is full (maxmemory, noeviction), or
-        # cannot persist (MISCONF)
+        # why Redis refused the last flush's writes (streams.write_refused: "full", "cannot persist"; "" when it
+        # took them)
         self.refused = ""
         self._refused_said = float("-inf")  # when that was last logged
         # (request id, delivery) of the requests another worker owns now (fenced out)
@@ -259,10 +259,8 @@ class Outbox:
             self._publish(batch, status if status_due else None)
         except streams.RedisError as e:
             self.healthy = False
-            if streams.out_of_memory(e):
-                self._while_refused("full", status_due)
-            elif streams.cannot_persist(e):
-                self._while_refused("cannot persist", status_due)
+            if why := streams.write_refused(e):
+                self._while_refused(why, status_due)
             else:
                 log.warning("redis write failed (%s); retrying", e)
             return False

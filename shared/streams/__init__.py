@@ -41,6 +41,7 @@ from shared.streams.client import (  # noqa: F401
     group_missing,
     out_of_memory,
     run_script,
+    write_refused,
 )
 from shared.streams.fleet import (  # noqa: F401
     PREFIX_OWNERS,

@@ -131,6 +131,12 @@ def cannot_persist(e: BaseException) -> bool:
     return isinstance(e, redis.ResponseError) and (str(e).startswith("MISCONF") or "-MISCONF " in str(e))
 
 
+def write_refused(e: BaseException) -> str:
+    """Why Redis refused a write: "full" (out_of_memory), "cannot persist" (cannot_persist); "" for any other
+    error. The worker's outbox and the 503s of every door (gateway.errors.refusal) tell the two apart by it."""
+    return "full" if out_of_memory(e) else "cannot persist" if cannot_persist(e) else ""
+
+
 def out_of_memory(e: BaseException) -> bool:
     """Redis refused a write because it is full (maxmemory, noeviction): OOM, from a command or inside a script.
     Reads, deletes, acks and PEXPIRE still work then."""
