@@ -74,6 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="workers register without their warm-up (faster start; the first requests pay first-call "
                         "costs)")
+    p.add_argument("--async-output", action="store_true",
+                   help="every worker overlaps a step's output processing with the next forward (see `kvfleet "
+                        "worker --help`)")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for the fleet")
 
 
@@ -106,6 +109,8 @@ def fleet_commands(args: argparse.Namespace, settings: Settings, private: bool) 
             cmd.append("--no-enable-prefix-caching")
         if not args.warmup:
             cmd.append("--no-warmup")
+        if args.async_output:
+            cmd.append("--async-output")
         if args.metrics_port_base is not None:
             cmd += ["--metrics-port", str(args.metrics_port_base + i)]
         cmds.append((wid, cmd))

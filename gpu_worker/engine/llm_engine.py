@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,7 @@ from gpu_worker.core.config import CacheConfig, SchedulerConfig
 from gpu_worker.core.kv_cache_manager import compute_block_hashes
 from gpu_worker.core.policies import SchedulingPolicy
 from gpu_worker.core.request import Request
+from gpu_worker.core.sched_output import SchedulerOutput
 from gpu_worker.core.scheduler import RequestRejected, Scheduler, SchedulerStats
 from gpu_worker.engine import isolation, structured
 from gpu_worker.engine.detokenizer import IncrementalDetokenizer, backend_decode
@@ -95,9 +97,36 @@ class _Group:
         return all(s.request.is_finished for s in self.seqs)
 
 
+@dataclass
+class _Step:
+    """A scheduled step until its forward is collected."""
+
+    sched: SchedulerOutput
+    sampling: list[_Sequence]  # its sequences that sample a token, in batch order
+    forward: Future | None = None  # async_output: the forward running in the background
+
+
+@dataclass
+class _Collected:
+    """A step after its sampler and scheduler update, before its outputs."""
+
+    sampling: list[_Sequence]  # those that sampled (or failed to)
+    failed: dict[str, str] = field(default_factory=dict)  # group request id -> why it failed
+    invalid: set[str] = field(default_factory=set)  # of those, the ones failed by their own input (a 400, not a 500)
+    logprobs: dict[str, dict[int, float] | None] = field(default_factory=dict)
+    finished: list[Request] = field(default_factory=list)
+
+
 class LLMEngine:
+    """async_output: the output processing of step N (detokenizing, stop strings, the outputs, and what the caller
+    does with them before the next step()) overlaps step N+1's forward, which runs on a thread of its own; each
+    step() returns the outputs of the step before it. The scheduler still runs after step N's sampler, so a
+    request ended by what only the output processing sees (a stop string, its grammar's end, an abort) is
+    scheduled once more, and that token is dropped: the outputs are the same (vLLM v0's async output processing;
+    its v1 async scheduling also moves the scheduler ahead of the sampler). Off: one step a call, in order."""
+
     def __init__(self, runner: ModelRunner, tokenizer, *, model_name: str, scheduler_config: SchedulerConfig,
-                 cache_config: CacheConfig, eos_token_ids: list[int], seed: int = 0):
+                 cache_config: CacheConfig, eos_token_ids: list[int], seed: int = 0, async_output: bool = False):
         self.runner = runner
         self.tokenizer = tokenizer
         self._decode = backend_decode(tokenizer)  # the detokenizers' decode, where it is transformers' own
@@ -112,6 +141,10 @@ class LLMEngine:
         self._seq_owner: dict[str, tuple[_Group, _Sequence]] = {}  # scheduler request id -> its group
         self.grammars = Grammars(tokenizer, runner.vocab_size, eos_token_ids)
         self.scored_prefixes = ScoredPrefixes(self.block_size) if cache_config.enable_prefix_caching else None
+        self.async_output = async_output
+        self._in_flight: _Step | None = None
+        self._forward_thread = (ThreadPoolExecutor(1, thread_name_prefix="kvfleet-step", initializer=torch.set_num_threads,
+                                                   initargs=(torch.get_num_threads(),)) if async_output else None)
 
     @classmethod
     def from_model(cls, model: str, *, dtype: str = "float32", device: str = "cpu", block_size: int = 16,
@@ -119,7 +152,8 @@ class LLMEngine:
                    max_num_seqs: int = 128, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                    enable_prefix_caching: bool = True, scheduling_policy: str | SchedulingPolicy = "fcfs",
                    seed: int = 0, log_memory_usage_s: float = 0.0, use_triton: bool | None = None,
-                   tensor_parallel_size: int = 1, prefault_kv: bool | None = None) -> LLMEngine:
+                   tensor_parallel_size: int = 1, prefault_kv: bool | None = None,
+                   async_output: bool = False) -> LLMEngine:
         """tensor_parallel_size N > 1: this process is rank 0 of N (gpu_worker.executor.tp_runner), the weights
         and KV heads split over N devices (GPUs) or N shares of this process's CPUs. prefault_kv: make the CPU
         KV cache resident in the background (gpu_worker.executor.kv_prefault); None: KVFLEET_KV_PREFAULT
@@ -147,7 +181,8 @@ class LLMEngine:
         cache_cfg = CacheConfig(block_size=block_size, num_blocks=runner.num_blocks,
                                 enable_prefix_caching=enable_prefix_caching)
         return cls(runner, files.tokenizer, model_name=str(model), scheduler_config=sched_cfg,
-                   cache_config=cache_cfg, eos_token_ids=eos_token_ids(files.config, files.tokenizer), seed=seed)
+                   cache_config=cache_cfg, eos_token_ids=eos_token_ids(files.config, files.tokenizer), seed=seed,
+                   async_output=async_output)
 
     # ---- requests ----------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
@@ -278,7 +313,10 @@ class LLMEngine:
         """Forget the prefix cache (and the prompt logprobs kept by prefix block), as vLLM's
         `LLM.reset_prefix_cache`: no later request hits what ran before. Only between requests: False, and
         nothing forgotten, while a request is unfinished."""
-        if self.has_unfinished_requests() or not self.scheduler.kv_cache_manager.reset_prefix_cache():
+        if self.has_unfinished_requests():
+            return False
+        self._settle()  # a forward in flight may still write to blocks the reset hands out again
+        if not self.scheduler.kv_cache_manager.reset_prefix_cache():
             return False
         if self.scored_prefixes is not None:
             self.scored_prefixes = ScoredPrefixes(self.block_size, self.scored_prefixes.capacity)
@@ -286,6 +324,9 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop the runner's threads and processes (a tensor-parallel runner's executors). Idempotent."""
+        self._settle()
+        if self._forward_thread is not None:
+            self._forward_thread.shutdown()
         self.runner.close()
 
     def has_unfinished_requests(self) -> bool:
@@ -297,7 +338,35 @@ class LLMEngine:
     # ---- one step ----------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One step. A request whose forward, sampling, detokenizing or output fails ends here with
-        finish_reason "error"; EngineFault when the forward fails for every request (the worker is broken)."""
+        finish_reason "error"; EngineFault when the forward fails for every request (the worker is broken).
+
+        With async_output, the step's forward runs in the background and the call returns the outputs of the
+        step before it, processed meanwhile (see the class docstring)."""
+        if not self.async_output:
+            return self._outputs(self._collect(self._schedule(), None))
+        step, self._in_flight = self._in_flight, None
+        done = self._collect(step, step.forward.result()) if step is not None else None
+        step = self._schedule()
+        if step.sched.seqs or step.sched.blocks_to_copy:
+            step.forward = self._forward_thread.submit(isolation.execute, self.runner.execute, step.sched)
+            self._in_flight = step
+            step = None
+        outputs = self._outputs(done) if done is not None else []
+        if step is not None:  # nothing to run: what schedule() ended (outgrew the cache) is reported now
+            outputs += self._outputs(self._collect(step, (None, {})))
+        return outputs
+
+    def _settle(self) -> None:
+        """Wait for a forward in flight (async_output) and drop its results: every request it ran has ended
+        (has_unfinished_requests() is False, or the engine is closing)."""
+        if self._in_flight is not None:
+            step, self._in_flight = self._in_flight, None
+            try:
+                step.forward.result()
+            except Exception:  # noqa: BLE001 (no request is left to fail with it)
+                log.exception("the forward in flight failed after its requests ended")
+
+    def _schedule(self) -> _Step:
         sched = self.scheduler.schedule()
         now = time.monotonic()
         sampling: list[_Sequence] = []
@@ -308,21 +377,38 @@ class LLMEngine:
                 group.metrics.num_cached_tokens = s.request.num_cached_tokens
             if seq.sample:
                 sampling.append(s)
-        failed: dict[str, str] = {}  # group request id -> why it failed
-        invalid: set[str] = set()  # of those, the ones failed by their own input (a 400, not a 500)
-        complete: set[str] = set()  # sequences whose grammar is complete with no stop token left to sample
-        sampled: dict[str, int] = {}
-        logprobs: dict[str, dict[int, float] | None] = {}
+        return _Step(sched, sampling)
+
+    def _live(self, s: _Sequence) -> bool:
+        """Whether a sequence scheduled for a step still runs when its forward is done: with async_output, a
+        stop string found in the step before, an abort or a grammar's end may have ended it meanwhile (its token
+        from this step is dropped, as vLLM's async scheduling drops it)."""
+        owner = self._seq_owner.get(s.request.request_id)
+        return owner is not None and owner[1] is s and not s.request.is_finished
+
+    def _collect(self, step: _Step, forward: tuple[torch.Tensor | None, dict[str, str]] | None) -> _Collected:
+        """The step's forward (run here when `forward` is None), grammars, sampler and scheduler update."""
+        sched, done = step.sched, _Collected(step.sampling)
         logits = None
-        if sched.seqs or sched.blocks_to_copy:
-            logits, culprits = isolation.execute(self.runner.execute, sched)  # [len(sampling) - culprits, V]
+        if forward is None and (sched.seqs or sched.blocks_to_copy):
+            forward = isolation.execute(self.runner.execute, sched)
+        if forward is not None:
+            logits, culprits = forward  # [len(sampling) - culprits, V]
             for rid in culprits:
-                failed.setdefault(self._seq_owner[rid][0].request_id, f"the model failed on it: {culprits[rid]}")
-            sampling = [s for s in sampling if s.request.request_id not in culprits]
+                if (owner := self._seq_owner.get(rid)) is not None:
+                    done.failed.setdefault(owner[0].request_id, f"the model failed on it: {culprits[rid]}")
+            done.sampling = [s for s in done.sampling if s.request.request_id not in culprits]
             if any(seq.prompt_logprob_targets for seq in sched.seqs):
                 self._record_prompt_logprobs()
+        if self.async_output and not all(self._live(s) for s in done.sampling):
+            keep = [i for i, s in enumerate(done.sampling) if self._live(s)]
+            done.sampling = [done.sampling[i] for i in keep]
+            logits = logits[keep] if logits is not None else None
+        sampling, failed = done.sampling, done.failed
+        complete: set[str] = set()  # sequences whose grammar is complete with no stop token left to sample
+        sampled: dict[str, int] = {}
         if sampling and any(s.constraint is not None for s in sampling):
-            complete = self._apply_grammars(sampling, logits, failed, invalid)
+            complete = self._apply_grammars(sampling, logits, failed, done.invalid)
         if sampling:
             # min_tokens bans the stop ids while the output is short, but not under a grammar: when it is complete
             # its stop token is the only one it allows (the fuzz tier found the 500 of that clash)
@@ -338,7 +424,7 @@ class LLMEngine:
                                       f"sampling failed: {row_errors[i]}")
                 else:
                     sampled[s.request.request_id] = tok
-                    logprobs[s.request.request_id] = lp
+                    done.logprobs[s.request.request_id] = lp
                     if s.constraint is not None and self._seq_owner[s.request.request_id][0].request_id not in failed:
                         try:
                             s.constraint.accept(tok)
@@ -348,16 +434,21 @@ class LLMEngine:
             self._abort_seqs(self._groups[rid])
         for rid in complete:
             self.scheduler.finish_request(rid, "stop")
-        finished = self.scheduler.update_from_output(sched, sampled)
+        done.finished = self.scheduler.update_from_output(sched, sampled)
+        return done
+
+    def _outputs(self, done: _Collected) -> list[RequestOutput]:
+        """Detokenize the step's new tokens, check stop strings, and build one output per request that moved."""
+        failed = done.failed
         now = time.monotonic()
         touched: dict[str, _Group] = {}
-        for s in sampling:
+        for s in done.sampling:
             group = self._seq_owner[s.request.request_id][0]
             touched[group.request_id] = group
             if group.request_id in failed:
                 continue
             try:
-                self._process_new_tokens(s, logprobs.get(s.request.request_id))
+                self._process_new_tokens(s, done.logprobs.get(s.request.request_id))
                 if s.constraint is not None and s.constraint.done and not s.request.is_finished:
                     self.scheduler.finish_request(s.request.request_id, "stop")  # the grammar is complete
             except Exception as e:  # noqa: BLE001 (this request's detokenizer or stop check)
@@ -366,7 +457,7 @@ class LLMEngine:
                 continue
             if group.metrics.first_token_time is None and s.request.num_output_tokens > 0:
                 group.metrics.first_token_time = now
-        for request in finished:
+        for request in done.finished:
             owner = self._seq_owner.get(request.request_id)
             if owner is not None:
                 touched[owner[0].request_id] = owner[0]
@@ -383,7 +474,7 @@ class LLMEngine:
                 except Exception as e:  # noqa: BLE001 (this request's output)
                     failed[group.request_id] = f"building its output failed: {isolation.describe(e)}"
             outputs.append(self._fail(group, failed[group.request_id], now,
-                                      "invalid_request" if group.request_id in invalid else "internal"))
+                                      "invalid_request" if group.request_id in done.invalid else "internal"))
         return outputs
 
     def _finish_step(self, group: _Group, now: float) -> RequestOutput:

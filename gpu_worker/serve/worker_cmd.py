@@ -100,6 +100,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "then a wait until the KV cache is resident, before the worker registers, so the first "
                         "request pays no first-call costs or page faults; KVFLEET_KV_PREFAULT=0 skips the wait "
                         "alone)")
+    p.add_argument("--async-output", action="store_true",
+                   help="overlap each step's output processing (detokenizing, stop strings, the chunks for Redis) "
+                        "with the next step's forward, which then runs on a thread of its own (vLLM v0's async "
+                        "output processing): for GPU workers, whose forward leaves the CPU idle; on a CPU worker the "
+                        "forward already has every core, so it is off by default")
     p.add_argument("--step-log", metavar="FILE",
                    help="append one JSON line per engine step (its shape and wall-clock seconds) to FILE, for "
                         "`kvfleet bench calibrate --from-steps FILE`")
@@ -118,6 +123,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _engine(args: argparse.Namespace, model: str):
     """The real engine, or with --simulate the engine over a cost profile."""
+    if args.async_output and args.step_log:
+        raise ValueError("--step-log times each step with its forward, and --async-output leaves the forward "
+                         "running past the step; use one or the other")
     common = dict(num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len,
                   enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
                   seed=args.seed, log_memory_usage_s=args.log_memory_usage)
@@ -126,6 +134,9 @@ def _engine(args: argparse.Namespace, model: str):
 
         if args.tensor_parallel_size != 1:
             raise ValueError("--tensor-parallel-size: a simulated worker has no model to split")
+        if args.async_output:
+            raise ValueError("--async-output: a simulated worker's steps already count the engine's own work "
+                             "within the forward's time, as if it overlapped")
         from gpu_worker.engine.simulated import simulated_engine
 
         torch.set_num_threads(1)  # it only samples: one thread, so many simulated workers share a few cores
@@ -139,7 +150,8 @@ def _engine(args: argparse.Namespace, model: str):
     return LLMEngine.from_model(model, dtype=args.dtype, device=args.device, block_size=args.block_size or 16,
                                 kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs or 128,
                                 max_num_batched_tokens=args.max_num_batched_tokens or 2048,
-                                tensor_parallel_size=args.tensor_parallel_size, **common)
+                                tensor_parallel_size=args.tensor_parallel_size, async_output=args.async_output,
+                                **common)
 
 
 def run(args: argparse.Namespace) -> int:

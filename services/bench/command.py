@@ -47,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="kvfleet's engine split over N ranks (processes), --threads shared among them (see "
                         "`kvfleet worker --help`); the baselines run as they are")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn off kvfleet's automatic prefix caching")
+    p.add_argument("--async-output", action="store_true",
+                   help="kvfleet's output processing of a step overlapped with the next step's forward (see "
+                        "`kvfleet worker --help`)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature of every system (0: greedy, the systems' outputs then comparable)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling of every system (1: off)")

@@ -43,7 +43,8 @@ class EngineBench:
             self.engine = engine = LLMEngine.from_model(
                 str(model_dir), dtype=args.dtype, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                enable_prefix_caching=not args.no_prefix_caching, seed=0, tensor_parallel_size=self.tp)
+                enable_prefix_caching=not args.no_prefix_caching, seed=0, tensor_parallel_size=self.tp,
+                async_output=getattr(args, "async_output", False))
         except BaseException:
             self.rss.__exit__(None, None, None)
             raise

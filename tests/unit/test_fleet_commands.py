@@ -31,3 +31,14 @@ def test_no_warmup_reaches_every_worker():
     cmds = fleet_commands(build_parser().parse_args(["up", "--workers", "2", "--no-warmup"]), Settings(model="smollm2"),
                           private=True)
     assert [("--no-warmup" in cmd) for _, cmd in cmds] == [False, True, True]
+
+
+def test_async_output_reaches_every_worker_and_no_gateway():
+    args = build_parser().parse_args(["up", "--workers", "2", "--async-output"])
+    cmds = fleet_commands(args, Settings(model="smollm2"), private=True)
+    assert [("--async-output" in cmd) for _, cmd in cmds] == [False, True, True]
+    worker = build_parser().parse_args(cmds[1][1][cmds[1][1].index("worker"):])
+    assert worker.async_output is True
+    assert [("--async-output" in cmd) for _, cmd in fleet_commands(build_parser().parse_args(["up"]),
+                                                                   Settings(model="smollm2"), private=True)] == \
+        [False, False]
