@@ -177,6 +177,17 @@ def inbox_chunks(r, request_id: str) -> list[OutputChunk]:
     return found
 
 
+STOP_PROMPT = "Numbers: one two three"
+
+
+def text_and_a_stop_string(client: Any, model: str, prompt: str = STOP_PROMPT) -> tuple[str, str]:
+    """A greedy completion's text (16 tokens, `ignore_eos`) and a stop string that begins inside it: its first
+    non-blank token from the fourth on."""
+    base = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0, logprobs=0,
+                                     extra_body={"ignore_eos": True}).choices[0]
+    return base.text, next(t for t in base.logprobs.tokens[3:] if t.strip())
+
+
 def stream_prompt(i: int) -> str:
     return f"Request number {i}: write down everything you know about the number {i * 7}."
 

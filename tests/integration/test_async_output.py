@@ -186,25 +186,23 @@ def test_a_worker_with_it_serves_stop_strings_streams_and_cancels(tiny_llama_dir
     where it begins (the token scheduled after it never reaches the client), a stream's chunks add up to the
     answer, n = 2 seeded samples repeat, a stream the client drops mid-answer is cancelled, and the worker ends
     with every block free."""
-    from fleet_harness import Fleet
+    from fleet_harness import STOP_PROMPT, Fleet, text_and_a_stop_string
 
     with Fleet(tiny_llama_dir, tmp_path) as fleet:
         fleet.start_worker("w0", "--num-kv-blocks", "64", "--max-num-seqs", "16", "--async-output")
         fleet.start_gateway()
         fleet.wait_ready(workers=1)
         client, model = fleet.client(timeout=120), os.path.basename(fleet.model)
-        prompt = "Numbers: one two three"
-        base = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0, logprobs=0,
-                                         extra_body={"ignore_eos": True}).choices[0]
-        stop = next(t for t in base.logprobs.tokens[3:] if t.strip())
-        cut = base.text.index(stop)
+        prompt = STOP_PROMPT
+        text, stop = text_and_a_stop_string(client, model)
+        cut = text.index(stop)
         out = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0, stop=[stop],
                                         extra_body={"ignore_eos": True})
-        assert (out.choices[0].text, out.choices[0].finish_reason) == (base.text[:cut], "stop")
+        assert (out.choices[0].text, out.choices[0].finish_reason) == (text[:cut], "stop")
         streamed = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0, stop=[stop],
                                              stream=True, extra_body={"ignore_eos": True})
         chunks = list(streamed)
-        assert "".join(c.choices[0].text for c in chunks if c.choices) == base.text[:cut]
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == text[:cut]
         assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
 
         def two(seed):
@@ -231,6 +229,6 @@ def test_a_worker_with_it_serves_stop_strings_streams_and_cancels(tiny_llama_dir
         fleet.wait_for(idle, timeout_s=60, what="the worker idle with every block free")
         after = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0,
                                           extra_body={"ignore_eos": True}).choices[0]
-        assert after.text and base.text.startswith(after.text) and after.finish_reason == "length"
+        assert after.text and text.startswith(after.text) and after.finish_reason == "length"
         log = fleet.logs["w0"].read_text(errors="replace")
         assert "ERROR" not in log and "Traceback" not in log, log[-3000:]  # no step failed along the way

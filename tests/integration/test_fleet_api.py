@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from fleet_harness import API_KEY, REPO, Fleet
+from fleet_harness import API_KEY, REPO, STOP_PROMPT, Fleet, text_and_a_stop_string
 
 from services.redis_server import free_port
 
@@ -169,15 +169,11 @@ def test_batched_prompts_are_one_request_each(client, model):
 
 
 def test_stop_strings(client, model):
-    prompt = "Numbers: one two three"
-    base = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0, logprobs=0,
-                                     extra_body={"ignore_eos": True}).choices[0]
-    stop = next(t for t in base.logprobs.tokens[3:] if t.strip())
-    cut = base.text.index(stop)
-    out = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0, stop=[stop],
+    text, stop = text_and_a_stop_string(client, model)
+    out = client.completions.create(model=model, prompt=STOP_PROMPT, max_tokens=16, temperature=0, stop=[stop],
                                     extra_body={"ignore_eos": True}).choices[0]
     assert out.finish_reason == "stop"
-    assert out.text == base.text[:cut]
+    assert out.text == text[:text.index(stop)]
 
 
 def test_seed_reproducibility(client, model):
