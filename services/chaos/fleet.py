@@ -60,8 +60,11 @@ class ChaosFleet:
         self.children: dict[str, Child] = {}
         cli = ["-m", "services.cli"]
         for i in range(workers):
+            # the last of two or more overlaps its output processing with the next forward (--async-output): the
+            # faults meet both step loops
+            overlap = ["--async-output"] if workers > 1 and i == workers - 1 else []
             self._add(f"w{i}", "worker", cli + ["worker", "--model", model, "--worker-id", f"w{i}",
-                                                "--num-kv-blocks", str(num_kv_blocks)])
+                                                "--num-kv-blocks", str(num_kv_blocks), *overlap])
         self.ports = [free_port() for _ in range(gateways)]
         for port in self.ports:
             self._add(f"gateway-{port}", "gateway", cli + ["gateway", "--port", str(port), "--model", model])

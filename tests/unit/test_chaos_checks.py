@@ -264,3 +264,10 @@ def test_a_seeded_answer_may_diverge_only_over_a_handover_and_a_greedy_one_never
     # a seeded answer with text twice is a duplicate whatever the faults
     rep = check(seeded, ref, [_rec("whole", "ok", ["hello worldhello world"])], over_sigterm, _fleet(), 2**20, 2**20, {})
     assert not rep.passed and rep.duplicated == 1
+
+
+def test_the_soak_fleet_runs_its_last_worker_with_async_output(tmp_path):
+    from services.chaos.fleet import ChaosFleet
+
+    workers = [c.args for c in ChaosFleet("smollm2", tmp_path).children.values() if c.role == "worker"]
+    assert [("--async-output" in args) for args in workers] == [False, False, True]
