@@ -58,7 +58,7 @@ def _reference(fleet: ChaosFleet, specs: list[load.Spec]) -> list[list[str]]:
 def _memory(fleet: ChaosFleet) -> int:
     r = streams.connect(fleet.redis.url)
     try:
-        return streams.used_memory(r)
+        return streams.used_memory(r, without_clients=True)
     finally:
         r.close()
 

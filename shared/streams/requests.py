@@ -4,6 +4,7 @@ worker reads)."""
 
 from __future__ import annotations
 
+import secrets
 from typing import Any
 
 import redis
@@ -31,9 +32,25 @@ CANCEL_MARK_TTL_S = 3600
 # The reservations hash expires (ARGV[4] ms) unless pushed out: at its creation, and when the gateway asks
 # (ARGV[9] = 1: it has not pushed it for a third of that time), not with every request.
 # With a lease TTL, the request's lease (KEYS[4], shared.streams.leases) is set in the same step: no round trip
-# of its own, and never a lease without its request nor a leased request without its lease.
-_ENQUEUE_ROUTED = LuaScript("""
+# of its own, and never a lease without its request nor a leased request without its lease. The lease holds this
+# call's nonce (ARGV[10]) and the entry's id until the gateway first refreshes it: the same call run again (redis-py
+# sends a command again when its reply was lost: Redis stopped after running it, a connection killed) finds them
+# and answers the same entry id, where it would have enqueued the request a second time (or, with the blocks it
+# reserved the first time, been refused and placed it on another worker).
+_IDEMPOTENT = """
+local function done_before(lease_key, nonce)  -- the entry this same call added, if it ran already
+  local held = redis.call('GET', lease_key)
+  if held and string.sub(held, 1, #nonce + 1) == nonce .. ' ' then return string.sub(held, #nonce + 2) end
+  return nil
+end
+"""
+_ENQUEUE_ROUTED = LuaScript(_IDEMPOTENT + """
 local blocks, min_headroom, queue_bound = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[7])
+local lease_ms = tonumber(ARGV[8])
+if lease_ms > 0 then
+  local entry = done_before(KEYS[4], ARGV[10])
+  if entry then return entry end
+end
 local raw = redis.call('GET', KEYS[1])
 local function count(key)  -- a top-level integer of the status JSON, without decoding all of it: a plain find
   local at = raw and string.find(raw, key, 1, true)  -- of '"name":', then a match anchored just after it
@@ -51,22 +68,28 @@ if blocks > 0 then
   redis.call('HSET', KEYS[2], ARGV[1], blocks)
   if #vals == 0 or ARGV[9] == '1' then redis.call('PEXPIRE', KEYS[2], ARGV[4]) end
 end
-if tonumber(ARGV[8]) > 0 then redis.call('SET', KEYS[4], 1, 'PX', ARGV[8]) end
-return redis.call('XADD', KEYS[3], '*', ARGV[6], ARGV[5])
+local entry = redis.call('XADD', KEYS[3], '*', ARGV[6], ARGV[5])
+if lease_ms > 0 then redis.call('SET', KEYS[4], ARGV[10] .. ' ' .. entry, 'PX', lease_ms) end
+return entry
 """)
 
 # Atomic "enqueue on the shared stream unless more than `bound` requests already wait there untaken" (and its
-# lease, KEYS[2], as above).
-_ENQUEUE_SHARED = LuaScript("""
-local bound = tonumber(ARGV[1])
+# lease, KEYS[2], as above, run again: the same entry id).
+_ENQUEUE_SHARED = LuaScript(_IDEMPOTENT + """
+local bound, lease_ms = tonumber(ARGV[1]), tonumber(ARGV[5])
+if lease_ms > 0 then
+  local entry = done_before(KEYS[2], ARGV[6])
+  if entry then return entry end
+end
 if bound >= 0 then
   local waiting = redis.call('XLEN', KEYS[1])
   local pending = redis.pcall('XPENDING', KEYS[1], ARGV[2])
   if type(pending) == 'table' and pending['err'] == nil then waiting = waiting - pending[1] end
   if waiting >= bound then return false end
 end
-if tonumber(ARGV[5]) > 0 then redis.call('SET', KEYS[2], 1, 'PX', ARGV[5]) end
-return redis.call('XADD', KEYS[1], '*', ARGV[4], ARGV[3])
+local entry = redis.call('XADD', KEYS[1], '*', ARGV[4], ARGV[3])
+if lease_ms > 0 then redis.call('SET', KEYS[2], ARGV[6] .. ' ' .. entry, 'PX', lease_ms) end
+return entry
 """)
 
 
@@ -111,7 +134,7 @@ async def aenqueue_routed(r: aioredis.Redis, request: GenerationRequest, worker_
          keys.lease(request.request_id, shard)],
         [request.request_id, request.kv_blocks, -1 if min_headroom is None else min_headroom,
          int(reservation_ttl_s * 1000), request.model_dump_json(), keys.FIELD,
-         -1 if queue_bound is None else queue_bound, _lease_ms(lease_ttl_s), int(push_expiry)])
+         -1 if queue_bound is None else queue_bound, _lease_ms(lease_ttl_s), int(push_expiry), _nonce()])
 
 
 async def aenqueue_shared(r: aioredis.Redis, request: GenerationRequest, shard: int, *, bound: int | None,
@@ -120,7 +143,12 @@ async def aenqueue_shared(r: aioredis.Redis, request: GenerationRequest, shard: 
     untaken there; with `lease_ttl_s`, the request's lease is set with it."""
     return await arun_script(r, _ENQUEUE_SHARED, [keys.req_any(shard), keys.lease(request.request_id, shard)],
                              [-1 if bound is None else bound, keys.GROUP, request.model_dump_json(), keys.FIELD,
-                              _lease_ms(lease_ttl_s)])
+                              _lease_ms(lease_ttl_s), _nonce()])
+
+
+def _nonce() -> str:
+    """One enqueue call's mark in its lease: the same in a command redis-py sends again, new in the next call."""
+    return secrets.token_hex(8)
 
 
 def _lease_ms(ttl_s: float | None) -> int:
