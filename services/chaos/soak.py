@@ -58,7 +58,7 @@ def _reference(fleet: ChaosFleet, specs: list[load.Spec]) -> list[list[str]]:
 def _memory(fleet: ChaosFleet) -> int:
     r = streams.connect(fleet.redis.url)
     try:
-        return streams.used_memory(r, without_clients=True)
+        return streams.used_memory(r, keys_only=True)
     finally:
         r.close()
 

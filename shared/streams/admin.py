@@ -39,13 +39,21 @@ def plant_foreign_state(r: redis.Redis, worker_id: str, ttl_s: float, shard: int
     pipe.execute()
 
 
-def used_memory(r: redis.Redis, *, without_clients: bool = False) -> int:
-    """Bytes the server holds (INFO memory: used_memory; summed over a cluster's masters). without_clients: less
-    what its connections hold (each ~20 KiB of buffers while it is open, more with a query or a reply in them) and
-    the AOF's write buffer: what the keys hold, so that a count of open connections is not taken for data left
-    behind."""
-    return sum(int(info["used_memory"]) - (int(info.get("mem_clients_normal", 0)) + int(info.get("mem_aof_buffer", 0))
-                                           if without_clients else 0) for info in _info(r, "memory"))
+KEY_BYTES, EXPIRY_BYTES = 40, 24  # a key's entry in the keyspace (dictEntry, value robj), its expiry's entry
+
+
+def used_memory(r: redis.Redis, *, keys_only: bool = False) -> int:
+    """Bytes the server holds (INFO memory: used_memory; summed over a cluster's masters). keys_only: what its keys
+    hold: used_memory_dataset (their names and values) plus each key's and expiry's entry in the keyspace, but not
+    the connections' buffers (~17-50 KiB each while open), the AOF's buffers, the scripts, or the hash tables'
+    buckets (sized for a load's peak for a while after it), so that neither open connections nor a past peak are
+    taken for data left behind, while many small keys left behind still count. Redis updates the connections'
+    share in its cron, a client at a time over about a second."""
+    if not keys_only:
+        return sum(int(info["used_memory"]) for info in _info(r, "memory"))
+    entries = sum(KEY_BYTES * db.get("keys", 0) + EXPIRY_BYTES * db.get("expires", 0)
+                  for info in _info(r, "keyspace") for db in info.values() if isinstance(db, dict))
+    return sum(int(info["used_memory_dataset"]) for info in _info(r, "memory")) + entries
 
 
 def work_counters(r: redis.Redis) -> dict[str, float]:
