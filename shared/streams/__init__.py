@@ -87,7 +87,6 @@ from shared.streams.output import (  # noqa: F401
 from shared.streams.requests import (  # noqa: F401
     CANCEL_MARK_TTL_S,
     CANCEL_STREAM_MAXLEN,
-    ENQUEUE_MARK_MS,
     acancel,
     aenqueue,
     aenqueue_routed,

@@ -16,7 +16,6 @@ from shared.streams.client import LuaScript, arun_script
 
 CANCEL_STREAM_MAXLEN = 10_000
 CANCEL_MARK_TTL_S = 3600
-ENQUEUE_MARK_MS = 60_000  # a request without a lease: how long its enqueue is known to a resend (redis-py's, in seconds)
 
 
 # ---- requests -------------------------------------------------------------------------------------
@@ -33,12 +32,11 @@ ENQUEUE_MARK_MS = 60_000  # a request without a lease: how long its enqueue is k
 # The reservations hash expires (ARGV[4] ms) unless pushed out: at its creation, and when the gateway asks
 # (ARGV[9] = 1: it has not pushed it for a third of that time), not with every request.
 # With a lease TTL, the request's lease (KEYS[4], shared.streams.leases) is set in the same step: no round trip
-# of its own, and never a lease without its request nor a leased request without its lease. The lease key holds
-# this call's nonce (ARGV[10]) and the entry's id (until the gateway first refreshes it; a request without a lease,
-# which no worker checks, has the key for ENQUEUE_MARK_MS only): the same call run again (redis-py sends a command
-# again when its reply was lost: Redis stopped after running it, a connection killed) finds them and answers the
-# same entry id, where it would have enqueued the request a second time (or, with the blocks it reserved the first
-# time, been refused and placed it on another worker).
+# of its own, and never a lease without its request nor a leased request without its lease. The lease holds this
+# call's nonce (ARGV[10]) and the entry's id until the gateway first refreshes it: the same call run again (redis-py
+# sends a command again when its reply was lost: Redis stopped after running it, a connection killed) finds them
+# and answers the same entry id, where it would have enqueued the request a second time (or, with the blocks it
+# reserved the first time, been refused and placed it on another worker).
 _IDEMPOTENT = """
 local function done_before(lease_key, nonce)  -- the entry this same call added, if it ran already
   local held = redis.call('GET', lease_key)
@@ -48,9 +46,11 @@ end
 """
 _ENQUEUE_ROUTED = LuaScript(_IDEMPOTENT + """
 local blocks, min_headroom, queue_bound = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[7])
-local mark_ms = tonumber(ARGV[8])
-local done = done_before(KEYS[4], ARGV[10])
-if done then return done end
+local lease_ms = tonumber(ARGV[8])
+if lease_ms > 0 then
+  local entry = done_before(KEYS[4], ARGV[10])
+  if entry then return entry end
+end
 local raw = redis.call('GET', KEYS[1])
 local function count(key)  -- a top-level integer of the status JSON, without decoding all of it: a plain find
   local at = raw and string.find(raw, key, 1, true)  -- of '"name":', then a match anchored just after it
@@ -69,16 +69,18 @@ if blocks > 0 then
   if #vals == 0 or ARGV[9] == '1' then redis.call('PEXPIRE', KEYS[2], ARGV[4]) end
 end
 local entry = redis.call('XADD', KEYS[3], '*', ARGV[6], ARGV[5])
-redis.call('SET', KEYS[4], ARGV[10] .. ' ' .. entry, 'PX', mark_ms)
+if lease_ms > 0 then redis.call('SET', KEYS[4], ARGV[10] .. ' ' .. entry, 'PX', lease_ms) end
 return entry
 """)
 
 # Atomic "enqueue on the shared stream unless more than `bound` requests already wait there untaken" (and its
 # lease, KEYS[2], as above, run again: the same entry id).
 _ENQUEUE_SHARED = LuaScript(_IDEMPOTENT + """
-local bound, mark_ms = tonumber(ARGV[1]), tonumber(ARGV[5])
-local done = done_before(KEYS[2], ARGV[6])
-if done then return done end
+local bound, lease_ms = tonumber(ARGV[1]), tonumber(ARGV[5])
+if lease_ms > 0 then
+  local entry = done_before(KEYS[2], ARGV[6])
+  if entry then return entry end
+end
 if bound >= 0 then
   local waiting = redis.call('XLEN', KEYS[1])
   local pending = redis.pcall('XPENDING', KEYS[1], ARGV[2])
@@ -86,7 +88,7 @@ if bound >= 0 then
   if waiting >= bound then return false end
 end
 local entry = redis.call('XADD', KEYS[1], '*', ARGV[4], ARGV[3])
-redis.call('SET', KEYS[2], ARGV[6] .. ' ' .. entry, 'PX', mark_ms)
+if lease_ms > 0 then redis.call('SET', KEYS[2], ARGV[6] .. ' ' .. entry, 'PX', lease_ms) end
 return entry
 """)
 
@@ -150,8 +152,7 @@ def _nonce() -> str:
 
 
 def _lease_ms(ttl_s: float | None) -> int:
-    """How long the enqueue keeps the request's lease key: its lease TTL, or ENQUEUE_MARK_MS without a lease."""
-    return ENQUEUE_MARK_MS if ttl_s is None else max(1, int(ttl_s * 1000))
+    return 0 if ttl_s is None else max(1, int(ttl_s * 1000))
 
 
 def parse_request(fields: dict[str, str]) -> GenerationRequest:
