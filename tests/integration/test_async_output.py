@@ -232,3 +232,20 @@ def test_a_worker_with_it_serves_stop_strings_streams_and_cancels(tiny_llama_dir
         assert after.text and text.startswith(after.text) and after.finish_reason == "length"
         log = fleet.logs["w0"].read_text(errors="replace")
         assert "ERROR" not in log and "Traceback" not in log, log[-3000:]  # no step failed along the way
+
+
+def test_tensor_parallel_ranks_run_the_forward_from_its_thread(tiny_llama_dir):
+    """With tensor_parallel_size 2 the forward on the step thread drives the executor process: the same outputs."""
+    import multiprocessing
+
+    from gpu_worker import LLM
+
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:3]]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    texts = {}
+    for async_output in (False, True):
+        with LLM(str(tiny_llama_dir), block_size=4, num_kv_blocks=64, max_model_len=128, tensor_parallel_size=2,
+                 async_output=async_output) as llm:
+            texts[async_output] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert texts[True] == texts[False] and all(len(t) == 6 for t in texts[True])
+    assert not multiprocessing.active_children()
