@@ -353,7 +353,7 @@ class LLMEngine:
             step = None
         outputs = self._outputs(done) if done is not None else []
         if step is not None:  # nothing to run: what schedule() ended (outgrew the cache) is reported now
-            outputs += self._outputs(self._collect(step, (None, {})))
+            outputs += self._outputs(self._collect(step, None))
         return outputs
 
     def _settle(self) -> None:
@@ -387,7 +387,8 @@ class LLMEngine:
         return owner is not None and owner[1] is s and not s.request.is_finished
 
     def _collect(self, step: _Step, forward: tuple[torch.Tensor | None, dict[str, str]] | None) -> _Collected:
-        """The step's forward (run here when `forward` is None), grammars, sampler and scheduler update."""
+        """The step's forward (run here when `forward` is None and the step has work), grammars, sampler and
+        scheduler update."""
         sched, done = step.sched, _Collected(step.sampling)
         logits = None
         if forward is None and (sched.seqs or sched.blocks_to_copy):
