@@ -25,6 +25,8 @@ Keys:
                                  status does not show yet (the worker deletes a field when it takes the request)
   kvfleet:{s}:lease:{request}    a gateway's lease on a request it relays, SET with a short TTL and refreshed while
                                  its client is connected: its absence tells the worker nobody waits, so it aborts
+  kvfleet:{s}:enq:{request}      the mark of a request's enqueue without a lease (services' jobs): the call's nonce
+                                 and entry id for a minute, so that the same call sent again enqueues nothing
   kvfleet:shards                 set of the shards any worker ever lived in (where the fleet reads look)
   kvfleet:cancelled:{request}    marker with a TTL, so a cancel that beats the request to a worker still counts
   kvfleet:prefix:{first}:{hash}  workers a prompt prefix (chained hash of full blocks) was last routed to; tagged by
@@ -95,6 +97,10 @@ def reserved(worker_id: str, shard: int = 0) -> str:
 
 def lease(request_id: str, shard: int = 0) -> str:
     return f"{_in(shard)}:lease:{request_id}"
+
+
+def enqueued(request_id: str, shard: int = 0) -> str:
+    return f"{_in(shard)}:enq:{request_id}"
 
 
 def cancelled(request_id: str) -> str:

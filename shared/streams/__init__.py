@@ -87,6 +87,7 @@ from shared.streams.output import (  # noqa: F401
 from shared.streams.requests import (  # noqa: F401
     CANCEL_MARK_TTL_S,
     CANCEL_STREAM_MAXLEN,
+    ENQUEUE_MARK_TTL_S,
     acancel,
     aenqueue,
     aenqueue_routed,

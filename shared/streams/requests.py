@@ -15,6 +15,9 @@ from shared.messages import GenerationRequest
 from shared.streams.client import LuaScript, arun_script
 
 CANCEL_STREAM_MAXLEN = 10_000
+# how long an enqueue without a lease stays marked (keys.enqueued): far past redis-py's resend of a command (3
+# tries within a second, shared.streams.client.RETRIES), short enough that a batch file's marks cost little
+ENQUEUE_MARK_TTL_S = 60
 CANCEL_MARK_TTL_S = 3600
 
 
@@ -32,25 +35,27 @@ CANCEL_MARK_TTL_S = 3600
 # The reservations hash expires (ARGV[4] ms) unless pushed out: at its creation, and when the gateway asks
 # (ARGV[9] = 1: it has not pushed it for a third of that time), not with every request.
 # With a lease TTL, the request's lease (KEYS[4], shared.streams.leases) is set in the same step: no round trip
-# of its own, and never a lease without its request nor a leased request without its lease. The lease holds this
-# call's nonce (ARGV[10]) and the entry's id until the gateway first refreshes it: the same call run again (redis-py
-# sends a command again when its reply was lost: Redis stopped after running it, a connection killed) finds them
-# and answers the same entry id, where it would have enqueued the request a second time (or, with the blocks it
-# reserved the first time, been refused and placed it on another worker).
-_IDEMPOTENT = """
-local function done_before(lease_key, nonce)  -- the entry this same call added, if it ran already
-  local held = redis.call('GET', lease_key)
+# of its own, and never a lease without its request nor a leased request without its lease.
+# Each call is marked so that the same call run again enqueues nothing: redis-py sends a command again when its
+# reply was lost (Redis stopped after running it, a connection killed), and the request would go onto the stream a
+# second time (or, with the blocks the first run reserved, be refused and placed on another worker). The mark is
+# this call's nonce (ARGV[10]) and the entry's id, in the guard key (KEYS[4]): the lease, which holds them until the
+# gateway first refreshes it, or for a request without a lease (services' jobs: Celery, the Python client, batch
+# files) a key of its own (keys.enqueued) for ENQUEUE_MARK_TTL_S. The same call run again finds them and answers
+# the same entry id; a new placement of the same request is a new call, so it still enqueues. (GUARD_LUA: the check,
+# for every script that enqueues; shared.streams.worker's forward too.)
+GUARD_LUA = """
+local function done_before(guard_key, nonce)  -- the entry this same call added, if it ran already
+  local held = redis.call('GET', guard_key)
   if held and string.sub(held, 1, #nonce + 1) == nonce .. ' ' then return string.sub(held, #nonce + 2) end
   return nil
 end
 """
-_ENQUEUE_ROUTED = LuaScript(_IDEMPOTENT + """
+_ENQUEUE_ROUTED = LuaScript(GUARD_LUA + """
 local blocks, min_headroom, queue_bound = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[7])
-local lease_ms = tonumber(ARGV[8])
-if lease_ms > 0 then
-  local entry = done_before(KEYS[4], ARGV[10])
-  if entry then return entry end
-end
+local guard_ms = tonumber(ARGV[8])
+local done = done_before(KEYS[4], ARGV[10])
+if done then return done end
 local raw = redis.call('GET', KEYS[1])
 local function count(key)  -- a top-level integer of the status JSON, without decoding all of it: a plain find
   local at = raw and string.find(raw, key, 1, true)  -- of '"name":', then a match anchored just after it
@@ -69,18 +74,16 @@ if blocks > 0 then
   if #vals == 0 or ARGV[9] == '1' then redis.call('PEXPIRE', KEYS[2], ARGV[4]) end
 end
 local entry = redis.call('XADD', KEYS[3], '*', ARGV[6], ARGV[5])
-if lease_ms > 0 then redis.call('SET', KEYS[4], ARGV[10] .. ' ' .. entry, 'PX', lease_ms) end
+redis.call('SET', KEYS[4], ARGV[10] .. ' ' .. entry, 'PX', guard_ms)
 return entry
 """)
 
-# Atomic "enqueue on the shared stream unless more than `bound` requests already wait there untaken" (and its
-# lease, KEYS[2], as above, run again: the same entry id).
-_ENQUEUE_SHARED = LuaScript(_IDEMPOTENT + """
-local bound, lease_ms = tonumber(ARGV[1]), tonumber(ARGV[5])
-if lease_ms > 0 then
-  local entry = done_before(KEYS[2], ARGV[6])
-  if entry then return entry end
-end
+# Atomic "enqueue on the shared stream unless more than `bound` requests already wait there untaken" (its guard
+# key, KEYS[2], as above: the lease or the mark; run again, the same entry id).
+_ENQUEUE_SHARED = LuaScript(GUARD_LUA + """
+local bound, guard_ms = tonumber(ARGV[1]), tonumber(ARGV[5])
+local done = done_before(KEYS[2], ARGV[6])
+if done then return done end
 if bound >= 0 then
   local waiting = redis.call('XLEN', KEYS[1])
   local pending = redis.pcall('XPENDING', KEYS[1], ARGV[2])
@@ -88,7 +91,7 @@ if bound >= 0 then
   if waiting >= bound then return false end
 end
 local entry = redis.call('XADD', KEYS[1], '*', ARGV[4], ARGV[3])
-if lease_ms > 0 then redis.call('SET', KEYS[2], ARGV[6] .. ' ' .. entry, 'PX', lease_ms) end
+redis.call('SET', KEYS[2], ARGV[6] .. ' ' .. entry, 'PX', guard_ms)
 return entry
 """)
 
@@ -131,28 +134,34 @@ async def aenqueue_routed(r: aioredis.Redis, request: GenerationRequest, worker_
     return await arun_script(
         r, _ENQUEUE_ROUTED,
         [keys.status(worker_id, shard), keys.reserved(worker_id, shard), keys.req_stream(worker_id, shard),
-         keys.lease(request.request_id, shard)],
+         _guard_key(request, shard, lease_ttl_s)],
         [request.request_id, request.kv_blocks, -1 if min_headroom is None else min_headroom,
          int(reservation_ttl_s * 1000), request.model_dump_json(), keys.FIELD,
-         -1 if queue_bound is None else queue_bound, _lease_ms(lease_ttl_s), int(push_expiry), _nonce()])
+         -1 if queue_bound is None else queue_bound, _guard_ms(lease_ttl_s), int(push_expiry), call_nonce()])
 
 
 async def aenqueue_shared(r: aioredis.Redis, request: GenerationRequest, shard: int, *, bound: int | None,
                           lease_ttl_s: float | None = None) -> str | None:
     """Enqueue on the shard's shared stream, atomically refusing (None) when `bound` requests already wait
     untaken there; with `lease_ttl_s`, the request's lease is set with it."""
-    return await arun_script(r, _ENQUEUE_SHARED, [keys.req_any(shard), keys.lease(request.request_id, shard)],
+    return await arun_script(r, _ENQUEUE_SHARED, [keys.req_any(shard), _guard_key(request, shard, lease_ttl_s)],
                              [-1 if bound is None else bound, keys.GROUP, request.model_dump_json(), keys.FIELD,
-                              _lease_ms(lease_ttl_s), _nonce()])
+                              _guard_ms(lease_ttl_s), call_nonce()])
 
 
-def _nonce() -> str:
-    """One enqueue call's mark in its lease: the same in a command redis-py sends again, new in the next call."""
+def call_nonce() -> str:
+    """One enqueue call's mark: the same in a command redis-py sends again, new in the next call."""
     return secrets.token_hex(8)
 
 
-def _lease_ms(ttl_s: float | None) -> int:
-    return 0 if ttl_s is None else max(1, int(ttl_s * 1000))
+def _guard_key(request: GenerationRequest, shard: int, lease_ttl_s: float | None) -> str:
+    """Where an enqueue marks its call: the request's lease, or without one a key of its own."""
+    return keys.enqueued(request.request_id, shard) if lease_ttl_s is None else keys.lease(request.request_id, shard)
+
+
+def _guard_ms(lease_ttl_s: float | None) -> int:
+    """The guard key's TTL: the lease's, or the mark's."""
+    return int(ENQUEUE_MARK_TTL_S * 1000) if lease_ttl_s is None else max(1, int(lease_ttl_s * 1000))
 
 
 def parse_request(fields: dict[str, str]) -> GenerationRequest:

@@ -25,7 +25,7 @@ from shared import keys
 from shared.fleet_state import UnreadableStatus, parse_status
 from shared.messages import DeadLetter, GenerationRequest, OutputChunk, WorkerStatus
 from shared.streams.client import LuaScript, group_missing, run_script, xread, xreadgroup
-from shared.streams.requests import enqueue_commands
+from shared.streams.requests import ENQUEUE_MARK_TTL_S, GUARD_LUA, call_nonce
 
 log = logging.getLogger("kvfleet.streams")
 
@@ -233,17 +233,40 @@ def ack_and_delete(r: redis.Redis, ack: Ack) -> None:
     pipe.execute()
 
 
-def forward(r: redis.Redis, request: GenerationRequest, worker_id: str, ack: Ack, shard: int = 0) -> None:
+# Enqueue a request on another worker of the shard (reserving its blocks there) and ack the entry it came in, in one
+# step; marked as the enqueues are (shared.streams.requests: the call's nonce and the new entry's id in the request's
+# keys.enqueued, for a minute), so that the same call, sent again by redis-py after its reply was lost, enqueues
+# nothing twice. KEYS: the target's reservations and stream, the entry's stream, the mark; ARGV: request id, blocks,
+# the reservations' TTL (ms), the request's JSON, its field, the group, the entry id, the nonce, the mark's TTL (ms).
+_FORWARD = LuaScript(GUARD_LUA + """
+local done = done_before(KEYS[4], ARGV[8])
+if done then return done end
+if tonumber(ARGV[2]) > 0 then
+  redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+end
+local entry = redis.call('XADD', KEYS[2], '*', ARGV[5], ARGV[4])
+redis.call('XACK', KEYS[3], ARGV[6], ARGV[7])
+redis.call('XDEL', KEYS[3], ARGV[7])
+redis.call('SET', KEYS[4], ARGV[8] .. ' ' .. entry, 'PX', ARGV[9])
+return entry
+""")
+
+
+def forward(r: redis.Redis, request: GenerationRequest, worker_id: str, ack: Ack, shard: int = 0,
+            *, reservation_ttl_s: float = 30.0) -> str:
     """Enqueue the request on another worker of the shard (reserving its blocks there) and ack this entry, in
-    one MULTI; then, for a gateway's request, tell its relay where it went (a `moved` entry in the gateway's
-    inbox)."""
-    pipe = r.pipeline(transaction=True)
-    enqueue_commands(pipe, request, worker_id, shard)
-    ack_commands(pipe, ack)
-    entry_id = pipe.execute()[-3]  # the XADD's, before the XACK and XDEL
+    one step (_FORWARD); then, for a gateway's request, tell its relay where it went (a `moved` entry in the
+    gateway's inbox). -> the new entry's id."""
+    rid = request.request_id
+    entry_id = run_script(r, _FORWARD, [keys.reserved(worker_id, shard), keys.req_stream(worker_id, shard),
+                                        ack.stream, keys.enqueued(rid, shard)],
+                          [rid, request.kv_blocks, int(reservation_ttl_s * 1000), request.model_dump_json(),
+                           keys.FIELD, keys.GROUP, ack.entry_id, call_nonce(), int(ENQUEUE_MARK_TTL_S * 1000)])
     if request.reply_to:
-        moved = json.dumps([request.request_id, keys.req_stream(worker_id, shard), entry_id])
+        moved = json.dumps([rid, keys.req_stream(worker_id, shard), entry_id])
         r.xadd(keys.inbox(request.reply_to, shard), {keys.MOVED_FIELD: moved}, nomkstream=True)
+    return entry_id
 
 
 def dead_letter(r: redis.Redis, letter: DeadLetter) -> None:

@@ -4,6 +4,7 @@ enqueueing, workers that died with requests pending)."""
 
 from __future__ import annotations
 
+import json
 import queue
 import time
 
@@ -105,6 +106,30 @@ def test_reads_its_own_stream_and_the_shared_one_only_with_room(r, start_intake)
     job = next_job(inbox)
     assert (job.request_id, job.stream, job.deliveries) == ("shared-1", keys.req_any(), 1)
     assert streams.shared_head(r) is None
+
+
+def test_forwards_a_request_its_whole_cache_cannot_hold_to_a_worker_whose_cache_can(r, start_intake):
+    """A request longer than this worker's whole cache goes, in one step, to the live worker of the shard with the
+    largest cache that holds it: enqueued there, acked and deleted here; its gateway's relay is told where."""
+    streams.ensure_group(r, keys.req_any())
+    alive(r, "w-big")  # 64 blocks
+    r.xadd(keys.inbox("gw"), {"open": "1"})  # the gateway's inbox (a worker never creates one)
+    streams.enqueue(r, request("long", prompt_len=200).model_copy(update={"reply_to": "gw"}), None)  # 13 blocks
+    streams.enqueue(r, request("short"), None)
+    intake, inbox = start_intake(roomy(total_blocks=8, available_blocks=8))
+
+    short = next_job(inbox)
+    assert short.request_id == "short"
+    entries = wait_for(lambda: r.xrange(keys.req_stream("w-big")), what="the forward")
+    assert [streams.parse_request(f).request_id for _, f in entries] == ["long"]
+    forwarded = streams.parse_request(entries[0][1])
+    assert (forwarded.attempt, forwarded.kv_blocks, forwarded.reply_to) == (1, 0, "gw")
+    left = [streams.parse_request(f).request_id for _, f in r.xrange(keys.req_any())]
+    assert left == ["short"]  # the long one's entry acked and deleted here (the short one waits for its ack)
+    assert r.xpending(keys.req_any(), keys.GROUP)["pending"] == 1
+    moved = [json.loads(f[keys.MOVED_FIELD]) for _, f in r.xrange(keys.inbox("gw")) if keys.MOVED_FIELD in f]
+    assert moved == [["long", keys.req_stream("w-big"), entries[0][0]]]
+    assert inbox.empty()
 
 
 def test_claims_back_what_it_left_pending_before_a_restart(r, start_intake):

@@ -133,8 +133,8 @@ def test_every_atomic_step_of_a_gateway_touches_one_slot(shard):
 
 def test_shards_have_their_own_slots():
     assert len(slots([keys.req_any(k) for k in range(16)])) == 16
-    assert len(slots([keys.status("w", 0), keys.lease("r", 0), keys.inbox("g", 0), keys.out_stream("r", 0),
-                      keys.workers(0), keys.reserved("w", 0)])) == 1
+    assert len(slots([keys.status("w", 0), keys.lease("r", 0), keys.enqueued("r", 0), keys.inbox("g", 0),
+                      keys.out_stream("r", 0), keys.workers(0), keys.reserved("w", 0)])) == 1
 
 
 def test_celery_refuses_a_redis_cluster_broker_by_name():
