@@ -170,14 +170,17 @@ class Injector:
 
     def foreign_writes(self) -> str:
         """What another kvfleet version or another program may leave in Redis: a worker registered with a status
-        this version cannot read (for FOREIGN_STATUS_TTL_S; then it is a dead worker with nothing to take over)
-        and a cancel entry without a request id. Before, the status failed every request with a 500 and the cancel
-        entry stopped the workers' cancel readers for good."""
+        this version cannot read (for FOREIGN_STATUS_TTL_S; then it is a dead worker with nothing to take over),
+        a cancel entry without a request id, and a reservation on a live worker that is not a block count. Before,
+        the status failed every request with a 500, the cancel entry stopped the workers' cancel readers for good,
+        and the reservation failed every request with a 500 (the gateway's read of the fleet) until its hash
+        expired."""
         worker_id = f"w-foreign-{self.log.counts['foreign_writes']}"
+        beside = self._worker().name
         try:
             r = streams.connect(self.fleet.redis.url)
             try:
-                streams.plant_foreign_state(r, worker_id, FOREIGN_STATUS_TTL_S)
+                streams.plant_foreign_state(r, worker_id, FOREIGN_STATUS_TTL_S, beside=beside)
                 return worker_id
             finally:
                 r.close()

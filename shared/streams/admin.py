@@ -27,15 +27,20 @@ def kill_clients(r: redis.Redis) -> int:
     return int(r.client_kill_filter(_type="normal", skipme=True))
 
 
-def plant_foreign_state(r: redis.Redis, worker_id: str, ttl_s: float, shard: int = 0) -> None:
+def plant_foreign_state(r: redis.Redis, worker_id: str, ttl_s: float, shard: int = 0, *,
+                        beside: str | None = None) -> None:
     """What a kvfleet of another version (in a rolling upgrade) or another program may leave in Redis: `worker_id`
-    registered in `shard` with a status this version cannot read (expiring in `ttl_s`), and an entry of the cancel
-    stream without a request id. The fleet must go on past both."""
+    registered in `shard` with a status this version cannot read (expiring in `ttl_s`), an entry of the cancel
+    stream without a request id, and with `beside` (a live worker of the shard) a field of its reservations hash
+    whose value is not a block count (it goes when the hash expires, after the gateways stop reserving there). The
+    fleet must go on past all three."""
     pipe = r.pipeline(transaction=False)
     pipe.sadd(keys.workers(shard), worker_id)
     pipe.set(keys.status(worker_id, shard), json.dumps({"worker_id": worker_id, "kv_cache": {"free": 1}}),
              px=max(1, int(ttl_s * 1000)))
     pipe.xadd(keys.CANCEL, {"cancelled_by": worker_id})
+    if beside is not None:
+        pipe.hset(keys.reserved(beside, shard), f"{worker_id}-request", json.dumps({"blocks": 2}))
     pipe.execute()
 
 

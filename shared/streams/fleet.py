@@ -60,8 +60,15 @@ async def aread_fleet(r: aioredis.Redis, in_use: list[int] | None = None) -> Fle
         except fleet_state.UnreadableStatus as e:
             view.unreadable[w] = str(e)
             continue
-        view.reservations[w] = sum(int(v) for v in reserved)
+        view.reservations[w] = reserved_blocks(reserved)
     return view
+
+
+def reserved_blocks(values: list[str]) -> int:
+    """The KV blocks a worker's reservations hash holds: each field's value, a request's block count. A value that
+    is not a count (another program's write, another version's) counts nothing, here as in the enqueue's check
+    (shared.streams.requests), instead of failing every read of the fleet."""
+    return sum(int(v) for v in values if v.isascii() and v.isdigit())
 
 
 async def _astream_info(r: aioredis.Redis, stream: str) -> StreamInfo:

@@ -66,7 +66,9 @@ if queue_bound >= 0 and #vals + count('"waiting":') >= queue_bound then return f
 if min_headroom >= 0 then
   if not raw then return false end
   local reserved = 0
-  for _, v in ipairs(vals) do reserved = reserved + tonumber(v) end
+  for _, v in ipairs(vals) do  -- a value that is not a count (a foreign write) counts nothing (reserved_blocks)
+    if string.match(v, '^%d+$') then reserved = reserved + tonumber(v) end
+  end
   if count('"free_blocks":') - count('"promised_blocks":') - reserved - blocks < min_headroom then return false end
 end
 if blocks > 0 then

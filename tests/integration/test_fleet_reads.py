@@ -78,20 +78,29 @@ def test_prefix_index_remembers_where_blocks_went(redis_url):
 
 def test_what_a_foreign_writer_leaves_is_left_out_of_the_fleet_reads(redis_url):
     """streams.plant_foreign_state (the chaos soak's `foreign_writes`): the planted worker is neither live nor dead
-    but unreadable, while its status lasts; the cancel reader skips the planted entry."""
+    but unreadable, while its status lasts; the cancel reader skips the planted entry; a reservation on a live
+    worker that is not a block count counts nothing, in the fleet's read and in the enqueue's check, and the
+    reservations that are counts still count."""
     async def body(r):
         await r.set(keys.status("w0"), status("w0", 40).model_dump_json())
         await r.sadd(keys.workers(), "w0")
+        await r.hset(keys.reserved("w0"), mapping={"real": 3, "negative": -30, "fraction": "2.5"})
         sync = streams.connect(redis_url)
         try:
             cursor = streams.cancel_cursor(sync)
-            streams.plant_foreign_state(sync, "w-foreign", ttl_s=0.5)
+            streams.plant_foreign_state(sync, "w-foreign", ttl_s=0.5, beside="w0")
             streams.cancel(sync, "real")
             assert streams.read_cancels(sync, cursor, block_ms=10)[1] == ["real"]
         finally:
             sync.close()
         view = await streams.aread_fleet(r)
         assert [w.worker_id for w in view.live] == ["w0"] and view.dead == []
+        assert view.reservations == {"w0": 3}
+        # the enqueue's own check agrees: 40 free - 3 reserved leave room for 35 blocks and a headroom of 2, not 36
+        wants = [GenerationRequest(request_id=rid, prompt_token_ids=[1], kv_blocks=blocks) for rid, blocks in
+                 (("too-big", 36), ("fits", 35))]
+        placed = [await streams.aenqueue_routed(r, q, "w0", 0, min_headroom=2) for q in wants]
+        assert placed[0] is None and placed[1] is not None
         assert view.unreadable == {"w-foreign": "model: Field required (and 4 more)"}
         assert (await streams.afleet_snapshot(r))["unreadable_workers"] == view.unreadable
         await asyncio.sleep(0.6)  # its status expired: a dead worker, for the takeover to look at and forget
