@@ -31,14 +31,16 @@ def plant_foreign_state(r: redis.Redis, worker_id: str, ttl_s: float, shard: int
                         beside: str | None = None) -> None:
     """What a kvfleet of another version (in a rolling upgrade) or another program may leave in Redis: `worker_id`
     registered in `shard` with a status this version cannot read (expiring in `ttl_s`), an entry of the cancel
-    stream without a request id, and with `beside` (a live worker of the shard) a field of its reservations hash
-    whose value is not a block count (it goes when the hash expires, after the gateways stop reserving there). The
-    fleet must go on past all three."""
+    stream without a request id, a member of the shards' set and a round-robin counter that are not numbers, and
+    with `beside` (a live worker of the shard) a field of its reservations hash whose value is not a block count (it
+    goes when the hash expires, after the gateways stop reserving there). The fleet must go on past all of them."""
     pipe = r.pipeline(transaction=False)
     pipe.sadd(keys.workers(shard), worker_id)
     pipe.set(keys.status(worker_id, shard), json.dumps({"worker_id": worker_id, "kv_cache": {"free": 1}}),
              px=max(1, int(ttl_s * 1000)))
     pipe.xadd(keys.CANCEL, {"cancelled_by": worker_id})
+    pipe.sadd(keys.SHARDS, f"{worker_id}-shard")
+    pipe.set(keys.ROUND_ROBIN, f"{worker_id}-turn")
     if beside is not None:
         pipe.hset(keys.reserved(beside, shard), f"{worker_id}-request", json.dumps({"blocks": 2}))
     pipe.execute()

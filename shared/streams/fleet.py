@@ -24,8 +24,9 @@ async def aping(r: aioredis.Redis) -> None:
 
 
 async def aread_shards(r: aioredis.Redis) -> list[int]:
-    """The shards workers ever lived in (shard 0 always)."""
-    return sorted({0} | {int(k) for k in await r.smembers(keys.SHARDS)})
+    """The shards workers ever lived in (shard 0 always). A member that is not a shard number (a foreign write) is
+    left out, where it failed every read of the fleet."""
+    return sorted({0} | {int(k) for k in await r.smembers(keys.SHARDS) if k.isascii() and k.isdigit()})
 
 
 async def aread_members(r: aioredis.Redis, in_use: list[int]) -> dict[str, int]:
@@ -103,8 +104,15 @@ async def _aredis_state(r: aioredis.Redis) -> dict[str, Any] | None:
 
 
 async def anext_turn(r: aioredis.Redis) -> int:
-    """The next round-robin turn, counted in Redis so that gateway replicas share one rotation."""
-    return await r.incr(keys.ROUND_ROBIN)
+    """The next round-robin turn, counted in Redis so that gateway replicas share one rotation. A counter that is
+    not a number (a foreign write; INCR refuses it) starts again from 1."""
+    try:
+        return await r.incr(keys.ROUND_ROBIN)
+    except redis.ResponseError as e:
+        if "not an integer" not in str(e):
+            raise
+        await r.set(keys.ROUND_ROBIN, 1)
+        return 1
 
 
 # ---- prefix index ---------------------------------------------------------------------------------

@@ -80,7 +80,8 @@ def test_what_a_foreign_writer_leaves_is_left_out_of_the_fleet_reads(redis_url):
     """streams.plant_foreign_state (the chaos soak's `foreign_writes`): the planted worker is neither live nor dead
     but unreadable, while its status lasts; the cancel reader skips the planted entry; a reservation on a live
     worker that is not a block count counts nothing, in the fleet's read and in the enqueue's check, and the
-    reservations that are counts still count."""
+    reservations that are counts still count; the shards' set and the round-robin counter go on past what was
+    planted in them."""
     async def body(r):
         await r.set(keys.status("w0"), status("w0", 40).model_dump_json())
         await r.sadd(keys.workers(), "w0")
@@ -101,6 +102,8 @@ def test_what_a_foreign_writer_leaves_is_left_out_of_the_fleet_reads(redis_url):
                  (("too-big", 36), ("fits", 35))]
         placed = [await streams.aenqueue_routed(r, q, "w0", 0, min_headroom=2) for q in wants]
         assert placed[0] is None and placed[1] is not None
+        assert await streams.aread_shards(r) == [0]  # the planted member is no shard
+        assert [await streams.anext_turn(r) for _ in range(3)] == [1, 2, 3]  # the planted counter starts again
         assert view.unreadable == {"w-foreign": "model: Field required (and 4 more)"}
         assert (await streams.afleet_snapshot(r))["unreadable_workers"] == view.unreadable
         await asyncio.sleep(0.6)  # its status expired: a dead worker, for the takeover to look at and forget
