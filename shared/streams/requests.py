@@ -39,11 +39,13 @@ CANCEL_MARK_TTL_S = 3600
 # Each call is marked so that the same call run again enqueues nothing: redis-py sends a command again when its
 # reply was lost (Redis stopped after running it, a connection killed), and the request would go onto the stream a
 # second time (or, with the blocks the first run reserved, be refused and placed on another worker). The mark is
-# this call's nonce (ARGV[10]) and the entry's id, in the guard key (KEYS[4]): the lease, which holds them until the
-# gateway first refreshes it, or for a request without a lease (services' jobs: Celery, the Python client, batch
-# files) a key of its own (keys.enqueued) for ENQUEUE_MARK_TTL_S. The same call run again finds them and answers
-# the same entry id; a new placement of the same request is a new call, so it still enqueues. (GUARD_LUA: the check,
-# for every script that enqueues; shared.streams.worker's forward too.)
+# this call's nonce (ARGV[10]) and the entry's id, in the guard key (KEYS[4]). For a leased request that is the
+# lease, which holds them until the gateway first refreshes it; it refreshes a lease only once the enqueue call
+# returned, its resends included (gateway.placement.place), and a request placed again has a new id. For a request
+# without a lease (services' jobs: Celery, the Python client, batch files) it is a key of its own (keys.enqueued),
+# for ENQUEUE_MARK_TTL_S. The same call run again finds them and answers the same entry id; a new placement of the
+# same request is a new call, so it still enqueues. (GUARD_LUA: the check, for every script that enqueues;
+# shared.streams.worker's forward too.)
 GUARD_LUA = """
 local function done_before(guard_key, nonce)  -- the entry this same call added, if it ran already
   local held = redis.call('GET', guard_key)
