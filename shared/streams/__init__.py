@@ -10,7 +10,8 @@ redis (tests/unit/test_layering.py keeps it so). Callers use the names below (`s
   fleet     live workers, reservations and the snapshot; the round-robin turn; the prefix index
   leases    a gateway's leases on the requests it relays (held while its client waits), read by workers
   jobs      job records: a request id placed by services enters the fleet at most once
-  worker    a worker's intake (group reads, takeover, dead letters, cancels) and outbox (one fenced script a flush)
+  worker    a worker's intake (group reads, takeover, forwards, dead letters, cancels) and its leaving
+  flush     a worker's outbox: one fenced script a flush (chunks, hand-backs, acks, status)
   admin     the server itself: drop client connections, memory used (for `kvfleet chaos`)
 
 Key names come from shared.keys; messages are shared.messages' pydantic models, as JSON in one field.
@@ -54,6 +55,7 @@ from shared.streams.fleet import (  # noqa: F401
     aread_shards,
     aremember_prefix,
 )
+from shared.streams.flush import keep_status, publish  # noqa: F401
 from shared.streams.jobs import (  # noqa: F401
     JOB_SCAN_PAGE,
     aclaim_job,
@@ -110,12 +112,10 @@ from shared.streams.worker import (  # noqa: F401
     ensure_group,
     forward,
     is_cancelled,
-    keep_status,
     leave,
     other_workers,
     pending_owners,
     prune_dead_worker,
-    publish,
     read_cancels,
     read_requests,
     reclaim_own,

@@ -260,7 +260,7 @@ async def aoutput_exists(r: aioredis.Redis, request_id: str, shard: int = 0) -> 
 
 # ---- a gateway's inbox ----------------------------------------------------------------------------
 # kvfleet:{s}:inbox:{gateway}, one per shard: each entry is one worker flush's chunks for that gateway's requests, a JSON array
-# (shared.streams.worker._FLUSH). The gateway creates it and keeps its expiry; workers never create it.
+# (shared.streams.flush._FLUSH). The gateway creates it and keeps its expiry; workers never create it.
 
 _CHUNK_LIST = TypeAdapter(list[OutputChunk])
 _OPENED = "opened"  # the field of the entry that creates an inbox (no chunks)
