@@ -8,7 +8,6 @@ so a worker that lost the entry to another (or to a later run under its own id) 
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Container, Sequence
 from dataclasses import dataclass
@@ -228,11 +227,13 @@ def ack_and_delete(r: redis.Redis, ack: Ack) -> None:
     pipe.execute()
 
 
-# Enqueue a request on another worker of the shard (reserving its blocks there) and ack the entry it came in, in one
-# step; marked as the enqueues are (shared.streams.requests: the call's nonce and the new entry's id in the request's
-# keys.enqueued, for a minute), so that the same call, sent again by redis-py after its reply was lost, enqueues
-# nothing twice. KEYS: the target's reservations and stream, the entry's stream, the mark; ARGV: request id, blocks,
-# the reservations' TTL (ms), the request's JSON, its field, the group, the entry id, the nonce, the mark's TTL (ms).
+# Enqueue a request on another worker of the shard (reserving its blocks there), ack the entry it came in, and for a
+# gateway's request tell its relay where it went (a `moved` entry in the gateway's inbox, KEYS[5]: NOMKSTREAM, as a
+# gone gateway reads nothing), in one step; marked as the enqueues are (shared.streams.requests: the call's nonce
+# and the new entry's id in the request's keys.enqueued, for a minute), so that the same call, sent again by
+# redis-py after its reply was lost, enqueues nothing twice. KEYS: the target's reservations and stream, the
+# entry's stream, the mark(, the inbox); ARGV: request id, blocks, the reservations' TTL (ms), the request's JSON,
+# its field, the group, the entry id, the nonce, the mark's TTL (ms), the moved field.
 _FORWARD = LuaScript(GUARD_LUA + """
 local done = done_before(KEYS[4], ARGV[8])
 if done then return done end
@@ -243,6 +244,9 @@ end
 local entry = redis.call('XADD', KEYS[2], '*', ARGV[5], ARGV[4])
 redis.call('XACK', KEYS[3], ARGV[6], ARGV[7])
 redis.call('XDEL', KEYS[3], ARGV[7])
+if KEYS[5] then
+  redis.call('XADD', KEYS[5], 'NOMKSTREAM', '*', ARGV[10], cjson.encode({ARGV[1], KEYS[2], entry}))
+end
 redis.call('SET', KEYS[4], ARGV[8] .. ' ' .. entry, 'PX', ARGV[9])
 return entry
 """)
@@ -250,18 +254,16 @@ return entry
 
 def forward(r: redis.Redis, request: GenerationRequest, worker_id: str, ack: Ack, shard: int = 0,
             *, reservation_ttl_s: float = 30.0) -> str:
-    """Enqueue the request on another worker of the shard (reserving its blocks there) and ack this entry, in
-    one step (_FORWARD); then, for a gateway's request, tell its relay where it went (a `moved` entry in the
-    gateway's inbox). -> the new entry's id."""
+    """Enqueue the request on another worker of the shard (reserving its blocks there) and ack this entry; for a
+    gateway's request, tell its relay where it went (a `moved` entry in the gateway's inbox): one step
+    (_FORWARD). -> the new entry's id."""
     rid = request.request_id
-    entry_id = run_script(r, _FORWARD, [keys.reserved(worker_id, shard), keys.req_stream(worker_id, shard),
-                                        ack.stream, keys.enqueued(rid, shard)],
-                          [rid, request.kv_blocks, int(reservation_ttl_s * 1000), request.model_dump_json(),
-                           keys.FIELD, keys.GROUP, ack.entry_id, call_nonce(), int(ENQUEUE_MARK_TTL_S * 1000)])
+    names = [keys.reserved(worker_id, shard), keys.req_stream(worker_id, shard), ack.stream, keys.enqueued(rid, shard)]
     if request.reply_to:
-        moved = json.dumps([rid, keys.req_stream(worker_id, shard), entry_id])
-        r.xadd(keys.inbox(request.reply_to, shard), {keys.MOVED_FIELD: moved}, nomkstream=True)
-    return entry_id
+        names.append(keys.inbox(request.reply_to, shard))
+    return run_script(r, _FORWARD, names, [rid, request.kv_blocks, int(reservation_ttl_s * 1000),
+                                           request.model_dump_json(), keys.FIELD, keys.GROUP, ack.entry_id,
+                                           call_nonce(), int(ENQUEUE_MARK_TTL_S * 1000), keys.MOVED_FIELD])
 
 
 def dead_letter(r: redis.Redis, letter: DeadLetter) -> None:
