@@ -95,7 +95,8 @@ def claim_pending(r: redis.Redis, stream: str, owner: str, consumer: str, *, min
     live worker's long request). [] when the stream or group does not exist.
     Each Delivery's count is the one XCLAIM set (the one it saw plus one): its owner token. After each page
     that claimed something the owner's status is deleted (it had expired; an owner that came back meanwhile and
-    wrote it again must not keep it): so the owner's flushes check ownership again and are refused (shared.streams.flush)."""
+    wrote it again must not keep it): so the owner's flushes check ownership again and are refused
+    (shared.streams.flush)."""
     claimed: list[Delivery] = []
     start = "-"
     while True:
