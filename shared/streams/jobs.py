@@ -17,9 +17,14 @@ from shared.streams.requests import parse_request
 
 JOB_SCAN_PAGE = 500
 
-# KEYS[1] record; ARGV: our placing record, now, lease seconds, ttl ms -> {1 fresh | 2 taken over | 0 held, old}
+# KEYS[1] record; ARGV: our placing record, now, lease seconds, ttl ms -> {1 fresh | 2 taken over | 0 held, old}.
+# Our own record there already (unique: its owner and time): this same call, sent again by redis-py after its reply
+# was lost; answered as a takeover of nothing known, so that the caller looks for the request in the fleet before it
+# places it (the first run may have taken over a dead attempt's record), where "held" would have it wait out its
+# own lease.
 _CLAIM_JOB = LuaScript("""
 local cur = redis.call('GET', KEYS[1])
+if cur == ARGV[1] then return {2, ''} end
 if cur then
   local ok, rec = pcall(cjson.decode, cur)
   if not (ok and rec.state == 'placing' and tonumber(ARGV[2]) - tonumber(rec.since) > tonumber(ARGV[3])) then
@@ -31,9 +36,12 @@ if cur then return {2, cur} end
 return {1, ''}
 """)
 
-# KEYS[1] record; ARGV: expected value, new value ('' deletes), ttl ms -> 1 replaced | 0 not ours any more
+# KEYS[1] record; ARGV: expected value, new value ('' deletes), ttl ms -> 1 replaced | 0 not ours any more. The new
+# value there already: this same call, sent again after its reply was lost (1, as the first run answered).
 _REPLACE_JOB = LuaScript("""
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+local cur = redis.call('GET', KEYS[1])
+if ARGV[2] ~= '' and cur == ARGV[2] then return 1 end
+if cur ~= ARGV[1] then return 0 end
 if ARGV[2] == '' then redis.call('DEL', KEYS[1]) else redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) end
 return 1
 """)

@@ -136,3 +136,35 @@ def test_a_forward_sent_again_after_its_reply_was_lost_enqueues_once(redis_url, 
         assert not r.exists(keys.lease("long"))  # the gateway's lease is the gateway's: a forward leaves it be
     finally:
         r.close()
+
+
+def test_a_job_record_claim_and_promote_sent_again_after_the_reply_was_lost_stay_ours(redis_url, monkeypatch):
+    """A services' placement (Celery, the Python client, batch files) claims the request id's job record, then
+    promotes it once enqueued (services.job_record). Sent again after a lost reply, the claim finds its own record:
+    not "held" (which would have the caller wait out its own lease, then take it over), but a takeover of nothing
+    known, so the caller looks for the request in the fleet before placing it; the promote answers replaced."""
+    from services import job_record
+    from services.job_record import Claim
+
+    async def main() -> None:
+        r = streams.connect_async(redis_url)
+        try:
+            await r.flushdb()
+            warm = await job_record.claim(r, "warm", ttl_s=60)  # the scripts loaded, a connection open
+            await job_record.promote(r, "warm", warm.lease, {}, ttl_s=60)
+            sent = lose_the_next_script_reply(monkeypatch)
+            claimed = await job_record.claim(r, "job-1", ttl_s=60)
+            monkeypatch.undo()
+            assert [c.upper() for c in sent].count("EVALSHA") == 2
+            assert claimed.outcome is Claim.TAKEN_OVER and claimed.held is None
+            assert await r.get(keys.job("job-1")) == claimed.lease  # ours, written once
+            sent = lose_the_next_script_reply(monkeypatch)
+            promoted = await job_record.promote(r, "job-1", claimed.lease, {"kind": "completion"}, ttl_s=60)
+            monkeypatch.undo()
+            assert [c.upper() for c in sent].count("EVALSHA") == 2 and promoted
+            assert (await job_record.get(r, "job-1")).state == "enqueued"
+            assert (await job_record.claim(r, "job-1", ttl_s=60)).outcome is Claim.HELD  # another attempt: held
+        finally:
+            await r.aclose()
+
+    asyncio.run(main())
