@@ -19,12 +19,15 @@ from __future__ import annotations
 import asyncio
 import enum
 import json
+import logging
 import time
 import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from shared import streams
+
+log = logging.getLogger("kvfleet.jobs")
 
 LEASE_S = 10.0  # placing (claim, route, enqueue, promote) takes milliseconds; a lease this old lost its owner
 
@@ -48,6 +51,24 @@ class Record:
     def loads(cls, raw: str) -> Record:
         return cls(**json.loads(raw))
 
+    @classmethod
+    def parse(cls, request_id: str, raw: str) -> Record | None:
+        """The record as stored, or None when it is not one this version reads (another program's or version's
+        write; logged): then it counts as a dead attempt's, which the next attempt takes over (its claim, in
+        shared.streams.jobs, judges a record readable by the same rules)."""
+        try:
+            data = json.loads(raw)
+            rec = cls(**data) if isinstance(data, dict) else None
+        except (ValueError, TypeError):
+            rec = None
+        if rec is not None and isinstance(rec.since, int | float) and (
+                rec.state == "placing" or rec.state == "enqueued" and isinstance(rec.call, dict)
+                or rec.state == "done" and isinstance(rec.call, dict) and isinstance(rec.result, dict)):
+            return rec
+        log.warning("the job record of request %s cannot be read (%.120r): taken for a dead attempt's", request_id,
+                    raw)
+        return None
+
 
 class Claim(enum.Enum):
     FRESH = 1  # nobody had it: enqueue
@@ -69,12 +90,12 @@ async def claim(r: Any, request_id: str, *, ttl_s: float, lease_s: float = LEASE
     outcome = Claim(outcome)
     if outcome is Claim.HELD:
         return Claimed(outcome, "", Record.loads(old))
-    return Claimed(outcome, lease, Record.loads(old) if old else None)
+    return Claimed(outcome, lease, Record.parse(request_id, old) if old else None)
 
 
 async def get(r: Any, request_id: str) -> Record | None:
     raw = await streams.aget_job(r, request_id)
-    return Record.loads(raw) if raw else None
+    return Record.parse(request_id, raw) if raw is not None else None
 
 
 async def promote(r: Any, request_id: str, lease: str, call: dict[str, Any], *, ttl_s: float) -> bool:

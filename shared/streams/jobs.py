@@ -18,6 +18,7 @@ from shared.streams.requests import parse_request
 JOB_SCAN_PAGE = 500
 
 # KEYS[1] record; ARGV: our placing record, now, lease seconds, ttl ms -> {1 fresh | 2 taken over | 0 held, old}.
+# Taken over: a placing record older than the lease, or one this version cannot read (another program's write).
 # Our own record there already (unique: its owner and time): this same call, sent again by redis-py after its reply
 # was lost; answered as a takeover of nothing known, so that the caller looks for the request in the fleet before it
 # places it (the first run may have taken over a dead attempt's record), where "held" would have it wait out its
@@ -27,7 +28,11 @@ local cur = redis.call('GET', KEYS[1])
 if cur == ARGV[1] then return {2, ''} end
 if cur then
   local ok, rec = pcall(cjson.decode, cur)
-  if not (ok and rec.state == 'placing' and tonumber(ARGV[2]) - tonumber(rec.since) > tonumber(ARGV[3])) then
+  -- readable as services.job_record.Record.parse reads it; else another program's or version's: taken over
+  local readable = ok and type(rec) == 'table' and type(rec.since) == 'number' and (rec.state == 'placing'
+    or (rec.state == 'enqueued' and type(rec.call) == 'table')
+    or (rec.state == 'done' and type(rec.call) == 'table' and type(rec.result) == 'table'))
+  if readable and not (rec.state == 'placing' and tonumber(ARGV[2]) - rec.since > tonumber(ARGV[3])) then
     return {0, cur}
   end
 end

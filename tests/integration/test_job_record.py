@@ -112,3 +112,38 @@ def test_a_done_record_keeps_the_answer_not_a_copy_of_the_request(redis_url):
         assert len(raw) < 1000, f"a done record of {len(raw)} bytes holds more than its answer"
 
     run(redis_url, body)
+
+
+@pytest.mark.parametrize("raw", ["", "not json", "1e9", "[1, 2]", '{"a": 1}', '{"state": "done", "since": 1}',
+                                 '{"state": "enqueued", "since": "yesterday", "call": {}}',
+                                 '{"state": "running", "since": 1, "call": {}}'])
+def test_a_record_another_program_wrote_is_taken_over(redis_url, raw, caplog):
+    """A job record this version cannot read (not JSON, not an object, unknown fields or state, an enqueued or done
+    record without what it must hold) counts as a dead attempt's: `get` finds none, and the next claim takes it over
+    (the caller then looks for the request in the fleet before placing it), where a Celery task failed on it at
+    every retry. The claim in Lua and Record.parse read it by the same rules."""
+    async def body(r):
+        await r.set(keys.job("j"), raw)
+        assert await job_record.get(r, "j") is None
+        claimed = await job_record.claim(r, "j", ttl_s=60)
+        assert claimed.outcome is Claim.TAKEN_OVER and claimed.held is None
+        assert await r.get(keys.job("j")) == claimed.lease
+        assert "the job record of request j cannot be read" in caplog.text
+
+    run(redis_url, body)
+
+
+def test_a_readable_record_of_each_state_is_held(redis_url):
+    """The same rules keep every record this version writes: a live placing lease, an enqueued one, a done one."""
+    async def body(r):
+        placing = await job_record.claim(r, "p", ttl_s=60)
+        enqueued = await job_record.claim(r, "e", ttl_s=60)
+        assert await job_record.promote(r, "e", enqueued.lease, {"kind": "chat"}, ttl_s=60)
+        await job_record.finish(r, "d", 0, {"kind": "chat"}, {"id": "d"}, ttl_s=60, output_ttl_s=1)
+        for rid, state in (("p", "placing"), ("e", "enqueued"), ("d", "done")):
+            assert (await job_record.get(r, rid)).state == state
+            again = await job_record.claim(r, rid, ttl_s=60)
+            assert again.outcome is Claim.HELD and again.held.state == state, rid
+        assert await r.get(keys.job("p")) == placing.lease
+
+    run(redis_url, body)
