@@ -38,11 +38,17 @@ def parse_status(worker_id: str, raw: str) -> WorkerStatus:
         first = errors[0]
         where = ".".join(str(p) for p in first["loc"]) or "the value"
         reason = f"{where}: {first['msg']}" + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else "")
+    raise unreadable(worker_id, reason)
+
+
+def unreadable(worker_id: str, reason: str) -> UnreadableStatus:
+    """The error for a status this version cannot read (its key of another type, too), logged once per worker and
+    reason."""
     if (worker_id, reason) not in _said:
         _said.add((worker_id, reason))
         log.warning("the status of worker %s cannot be read (%s): left out of the fleet, neither routed to nor taken "
                     "for dead. Is it a worker of another kvfleet version?", worker_id, reason)
-    raise UnreadableStatus(reason)
+    return UnreadableStatus(reason)
 
 
 @dataclass

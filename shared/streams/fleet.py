@@ -51,17 +51,21 @@ async def aread_fleet(r: aioredis.Redis, in_use: list[int] | None = None) -> Fle
     for w in members:
         pipe.get(keys.status(w, shards[w]))
         pipe.hvals(keys.reserved(w, shards[w]))
-    replies = await pipe.execute()
+    # a key of another type (another version's or program's write) comes back as its error, not raised: that
+    # worker's status is unreadable, its reservations none
+    replies = await pipe.execute(raise_on_error=False)
     for w, raw, reserved in zip(members, replies[0::2], replies[1::2], strict=True):
         if raw is None:
             view.dead.append(w)
             continue
         try:
+            if isinstance(raw, Exception):
+                raise fleet_state.unreadable(w, "its key is not a string (WRONGTYPE)")
             view.live.append(fleet_state.parse_status(w, raw))
         except fleet_state.UnreadableStatus as e:
             view.unreadable[w] = str(e)
             continue
-        view.reservations[w] = reserved_blocks(reserved)
+        view.reservations[w] = 0 if isinstance(reserved, Exception) else reserved_blocks(reserved)
     return view
 
 

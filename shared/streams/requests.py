@@ -58,12 +58,17 @@ local blocks, min_headroom, queue_bound = tonumber(ARGV[2]), tonumber(ARGV[3]), 
 local guard_ms = tonumber(ARGV[8])
 local done = done_before(KEYS[4], ARGV[10])
 if done then return done end
-local raw = redis.call('GET', KEYS[1])
+-- the status and the reservations read with pcall: a key of another type (another version's or program's write)
+-- is no status (refused where the room is checked) and no reservations (none written there), not a failed script
+local raw = redis.pcall('GET', KEYS[1])
+if type(raw) == 'table' then raw = false end
 local function count(key)  -- a top-level integer of the status JSON, without decoding all of it: a plain find
   local at = raw and string.find(raw, key, 1, true)  -- of '"name":', then a match anchored just after it
   return at and tonumber(string.match(raw, '^%-?%d+', at + #key)) or 0
 end
-local vals = redis.call('HVALS', KEYS[2])
+local vals = redis.pcall('HVALS', KEYS[2])
+local reservable = vals.err == nil
+if not reservable then vals = {} end
 if queue_bound >= 0 and #vals + count('"waiting":') >= queue_bound then return false end
 if min_headroom >= 0 then
   if not raw then return false end
@@ -73,7 +78,7 @@ if min_headroom >= 0 then
   end
   if count('"free_blocks":') - count('"promised_blocks":') - reserved - blocks < min_headroom then return false end
 end
-if blocks > 0 then
+if blocks > 0 and reservable then
   redis.call('HSET', KEYS[2], ARGV[1], blocks)
   if #vals == 0 or ARGV[9] == '1' then redis.call('PEXPIRE', KEYS[2], ARGV[4]) end
 end

@@ -16,7 +16,7 @@ from typing import Any
 import redis
 
 from shared import keys
-from shared.fleet_state import UnreadableStatus, parse_status
+from shared.fleet_state import UnreadableStatus, parse_status, unreadable
 from shared.messages import DeadLetter, GenerationRequest, WorkerStatus
 from shared.streams.client import LuaScript, group_missing, run_script, xread, xreadgroup
 from shared.streams.requests import ENQUEUE_MARK_TTL_S, GUARD_LUA, call_nonce
@@ -173,9 +173,23 @@ def other_workers(r: redis.Redis, worker_id: str, shard: int = 0) -> dict[str, W
     One MGET: the statuses share the shard's slot."""
     members = sorted(r.smembers(keys.workers(shard)) - {worker_id})
     raw = r.mget([keys.status(w, shard) for w in members]) if members else []
+    # MGET answers nil for a key of another type too (another version's or program's write): such a status is
+    # there, unreadable, not gone. TYPE tells them apart, asked only for the few that came back nil ("string": it
+    # was written since the MGET; left out until the next look)
+    missing = [w for w, s in zip(members, raw, strict=True) if s is None]
+    kinds: dict[str, str] = {}
+    if missing:
+        pipe = r.pipeline(transaction=False)
+        for w in missing:
+            pipe.type(keys.status(w, shard))
+        kinds = dict(zip(missing, pipe.execute(), strict=True))
     others: dict[str, WorkerStatus | None] = {}
     for w, s in zip(members, raw, strict=True):
         try:
+            if kinds.get(w, "none") != "none":
+                if kinds[w] != "string":
+                    raise unreadable(w, "its key is not a string (WRONGTYPE)")
+                continue
             others[w] = None if s is None else parse_status(w, s)
         except UnreadableStatus:
             pass

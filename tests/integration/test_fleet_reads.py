@@ -111,3 +111,33 @@ def test_what_a_foreign_writer_leaves_is_left_out_of_the_fleet_reads(redis_url):
         assert view.unreadable == {} and view.dead == ["w-foreign"]
 
     run(redis_url, body)
+
+
+def test_keys_of_another_type_are_left_out_not_raised(redis_url):
+    """Another version (or program) may keep a worker's status or reservations in another Redis type (a hash, a
+    string). The gateway's read of the fleet takes such a status for unreadable (it raised WRONGTYPE, a 500 for every
+    request), and so do the workers (MGET gave nil: they took a live worker of another version for dead and took its
+    requests over); the enqueue script refuses that worker instead of failing. Reservations of another type count
+    none, and the enqueue goes on without writing one there."""
+    async def body(r):
+        for w, free in (("w0", 40), ("w1", 40)):
+            await r.set(keys.status(w), status(w, free).model_dump_json())
+            await r.sadd(keys.workers(), w)
+        await r.delete(keys.status("w1"))
+        await r.hset(keys.status("w1"), mapping={"free_blocks": 40})  # another version's status: a hash
+        await r.set(keys.reserved("w0"), "3")  # another version's reservations: a string
+        view = await streams.aread_fleet(r)
+        assert [w.worker_id for w in view.live] == ["w0"] and view.dead == []
+        assert view.unreadable == {"w1": "its key is not a string (WRONGTYPE)"}
+        assert view.reservations == {"w0": 0}
+        sync = streams.connect(redis_url)
+        try:
+            assert set(streams.other_workers(sync, "w-me")) == {"w0"}  # w1 neither live nor dead
+        finally:
+            sync.close()
+        request = GenerationRequest(request_id="r", prompt_token_ids=[1], kv_blocks=2)
+        assert await streams.aenqueue_routed(r, request, "w1", 0, min_headroom=2) is None
+        assert await streams.aenqueue_routed(r, request, "w0", 0, min_headroom=2) is not None
+        assert await r.get(keys.reserved("w0")) == "3"  # left as it was
+
+    run(redis_url, body)
