@@ -109,11 +109,11 @@ async def _aredis_state(r: aioredis.Redis) -> dict[str, Any] | None:
 
 async def anext_turn(r: aioredis.Redis) -> int:
     """The next round-robin turn, counted in Redis so that gateway replicas share one rotation. A counter that is
-    not a number (a foreign write; INCR refuses it) starts again from 1."""
+    not a number, or a key of another type (a foreign write; INCR refuses either), starts again from 1."""
     try:
         return await r.incr(keys.ROUND_ROBIN)
     except redis.ResponseError as e:
-        if "not an integer" not in str(e):
+        if "not an integer" not in str(e) and not str(e).startswith("WRONGTYPE"):
             raise
         await r.set(keys.ROUND_ROBIN, 1)
         return 1
