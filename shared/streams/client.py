@@ -34,6 +34,13 @@ def _retry_options(for_asyncio: bool) -> dict[str, Any]:
 NO_RESEND = {"retry": Retry(NoBackoff(), 0)}
 
 
+# Text that is not UTF-8 (bytes another program wrote into a key kvfleet reads) is read with U+FFFD in place of
+# what cannot be decoded, not raised: a UnicodeDecodeError failed the whole read (every read of the fleet, a
+# gateway's inbox read stuck on one entry); decoded, the value is then refused as any other it cannot parse.
+# kvfleet writes UTF-8 only (JSON, ids), so for its own data this changes nothing.
+TEXT = {"decode_responses": True, "encoding_errors": "replace"}
+
+
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 
 
@@ -52,9 +59,9 @@ def connect(url: str, *, resend: bool = True, **kwargs: Any) -> redis.Redis:
         kwargs.pop("health_check_interval", None)
         if not resend:
             kwargs |= NO_RESEND
-        return redis.RedisCluster.from_url(node, decode_responses=True, socket_connect_timeout=5, **kwargs)
-    return redis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=5,
-                                **(_retry_options(False) if resend else NO_RESEND) | kwargs)
+        return redis.RedisCluster.from_url(node, socket_connect_timeout=5, **TEXT | kwargs)
+    return redis.Redis.from_url(url, socket_connect_timeout=5,
+                                **TEXT | (_retry_options(False) if resend else NO_RESEND) | kwargs)
 
 
 def connect_async(url: str, *, max_connections: int | None = None, **kwargs: Any) -> aioredis.Redis:
@@ -64,9 +71,9 @@ def connect_async(url: str, *, max_connections: int | None = None, **kwargs: Any
     fails: redis-py's cluster client has no waiting pool)."""
     if (node := cluster_url(url)) is not None:
         kwargs.pop("health_check_interval", None)
-        return aioredis.RedisCluster.from_url(node, decode_responses=True, socket_connect_timeout=5,
-                                              max_connections=max_connections or 100, **kwargs)
-    options = dict(decode_responses=True, socket_connect_timeout=5) | _retry_options(True) | kwargs
+        return aioredis.RedisCluster.from_url(node, socket_connect_timeout=5, max_connections=max_connections or 100,
+                                              **TEXT | kwargs)
+    options = dict(socket_connect_timeout=5) | TEXT | _retry_options(True) | kwargs
     if max_connections is None:
         return aioredis.Redis.from_url(url, **options)
     pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=30, **options)

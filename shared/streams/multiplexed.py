@@ -37,7 +37,7 @@ class _Error(Exception):
 
 class _Connection(asyncio.Protocol):
     def __init__(self) -> None:
-        self.reader = hiredis.Reader(encoding="utf-8", replyError=_Error)
+        self.reader = hiredis.Reader(encoding="utf-8", errors="replace", replyError=_Error)  # as client.TEXT
         self.pending: deque[asyncio.Future] = deque()
         self.transport: asyncio.Transport | None = None
         self.lost: BaseException | None = None

@@ -2,8 +2,8 @@
 per-request keys, against a real Redis: for each key kind and each of several foreign values (empty, not JSON, a
 number out of range, JSON of another shape, bytes that are no UTF-8 text), every read the gateways, the services and
 the workers make of the fleet still answers, and the enqueues still place or refuse. Each raised for some of them
-before (a 500 for every request, a Celery task failing at every retry). The fleet-wide sets and streams of another
-Redis type are not covered (README, "Faults")."""
+before (a 500 for every request, a Celery task failing at every retry, a gateway's inbox reader stuck). The
+fleet-wide sets and streams kept in another Redis type are not covered (README, "Faults")."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from fleet_harness import run_async as run
 from services import job_record
 from shared import keys, streams
 from shared.blocks import block_hashes
-from shared.messages import GenerationRequest, WorkerStatus
+from shared.messages import GenerationRequest, OutputChunk, WorkerStatus
 from shared.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.integration
 
-FOREIGN = ["", "x", "-1", "1e9", "99999999999999999999999", '{"a": 1}', "[1, 2]", "\udcff\udcfe"]
+FOREIGN = ["", "x", "-1", "1e9", "99999999999999999999999", '{"a": 1}', "[1, 2]", b"\xff\xfe\x80"]
 PROMPT = [1] * 40
 HASHES = block_hashes(PROMPT, 16, "tiny")
 
@@ -55,7 +55,6 @@ def test_every_read_of_the_fleet_goes_on_past_a_foreign_value(redis_url, kind):
         sync = streams.connect(redis_url)
         try:
             for value in FOREIGN:
-                value = value.encode("utf-8", "surrogateescape").decode("latin-1")
                 await r.flushdb()
                 status = WorkerStatus(worker_id="w0", model="tiny", max_model_len=256, block_size=16, total_blocks=64,
                                       free_blocks=60)
@@ -84,5 +83,27 @@ def test_every_read_of_the_fleet_goes_on_past_a_foreign_value(redis_url, kind):
                 streams.request_streams(sync, 0)
         finally:
             sync.close()
+
+    run(redis_url, body)
+
+
+def test_an_inbox_entry_that_is_no_utf8_is_skipped_by_both_clients(redis_url):
+    """A gateway reads its inbox through redis-py's client and through its multiplexed connection. An entry of bytes
+    that are no UTF-8 text failed the whole read (UnicodeDecodeError), so the inbox reader stayed on it for good and
+    nothing reached that gateway's clients; now it is read with U+FFFD in place, refused as unreadable and skipped,
+    and the chunks after it arrive."""
+    async def body(r):
+        inbox = keys.inbox("gw")
+        await r.xadd(inbox, {keys.FIELD: b"\xff\xfe\x80"})
+        good = OutputChunk(request_id="a", seq=0, text="ok")
+        await r.xadd(inbox, {keys.FIELD: "[" + good.model_dump_json() + "]"})
+        m = streams.multiplexed(redis_url)
+        try:
+            for client in (r, m):
+                cursor, chunks, moves = await streams.aread_inbox(client, inbox, "0-0", block_ms=100)
+                assert [c.text for c in chunks] == ["ok"] and moves == [], client
+                assert cursor == (await r.xrange(inbox))[-1][0]
+        finally:
+            await m.aclose()
 
     run(redis_url, body)
