@@ -22,7 +22,7 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from shared import streams
@@ -57,8 +57,8 @@ class Record:
         write; logged): then it counts as a dead attempt's, which the next attempt takes over (its claim, in
         shared.streams.jobs, judges a record readable by the same rules)."""
         try:
-            data = json.loads(raw)
-            rec = cls(**data) if isinstance(data, dict) else None
+            data = json.loads(raw)  # fields a later version added are left aside: its records stay readable here
+            rec = cls(**{k: v for k, v in data.items() if k in _FIELDS}) if isinstance(data, dict) else None
         except (ValueError, TypeError):
             rec = None
         if rec is not None and isinstance(rec.since, int | float) and (
@@ -68,6 +68,9 @@ class Record:
         log.warning("the job record of request %s cannot be read (%.120r): taken for a dead attempt's", request_id,
                     raw)
         return None
+
+
+_FIELDS = {f.name for f in fields(Record)}
 
 
 class Claim(enum.Enum):
@@ -88,8 +91,8 @@ async def claim(r: Any, request_id: str, *, ttl_s: float, lease_s: float = LEASE
     lease = Record(state="placing", since=time.time(), owner=uuid.uuid4().hex, request_hash=request_hash).dumps()
     outcome, old = await streams.aclaim_job(r, request_id, lease, now=time.time(), lease_s=lease_s, ttl_s=ttl_s)
     outcome = Claim(outcome)
-    if outcome is Claim.HELD:
-        return Claimed(outcome, "", Record.loads(old))
+    if outcome is Claim.HELD:  # readable: the claim's Lua judged it by Record.parse's rules
+        return Claimed(outcome, "", Record.parse(request_id, old))
     return Claimed(outcome, lease, Record.parse(request_id, old) if old else None)
 
 

@@ -171,10 +171,10 @@ class Injector:
     def foreign_writes(self) -> str:
         """What another kvfleet version or another program may leave in Redis: a worker registered with a status
         this version cannot read (for FOREIGN_STATUS_TTL_S; then it is a dead worker with nothing to take over),
-        a cancel entry without a request id, and a reservation on a live worker that is not a block count. Before,
-        the status failed every request with a 500, the cancel entry stopped the workers' cancel readers for good,
-        and the reservation failed every request with a 500 (the gateway's read of the fleet) until its hash
-        expired."""
+        a cancel entry without a request id, a reservation on a live worker that is not a block count, a member of
+        the shards' set and a round-robin counter that are not numbers (streams.plant_foreign_state). Before, the
+        status, the reservation and the member each failed every request with a 500, the counter every
+        round-robin route, and the cancel entry stopped the workers' cancel readers for good."""
         worker_id = f"w-foreign-{self.log.counts['foreign_writes']}"
         beside = self._worker().name
         try:

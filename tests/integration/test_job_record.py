@@ -147,3 +147,17 @@ def test_a_readable_record_of_each_state_is_held(redis_url):
         assert await r.get(keys.job("p")) == placing.lease
 
     run(redis_url, body)
+
+
+def test_a_later_versions_record_with_a_field_more_is_read_and_held(redis_url):
+    """A record a later kvfleet version wrote, with a field this one does not know, is read (the field left aside)
+    and held: its request is attached to, not taken over and placed again (before, the claim raised TypeError)."""
+    async def body(r):
+        await r.set(keys.job("later"), '{"state": "enqueued", "since": 1, "owner": "o", "call": {"kind": "chat"}, '
+                                       '"result": null, "request_hash": "h", "tenant": "t1"}')
+        rec = await job_record.get(r, "later")
+        assert (rec.state, rec.call, rec.request_hash) == ("enqueued", {"kind": "chat"}, "h")
+        claimed = await job_record.claim(r, "later", ttl_s=60)
+        assert claimed.outcome is Claim.HELD and claimed.held.call == {"kind": "chat"}
+
+    run(redis_url, body)
