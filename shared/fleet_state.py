@@ -41,6 +41,9 @@ def parse_status(worker_id: str, raw: str) -> WorkerStatus:
     raise unreadable(worker_id, reason)
 
 
+NOT_A_STRING = "its key is not a string (WRONGTYPE)"  # the reason for a status kept in another Redis type
+
+
 def unreadable(worker_id: str, reason: str) -> UnreadableStatus:
     """The error for a status this version cannot read (its key of another type, too), logged once per worker and
     reason."""

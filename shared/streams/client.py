@@ -150,6 +150,11 @@ def out_of_memory(e: BaseException) -> bool:
     return isinstance(e, redis.ResponseError) and "command not allowed when used memory" in str(e)
 
 
+def wrong_type(e: BaseException) -> bool:
+    """The command met a key of another Redis type (WRONGTYPE): another program's or version's write."""
+    return isinstance(e, redis.ResponseError) and str(e).startswith("WRONGTYPE")
+
+
 def group_missing(e: Exception) -> bool:
     """The error says a consumer group or its stream is missing (NOGROUP; XINFO's "no such key"): Redis
     restarted without its data, or was flushed. The worker then creates its groups again and re-registers."""

@@ -11,7 +11,7 @@ import redis.asyncio as aioredis
 
 from shared import fleet_state, keys
 from shared.fleet_state import FleetSnapshot, FleetView, StreamInfo
-from shared.streams.client import LuaScript, arun_script
+from shared.streams.client import LuaScript, arun_script, wrong_type
 
 # ---- fleet reads ----------------------------------------------------------------------------------
 # What the gateway routes on, and what GET /v1/fleet, `kvfleet status` / `top` and the gateway's fleet
@@ -60,7 +60,7 @@ async def aread_fleet(r: aioredis.Redis, in_use: list[int] | None = None) -> Fle
             continue
         try:
             if isinstance(raw, Exception):
-                raise fleet_state.unreadable(w, "its key is not a string (WRONGTYPE)")
+                raise fleet_state.unreadable(w, fleet_state.NOT_A_STRING)
             view.live.append(fleet_state.parse_status(w, raw))
         except fleet_state.UnreadableStatus as e:
             view.unreadable[w] = str(e)
@@ -113,7 +113,7 @@ async def anext_turn(r: aioredis.Redis) -> int:
     try:
         return await r.incr(keys.ROUND_ROBIN)
     except redis.ResponseError as e:
-        if "not an integer" not in str(e) and not str(e).startswith("WRONGTYPE"):
+        if "not an integer" not in str(e) and not wrong_type(e):
             raise
         await r.set(keys.ROUND_ROBIN, 1)
         return 1

@@ -16,7 +16,7 @@ from typing import Any
 import redis
 
 from shared import keys
-from shared.fleet_state import UnreadableStatus, parse_status, unreadable
+from shared.fleet_state import NOT_A_STRING, UnreadableStatus, parse_status, unreadable
 from shared.messages import DeadLetter, GenerationRequest, WorkerStatus
 from shared.streams.client import LuaScript, group_missing, run_script, xread, xreadgroup
 from shared.streams.requests import ENQUEUE_MARK_TTL_S, GUARD_LUA, call_nonce
@@ -188,7 +188,7 @@ def other_workers(r: redis.Redis, worker_id: str, shard: int = 0) -> dict[str, W
         try:
             if kinds.get(w, "none") != "none":
                 if kinds[w] != "string":
-                    raise unreadable(w, "its key is not a string (WRONGTYPE)")
+                    raise unreadable(w, NOT_A_STRING)
                 continue
             others[w] = None if s is None else parse_status(w, s)
         except UnreadableStatus:
