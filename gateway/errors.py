@@ -91,7 +91,7 @@ def error_response(exc: Exception) -> JSONResponse:
                                  "JSON encoded as UTF-8", code="invalid_utf8").response()
         return APIError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None)).response()
     if (refused := refusal(exc)) is not None:
-        log.warning("redis refused a write: %s", exc)
+        log.warning("redis refused the request: %s", exc)
         return refused.response()
     if isinstance(exc, streams.RedisError):
         log.warning("redis unavailable: %s", exc)
@@ -102,10 +102,23 @@ def error_response(exc: Exception) -> JSONResponse:
 
 
 def refusal(exc: BaseException) -> APIError | None:
-    """The 503 for a write Redis refused (full, or unable to persist: streams.write_refused), None for any other
-    error. The gateway answers it; the Python client and Celery raise it as FleetUnavailable (services.fleet_calls)."""
+    """The 503 for a write Redis refused (full, or unable to persist: streams.write_refused), or for a key of
+    another type in kvfleet's names (streams.KeyOfAnotherType, which names it); None for any other error. The
+    gateway answers it; the Python client and Celery raise it as FleetUnavailable (services.fleet_calls)."""
+    if streams.wrong_type(exc):
+        return key_of_another_type(exc)
     why = streams.write_refused(exc)
     return redis_full() if why == "full" else redis_cannot_persist() if why else None
+
+
+def key_of_another_type(exc: BaseException) -> APIError:
+    """The 503 for a key of another Redis type in kvfleet's names (another program's write): the key and what to
+    do when a fleet read or the enqueue found it (streams.KeyOfAnotherType), else where to look."""
+    message = str(exc) if isinstance(exc, streams.KeyOfAnotherType) else (
+        "a key in kvfleet's names in Redis holds another type than kvfleet keeps there (another program's write); "
+        "find it with `redis-cli --scan --pattern 'kvfleet:*'` and TYPE, then delete it")
+    return APIError(503, f"the request queue takes no new request now. {message}", code="redis_key_of_another_type",
+                    headers={"Retry-After": "5"})
 
 
 def redis_cannot_persist() -> APIError:
@@ -120,8 +133,21 @@ def redis_full() -> APIError:
                     code="redis_full", headers={"Retry-After": "5"})
 
 
-async def _handled(_request: Request, exc: Exception) -> JSONResponse:
+async def named_response(request: Request, exc: Exception) -> JSONResponse:
+    """error_response, with a WRONGTYPE that names no key looked up first among the fleet's keys (the app's
+    handlers and gateway.fast_lane answer with it)."""
+    if streams.wrong_type(exc) and not isinstance(exc, streams.KeyOfAnotherType):
+        try:
+            await streams.araise_named(request.app.state.kvfleet.redis, exc)
+        except streams.KeyOfAnotherType as named:
+            exc = named
+        except Exception:  # noqa: BLE001 (none found, or Redis away: answered unnamed)
+            pass
     return error_response(exc)
+
+
+async def _handled(request: Request, exc: Exception) -> JSONResponse:
+    return await named_response(request, exc)
 
 
 def install_handlers(app: FastAPI) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
-from gateway.errors import APIError, error_response
+from gateway.errors import APIError, named_response
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class FastLane:
         try:
             response = await lane.endpoint(parsed, request)
         except Exception as e:  # noqa: BLE001 (answered as the app's handlers answer it)
-            response = error_response(e)
+            response = await named_response(request, e)
         await response(scope, receive, send)
 
 

@@ -114,6 +114,7 @@ class _ShardInbox:
         self.key, self.cursor = key, "0-0"
         self.reader = reader  # the client its blocking read waits on
         self.down_since: float | None = None  # monotonic time its reads began failing
+        self.foreign: streams.KeyOfAnotherType | None = None  # its key holds another type (another program's write)
         self.task: asyncio.Task | None = None
 
 
@@ -131,6 +132,7 @@ class Inbox:
         self.shards: dict[int, _ShardInbox] = {}
         self.dropped = 0  # chunks for requests with no mailbox
         self._closing = False
+        self._reported: dict[str, float] = {}  # (streams.report)
 
     async def start(self) -> None:
         """Create shard 0's inbox and start reading it (the others once a request goes there). Redis away: the
@@ -138,8 +140,11 @@ class Inbox:
         await self.read_shard(0)
 
     async def read_shard(self, shard: int) -> None:
-        """Make sure shard's inbox exists and is read (before a request is enqueued there)."""
+        """Make sure shard's inbox exists and is read (before a request is enqueued there). Its key of another type
+        (another program's write: no output could come back) raises KeyOfAnotherType, a 503 that names it."""
         if shard in self.shards:
+            if (foreign := self.shards[shard].foreign) is not None:
+                raise foreign
             return
         inbox = self.shards[shard] = _ShardInbox(keys.inbox(self.gateway_id, shard),
                                                  self.r if self.reader is None else self.reader())
@@ -262,11 +267,16 @@ class Inbox:
                     await self._keep(inbox)
                 inbox.cursor, chunks, moves = await streams.aread_inbox(inbox.reader, inbox.key, inbox.cursor,
                                                                         block_ms=self.block_ms)
-                failures, inbox.down_since = 0, None
+                failures, inbox.down_since, inbox.foreign = 0, None, None
             except streams.RedisError as e:
                 task = asyncio.current_task()
                 if task is not None and task.cancelling():  # redis-py turned a cancel into a ConnectionError
                     raise asyncio.CancelledError from e
+                if streams.wrong_type(e) and (found := await streams.afind(self.r, [inbox.key])):
+                    inbox.foreign, next_keep = found[0], 0.0  # requests get a 503 naming it until it is gone
+                    streams.report(found, f"gateway {self.gateway_id}'s output inbox reader", self._reported)
+                    await asyncio.sleep(1.0)
+                    continue
                 failures, next_keep = failures + 1, 0.0  # once back, check at once that Redis kept the inbox
                 inbox.down_since = inbox.down_since or time.monotonic()
                 wait = min(0.05 * 2 ** (failures - 1), 1.0)

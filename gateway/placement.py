@@ -37,6 +37,7 @@ OPERATIONS = {"chatcmpl": "chat", "cmpl": "text_completion"}  # request id prefi
 MAX_ROUTE_TRIES = 3
 COMEBACK_HEARTBEATS = 2  # how long a fleet with known workers but none live is waited for (live_view)
 COMEBACK_POLL_S = 0.05
+_REPORTED: dict[str, float] = {}  # keys of another type the routing met -> when it last logged one (streams.report)
 
 
 @dataclass
@@ -60,12 +61,16 @@ async def target_for(state: GatewayState, model: str, view: FleetView | None = N
     try:
         view = view if view is not None else await live_view(state)
     except streams.RedisError as e:
-        if not same_model(model, settings.model, ""):
+        if isinstance(e, streams.KeyOfAnotherType) or not same_model(model, settings.model, ""):
+            raise  # a key of another type is no outage: the 503 names it
             raise
         return await _own_model(state, model, FleetView(), outage=e)
     if not view.live and not settings.queue_when_no_workers:
         silent = f"; {len(view.dead)} stopped reporting their status ({', '.join(view.dead[:5])}): they are down, " \
                  "or cannot write to Redis (`kvfleet status` shows Redis's state)" if view.dead else ""
+        if view.unreadable:  # another version's status, or one kept in another Redis type
+            silent += f"; {len(view.unreadable)} report a status this gateway cannot read (" + ", ".join(
+                f"{w}: {why}" for w, why in sorted(view.unreadable.items())[:5]) + ")"
         raise APIError(503, f"no worker is alive to serve requests{silent}; start one with `kvfleet worker`",
                        code="no_workers", headers={"Retry-After": str(settings.retry_after_s)})
     workers = view.serving(lambda w: same_model(model, w.model, w.model_path))
@@ -298,10 +303,15 @@ async def _route_and_enqueue(state: GatewayState, planned: Planned, lease_ttl_s:
         await into(shard)
         push = state.views is None or state.views.expiry_due(worker, shard, settings.reservation_ttl_s)
         with enqueue_span(request, keys.req_stream(worker, shard)):
-            entry_id = await streams.aenqueue_routed(
-                state.per_request or r, request, worker, shard, min_headroom=settings.reserve_blocks if checks_room else None,
-                queue_bound=settings.worker_queue_bound, reservation_ttl_s=settings.reservation_ttl_s,
-                lease_ttl_s=lease_ttl_s, push_expiry=push)
+            try:
+                entry_id = await streams.aenqueue_routed(
+                    state.per_request or r, request, worker, shard,
+                    min_headroom=settings.reserve_blocks if checks_room else None,
+                    queue_bound=settings.worker_queue_bound, reservation_ttl_s=settings.reservation_ttl_s,
+                    lease_ttl_s=lease_ttl_s, push_expiry=push)
+            except streams.KeyOfAnotherType as e:  # its stream (say) holds another type: the others take it
+                streams.report([e], "the gateway's routing", _REPORTED)
+                entry_id = None
         if entry_id is not None:
             if state.views is not None:
                 state.views.reserved(worker, routing_blocks, shard=shard, expiry_pushed=push)

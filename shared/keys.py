@@ -55,6 +55,22 @@ FIELD = "m"
 MOVED_FIELD = "moved"
 
 
+# What kvfleet keeps at each kind of name (the answer of Redis's TYPE): a key of another type there is another
+# program's (or kvfleet version's) write, which shared.streams.key_types finds and names; kvfleet never deletes it.
+TYPES = {"req": "stream", "out": "stream", "inbox": "stream", "cancel": "stream", "dead": "stream",
+         "status": "string", "lease": "string", "enq": "string", "rr": "string", "cancelled": "string",
+         "job": "string", "prefix": "string", "workers": "set", "shards": "set", "reserved": "hash"}
+
+
+def redis_type(key: str) -> str | None:
+    """The Redis type kvfleet keeps at `key` (TYPES), None for a name that is not kvfleet's."""
+    parts = key.split(":")
+    if len(parts) < 2 or parts[0] != PREFIX:
+        return None
+    kind = parts[2] if parts[1].startswith("{s") and len(parts) > 2 else parts[1]
+    return TYPES.get(kind)
+
+
 def shard_of(worker_id: str, shards: int) -> int:
     """The shard a worker lives in: its id's trailing number modulo `shards` when it ends in digits (w0, w1,
     ... and StatefulSet pods worker-0, worker-1, ... spread evenly), else a CRC32 of the id."""

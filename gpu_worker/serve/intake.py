@@ -119,6 +119,8 @@ class Intake:
         self._lease_gone: dict[str, float] = {}  # request id -> when its lease was first seen gone
         self.shard = settings.worker_shard  # every stream and key it reads or writes is in its shard
         self.own, self.shared = keys.req_stream(worker_id, self.shard), keys.req_any(self.shard)
+        # keys of another type (another program's writes) it met: its reads go around them until they are gone
+        self.avoided = streams.Avoided(r, f"worker {worker_id}'s reader")
         self._stop = threading.Event()
         self._dead: list[str] = []
         self._shard_streams: list[str] = []  # the request streams, as the last scan that found a dead one read them
@@ -156,6 +158,9 @@ class Intake:
                 self.redis_failing.discard("start")
                 break
             except streams.RedisError as e:
+                if self.avoided.met(e, self._names()):  # logged there; the next try goes around it
+                    time.sleep(0.1)
+                    continue
                 failures += 1
                 self.redis_failing.add("start")
                 log.warning("redis unavailable at start (%s); waiting for it", e)
@@ -167,11 +172,36 @@ class Intake:
         return self
 
     def _join(self) -> None:
-        streams.ensure_group(self.r, self.own)
-        streams.ensure_group(self.r, self.shared)
-        streams.register_shard(self.r, self.shard)
-        self._cancel_from = streams.cancel_cursor(self.r)
+        self._ensure_groups()
+        self._cancel_from = "0-0" if keys.CANCEL in self.avoided else streams.cancel_cursor(self.r)
         self._claim_own()  # what a previous run under this id left pending
+
+    def _ensure_groups(self) -> None:
+        """Its own stream's and its shard's shared stream's consumer groups (and the streams), and its shard in
+        the fleet's shards: those of them that are no key of another type."""
+        for stream in (self.own, self.shared):
+            if stream not in self.avoided:
+                streams.ensure_group(self.r, stream)
+        if keys.SHARDS not in self.avoided:
+            streams.register_shard(self.r, self.shard)
+
+    def _names(self) -> list[str]:
+        """The keys its reads touch, where a WRONGTYPE may come from (streams.Avoided.met)."""
+        names = [self.own, self.shared, keys.workers(self.shard), keys.SHARDS, keys.CANCEL, keys.DEAD,
+                 keys.status(self.worker_id, self.shard), *self._shard_streams,
+                 *(keys.req_stream(d, self.shard) for d in self._dead)]
+        try:
+            names += self._request_streams()
+        except streams.RedisError:
+            pass
+        return names
+
+    def _request_streams(self) -> list[str]:
+        """streams.request_streams, but for those of another type (and without the workers' streams while the
+        shard's workers set is one)."""
+        found = ([self.shared] if keys.workers(self.shard) in self.avoided
+                 else streams.request_streams(self.r, self.shard))
+        return [s for s in found if s not in self.avoided]
 
     def stop(self) -> None:
         self._stop.set()
@@ -205,6 +235,10 @@ class Intake:
                 failures = 0
                 self.redis_failing.discard(what)
             except streams.RedisError as e:
+                if self.avoided.met(e, self._names()):  # logged there; the next turn goes around it
+                    failures = 1
+                    self._stop.wait(0.1)
+                    continue
                 failures += 1
                 self.redis_failing.add(what)
                 regroup = regroup or streams.group_missing(e)
@@ -221,9 +255,7 @@ class Intake:
         forget the dead workers it knew, and have the worker re-register (status, its shard's workers set) at once."""
         log.warning("a consumer group is gone (Redis restarted without its data, or a dead worker's stream was "
                     "pruned as this worker read it): creating its own again")
-        streams.ensure_group(self.r, self.own)
-        streams.ensure_group(self.r, self.shared)
-        streams.register_shard(self.r, self.shard)
+        self._ensure_groups()
         self._dead, self._next_scan = [], 0.0
         if self.on_regroup is not None:
             self.on_regroup()
@@ -259,7 +291,7 @@ class Intake:
         `_latest` may have forgotten if thousands came after it, is left alone); nobody ran those, so a gateway's
         request among them runs here instead of going back to its gateway."""
         lost_replies = delivered_within_ms is not None
-        for stream in dict.fromkeys([self.own, self.shared, *streams.request_streams(self.r, self.shard)]):
+        for stream in dict.fromkeys(s for s in [self.own, *self._request_streams()] if s not in self.avoided):
             taken = {entry_id for s, entry_id in self._latest if s == stream}
             claimed = streams.claim_pending(self.r, stream, self.worker_id, self.worker_id, min_idle_ms=0, skip=taken,
                                             max_idle_ms=delivered_within_ms)
@@ -277,6 +309,8 @@ class Intake:
         return room.spare and room.accounted >= self.handed
 
     def _read_once(self) -> None:
+        if self.avoided.recheck():  # a key of another type is gone: its group, its shard's member, made again
+            self._ensure_groups()
         room = self.room()
         if room.draining:
             time.sleep(0.1)
@@ -297,12 +331,14 @@ class Intake:
         if spare and not self._was_spare:  # room again: look at once
             self._next_shared_look, self._empty_looks = 0.0, 0
         self._was_spare = spare
-        if spare and time.monotonic() >= self._next_shared_look and self._take_shared_head(room):
+        if (spare and time.monotonic() >= self._next_shared_look and self.shared not in self.avoided
+                and self._take_shared_head(room)):
             return
         want: dict[str, str] = {}
         if room.own_backlog:  # its own stream, and the new entries on dead workers' streams like its own
             want[self.own] = ">"
             want.update({keys.req_stream(d, self.shard): ">" for d in self._dead})
+            want = {stream: at for stream, at in want.items() if stream not in self.avoided}
         if not want:
             time.sleep(0.02)
             return
@@ -358,13 +394,15 @@ class Intake:
     def _scan_dead(self) -> None:
         """Find the shard's workers whose status expired; forget those that left nothing behind. None while this
         worker has been back on Redis for less than a status TTL (see the module's docstring, 2.)."""
-        if time.monotonic() - self._on_redis_since < self.settings.status_ttl_s:
+        if (time.monotonic() - self._on_redis_since < self.settings.status_ttl_s
+                or keys.workers(self.shard) in self.avoided):
             self._dead = []
             return
-        self._dead = [w for w, s in streams.other_workers(self.r, self.worker_id, self.shard).items() if s is None]
+        self._dead = [w for w, s in streams.other_workers(self.r, self.worker_id, self.shard).items()
+                      if s is None and keys.req_stream(w, self.shard) not in self.avoided]
         if not self._dead:
             return
-        self._shard_streams = streams.request_streams(self.r, self.shard)  # for the prunes and _claim_dead
+        self._shard_streams = self._request_streams()  # for the prunes and _claim_dead
         for dead in list(self._dead):
             if streams.prune_dead_worker(self.r, dead, self.shard, self._shard_streams):
                 log.info("forgot dead worker %s", dead)
@@ -527,6 +565,11 @@ class Intake:
             self._check_leases(self.leased())
 
     def _read_cancels_once(self) -> None:
+        if keys.CANCEL in self.avoided:  # another type: no cancels to read (the lease check still runs)
+            self._stop.wait(1.0)
+            if self.avoided.recheck():
+                self._ensure_groups()
+            return
         self._cancel_from, request_ids = streams.read_cancels(self.r, self._cancel_from)
         for request_id in request_ids:
             self.inbox.put(Cancel(request_id))

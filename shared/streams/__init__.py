@@ -12,6 +12,7 @@ redis (tests/unit/test_layering.py keeps it so). Callers use the names below (`s
   jobs      job records: a request id placed by services enters the fleet at most once
   worker    a worker's intake (group reads, takeover, forwards, dead letters, cancels) and its leaving
   flush     a worker's outbox: one fenced script a flush (chunks, hand-backs, acks, status)
+  key_types keys of another Redis type in kvfleet's names (another program's write): found, named, worked around
   admin     the server itself: drop client connections, memory used (for `kvfleet chaos`)
 
 Key names come from shared.keys; messages are shared.messages' pydantic models, as JSON in one field.
@@ -43,6 +44,7 @@ from shared.streams.client import (  # noqa: F401
     out_of_memory,
     run_script,
     write_refused,
+    wrong_type,
 )
 from shared.streams.fleet import (  # noqa: F401
     PREFIX_OWNERS,
@@ -63,6 +65,15 @@ from shared.streams.jobs import (  # noqa: F401
     aget_job,
     areplace_job,
     arequest_in_fleet,
+)
+from shared.streams.key_types import (  # noqa: F401
+    Avoided,
+    KeyOfAnotherType,
+    afind,
+    afind_in_fleet,
+    araise_named,
+    find,
+    report,
 )
 from shared.streams.leases import ahold_leases, leases_alive  # noqa: F401
 from shared.streams.multiplexed import Multiplexed, multiplexed  # noqa: F401

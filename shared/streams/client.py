@@ -150,9 +150,21 @@ def out_of_memory(e: BaseException) -> bool:
     return isinstance(e, redis.ResponseError) and "command not allowed when used memory" in str(e)
 
 
+class KeyOfAnotherType(redis.ResponseError):
+    """WRONGTYPE, named: `key` holds a `found` where kvfleet keeps an `expected` (shared.keys.TYPES)."""
+
+    def __init__(self, key: str, found: str, expected: str):
+        self.key, self.found, self.expected = key, found, expected
+        super().__init__(
+            f"Redis key {key!r} holds a {found} where kvfleet keeps a {expected}: another program (or kvfleet "
+            f"version) wrote it there. kvfleet deletes no key it did not write: see what it holds (redis-cli TYPE "
+            f"'{key}'), then delete it (redis-cli DEL '{key}'); the fleet goes on by itself once it is gone")
+
+
 def wrong_type(e: BaseException) -> bool:
-    """The command met a key of another Redis type (WRONGTYPE): another program's or version's write."""
-    return isinstance(e, redis.ResponseError) and str(e).startswith("WRONGTYPE")
+    """The command met a key of another Redis type (WRONGTYPE, named or not; alone, or inside a script's or a
+    pipeline's error): another program's or version's write."""
+    return isinstance(e, KeyOfAnotherType) or isinstance(e, redis.ResponseError) and "WRONGTYPE Operation" in str(e)
 
 
 def group_missing(e: Exception) -> bool:

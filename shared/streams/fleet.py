@@ -12,6 +12,7 @@ import redis.asyncio as aioredis
 from shared import fleet_state, keys
 from shared.fleet_state import FleetSnapshot, FleetView, StreamInfo
 from shared.streams.client import LuaScript, arun_script, wrong_type
+from shared.streams.key_types import araise_named
 
 # ---- fleet reads ----------------------------------------------------------------------------------
 # What the gateway routes on, and what GET /v1/fleet, `kvfleet status` / `top` and the gateway's fleet
@@ -25,8 +26,12 @@ async def aping(r: aioredis.Redis) -> None:
 
 async def aread_shards(r: aioredis.Redis) -> list[int]:
     """The shards workers ever lived in (shard 0 always). A member that is not a shard number (a foreign write) is
-    left out, where it failed every read of the fleet."""
-    return sorted({0} | {int(k) for k in await r.smembers(keys.SHARDS) if k.isascii() and k.isdigit()})
+    left out, where it failed every read of the fleet; a kvfleet:shards of another type raises KeyOfAnotherType."""
+    try:
+        members = await r.smembers(keys.SHARDS)
+    except redis.ResponseError as e:
+        await araise_named(r, e, [keys.SHARDS])
+    return sorted({0} | {int(k) for k in members if k.isascii() and k.isdigit()})
 
 
 async def aread_members(r: aioredis.Redis, in_use: list[int]) -> dict[str, int]:
@@ -42,7 +47,10 @@ async def aread_fleet(r: aioredis.Redis, in_use: list[int] | None = None) -> Fle
     live ones (status present) with the blocks reserved on them, the dead ones. Two round trips (three with
     the shards): the shards' workers, then their statuses and reservations."""
     in_use = in_use if in_use is not None else await aread_shards(r)
-    shards = await aread_members(r, in_use)
+    try:
+        shards = await aread_members(r, in_use)
+    except redis.ResponseError as e:  # a WRONGTYPE names a shard's workers set of another type
+        await araise_named(r, e, [keys.workers(k) for k in in_use])
     view = FleetView(shards=shards, in_use=in_use)
     if not shards:
         return view
@@ -82,16 +90,21 @@ async def _astream_info(r: aioredis.Redis, stream: str) -> StreamInfo:
     pipe.xinfo_groups(stream)
     try:
         length, groups = await pipe.execute()
-    except redis.ResponseError:  # no such stream
+    except redis.ResponseError as e:  # no such stream; a key of another type is named (afleet_snapshot)
+        if wrong_type(e):
+            raise
         return {"length": 0, "pending": 0}
     return {"length": length, "pending": sum(g.get("pending", 0) for g in groups)}
 
 
 async def afleet_snapshot(r: aioredis.Redis) -> FleetSnapshot:
     """The fleet at a glance: workers, request streams with their pending counts, dead letters, Redis's memory."""
-    view = await aread_fleet(r)
-    infos = {name: await _astream_info(r, name) for name in fleet_state.snapshot_streams(view)}
-    return fleet_state.snapshot(view, infos, await r.xlen(keys.DEAD), time.time(), await _aredis_state(r))
+    try:
+        view = await aread_fleet(r)
+        infos = {name: await _astream_info(r, name) for name in fleet_state.snapshot_streams(view)}
+        return fleet_state.snapshot(view, infos, await r.xlen(keys.DEAD), time.time(), await _aredis_state(r))
+    except redis.ResponseError as e:  # a WRONGTYPE names the key (`kvfleet status` shows it)
+        await araise_named(r, e)
 
 
 async def _aredis_state(r: aioredis.Redis) -> dict[str, Any] | None:

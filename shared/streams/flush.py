@@ -21,9 +21,29 @@ import redis
 from shared import keys
 from shared.messages import GenerationRequest, OutputChunk, WorkerStatus
 from shared.streams.client import LuaScript, run_script
+from shared.streams.key_types import KeyOfAnotherType, report
 from shared.streams.worker import Ack
 
 # The worker's writer thread (gpu_worker.serve.outbox): everything it writes goes in one script per flush.
+
+# A key of another type where a flush writes (a gateway's inbox, an output stream, the workers set: another program's
+# write) is left out of the flush and named in its reply, {key, its type, ...}: the worker's other outputs go on,
+# where the WRONGTYPE failed every flush, and so all its output, for good. `try` is redis.call but for that; any other
+# error (Redis full, unable to persist) is `fatal`, and the script returns it at once, as redis.call would have
+# failed it there (what ran before stays, as then).
+SKIP_LUA = """
+local skipped, fatal = {}, nil
+local function try(command, key, ...)
+  local reply = redis.pcall(command, key, ...)
+  if type(reply) == 'table' and reply['err'] then
+    if string.sub(reply['err'], 1, 9) ~= 'WRONGTYPE' then fatal = reply return nil end
+    skipped[#skipped + 1] = key
+    skipped[#skipped + 1] = redis.call('TYPE', key)['ok']
+    return nil
+  end
+  return reply
+end
+"""
 
 # One flush of the outbox, atomically. ARGV[1] is the plan (JSON; every key it names is an index into KEYS,
 # every message body an index into ARGV, so no chunk is JSON inside JSON), ARGV[2] the worker id, ARGV[3] its
@@ -44,17 +64,19 @@ from shared.streams.worker import Ack
 #   acks     [owner]: XACK + XDEL of the owner's entry
 #   status   [status, ttl ms, workers set, reservations hash, taken request ids...] or absent; SADD to the
 #            workers set only when the fence failed (a first flush, or after the status was lost)
-# Writes under an owner that fails its check are skipped; the reply lists those owners (1-based).
-_FLUSH = LuaScript("""
+# Writes under an owner that fails its check are skipped; the reply lists those owners (1-based), and the keys of
+# another type it left out (SKIP_LUA).
+_FLUSH = LuaScript(SKIP_LUA + """
 local plan = cjson.decode(ARGV[1])
 local group, field = plan['group'], plan['field']
 local s = plan['status']
 local before
-if s then
-  before = redis.call('SET', KEYS[plan['fence']], ARGV[s[1]], 'PX', s[2], 'GET')
+if s then  -- a status of another type is not written over (nor trusted)
+  before = try('SET', KEYS[plan['fence']], ARGV[s[1]], 'PX', s[2], 'GET')
 else
-  before = redis.call('GET', KEYS[plan['fence']])
+  before = try('GET', KEYS[plan['fence']])
 end
+if fatal then return fatal end
 local trusted = ARGV[3] ~= '' and type(before) == 'string' and string.find(before, ARGV[3], 1, true) ~= nil
 local owned, refused = {}, {}
 for i, o in ipairs(plan['owners']) do
@@ -67,13 +89,13 @@ for i, o in ipairs(plan['owners']) do
   if not ok then refused[#refused + 1] = i end
 end
 local function ack(o)
-  redis.call('XACK', KEYS[o[1]], group, o[2])
-  redis.call('XDEL', KEYS[o[1]], o[2])
+  if try('XACK', KEYS[o[1]], group, o[2]) then redis.call('XDEL', KEYS[o[1]], o[2]) end
 end
 for _, c in ipairs(plan['chunks']) do
   if c[1] == 0 or owned[c[1]] then
-    redis.call('XADD', KEYS[c[2]], '*', field, ARGV[c[3]])
-    if c[4] == 1 then redis.call('PEXPIRE', KEYS[c[2]], plan['ttl']) end
+    local added = try('XADD', KEYS[c[2]], '*', field, ARGV[c[3]])
+    if fatal then return fatal end
+    if added and c[4] == 1 then redis.call('PEXPIRE', KEYS[c[2]], plan['ttl']) end
   end
 end
 for _, box in ipairs(plan['inboxes']) do
@@ -82,29 +104,40 @@ for _, box in ipairs(plan['inboxes']) do
     if c[1] == 0 or owned[c[1]] then parts[#parts + 1] = ARGV[c[2]] end
   end
   if #parts > 0 then
-    redis.call('XADD', KEYS[box[1]], 'NOMKSTREAM', '*', field, '[' .. table.concat(parts, ',') .. ']')
+    try('XADD', KEYS[box[1]], 'NOMKSTREAM', '*', field, '[' .. table.concat(parts, ',') .. ']')
+    if fatal then return fatal end
   end
+end
+local handing = #plan['requeued'] == 0
+if not handing then  -- the shared stream of another type takes no hand-back: refused, the worker takes it again
+  local kind = redis.call('TYPE', KEYS[plan['any']])['ok']
+  handing = kind == 'stream' or kind == 'none'
+  if not handing then skipped[#skipped + 1] = KEYS[plan['any']] skipped[#skipped + 1] = kind end
 end
 for _, q in ipairs(plan['requeued']) do
   local o = plan['owners'][q[1]]
+  if not handing then refused[#refused + 1] = q[1] end
   -- the ack first: 0 when the entry was no longer pending (this flush ran already, its reply lost, and it was
   -- sent again): the hand-back is not made twice
-  if owned[q[1]] and redis.call('XACK', KEYS[o[1]], group, o[2]) == 1 then
+  if handing and owned[q[1]] and redis.call('XACK', KEYS[o[1]], group, o[2]) == 1 then
     redis.call('XDEL', KEYS[o[1]], o[2])
     local id = redis.call('XADD', KEYS[plan['any']], '*', field, ARGV[q[2]])
     if q[3] then  -- a gateway's request: where it is now, for its relay's silence check
-      redis.call('XADD', KEYS[q[3]], 'NOMKSTREAM', '*', plan['moved'], cjson.encode({q[4], KEYS[plan['any']], id}))
+      try('XADD', KEYS[q[3]], 'NOMKSTREAM', '*', plan['moved'], cjson.encode({q[4], KEYS[plan['any']], id}))
+      if fatal then return fatal end
     end
   end
 end
 for _, a in ipairs(plan['acks']) do
   if owned[a[1]] then ack(plan['owners'][a[1]]) end
+  if fatal then return fatal end
 end
 if s then
-  if not trusted then redis.call('SADD', KEYS[s[3]], ARGV[2]) end
-  if #s > 4 then redis.call('HDEL', KEYS[s[4]], unpack(s, 5)) end
+  if not trusted then try('SADD', KEYS[s[3]], ARGV[2]) end
+  if #s > 4 then try('HDEL', KEYS[s[4]], unpack(s, 5)) end
 end
-return refused
+if fatal then return fatal end
+return {refused, skipped}
 """)
 
 
@@ -122,18 +155,20 @@ def _expires(c: OutputChunk) -> int:
 # checks. No hand-backs here (they need _FLUSH's plan). With a status, the fence is read by the status's own
 # SET ... GET (one command, not two); when it finds the fence down it puts back what was there, so _FLUSH
 # judges the same status.
-#   KEYS   status, reservations, the inboxes (ARGV[4] of them), the output streams (ARGV[5]), the acks' streams
-#          (ARGV[6])
+#   KEYS   status, reservations, the shard's workers set (SADD with each status: ~1 us), the inboxes (ARGV[4] of
+#          them), the output streams (ARGV[5]), the acks' streams (ARGV[6])
 #   ARGV   run id, status JSON ('' none), its ttl ms, the three counts, output ttl ms, group, field, the number of
 #          taken request ids; then those ids, each inbox's joined chunks, (chunk, expire 0/1) per output
-#          stream, per acks' stream the number of its entries and their ids
-_FLUSH_FENCED = LuaScript("""
+#          stream, per acks' stream the number of its entries and their ids; last, the worker id
+_FLUSH_FENCED = LuaScript(SKIP_LUA + """
 local before
 if ARGV[2] ~= '' then
-  before = redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3], 'GET')
+  before = try('SET', KEYS[1], ARGV[2], 'PX', ARGV[3], 'GET')
 else
-  before = redis.call('GET', KEYS[1])
+  before = try('GET', KEYS[1])
 end
+if fatal then return fatal end
+if #skipped > 0 then return -1 end  -- a status of another type: _FLUSH leaves it as it is
 if not (ARGV[1] ~= '' and type(before) == 'string' and string.find(before, ARGV[1], 1, true)) then
   if ARGV[2] ~= '' then
     if type(before) == 'string' then redis.call('SET', KEYS[1], before, 'PX', ARGV[3]) else redis.call('DEL', KEYS[1]) end
@@ -142,34 +177,41 @@ if not (ARGV[1] ~= '' and type(before) == 'string' and string.find(before, ARGV[
 end
 local nb, nc, na, nt = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[10])
 local group, field = ARGV[8], ARGV[9]
-local k, a = 3, 11 + nt
+local k, a = 4, 11 + nt
 for _ = 1, nb do
-  redis.call('XADD', KEYS[k], 'NOMKSTREAM', '*', field, ARGV[a])
+  try('XADD', KEYS[k], 'NOMKSTREAM', '*', field, ARGV[a])
+  if fatal then return fatal end
   k, a = k + 1, a + 1
 end
 for _ = 1, nc do
-  redis.call('XADD', KEYS[k], '*', field, ARGV[a])
-  if ARGV[a + 1] == '1' then redis.call('PEXPIRE', KEYS[k], ARGV[7]) end
+  local added = try('XADD', KEYS[k], '*', field, ARGV[a])
+  if fatal then return fatal end
+  if added and ARGV[a + 1] == '1' then redis.call('PEXPIRE', KEYS[k], ARGV[7]) end
   k, a = k + 1, a + 2
 end
 for _ = 1, na do
   local last = a + tonumber(ARGV[a])
   for first = a + 1, last, 256 do  -- unpack's stack limit
     local upto = math.min(first + 255, last)
-    redis.call('XACK', KEYS[k], group, unpack(ARGV, first, upto))
-    redis.call('XDEL', KEYS[k], unpack(ARGV, first, upto))
+    if try('XACK', KEYS[k], group, unpack(ARGV, first, upto)) then redis.call('XDEL', KEYS[k], unpack(ARGV, first, upto)) end
+    if fatal then return fatal end
   end
   k, a = k + 1, last + 1
 end
-if ARGV[2] ~= '' and nt > 0 then redis.call('HDEL', KEYS[2], unpack(ARGV, 11, 10 + nt)) end
-return 0
+if ARGV[2] ~= '' then
+  if nt > 0 then try('HDEL', KEYS[2], unpack(ARGV, 11, 10 + nt)) end
+  -- a workers set deleted alone (one of another type, say) has it back
+end
+if fatal then return fatal end
+return skipped
 """)
 
 
 def _publish_fenced(r: redis.Redis, worker_id: str, shard: int, run_id: str, output_ttl_s: float,
                     bodies: list[tuple[OutputChunk, str]], reply_to: Mapping[str, str], acks: Sequence[Ack],
-                    status: WorkerStatus | None, status_ttl_s: float, taken: Sequence[str]) -> bool:
-    """_FLUSH_FENCED: False when the fence is down (nothing was written)."""
+                    status: WorkerStatus | None, status_ttl_s: float, taken: Sequence[str]) -> list[str] | None:
+    """_FLUSH_FENCED: None when the fence is down (nothing was written), else the keys of another type it left out
+    (SKIP_LUA's reply)."""
     boxes: dict[str, list[str]] = {}
     out: list[tuple[str, str, int]] = []
     for c, text in bodies:
@@ -180,7 +222,8 @@ def _publish_fenced(r: redis.Redis, worker_id: str, shard: int, run_id: str, out
     acked: dict[str, list[str]] = {}
     for a in acks:
         acked.setdefault(a.stream, []).append(a.entry_id)
-    names = [keys.status(worker_id, shard), keys.reserved(worker_id, shard), *boxes, *(o[0] for o in out), *acked]
+    names = [keys.status(worker_id, shard), keys.reserved(worker_id, shard), keys.workers(shard), *boxes,
+             *(o[0] for o in out), *acked]
     args: list[Any] = [run_id, status.model_dump_json() if status is not None else "", int(status_ttl_s * 1000),
                        len(boxes), len(out), len(acked), int(output_ttl_s * 1000), keys.GROUP, keys.FIELD,
                        len(taken) if status is not None else 0, *(taken if status is not None else ())]
@@ -189,7 +232,9 @@ def _publish_fenced(r: redis.Redis, worker_id: str, shard: int, run_id: str, out
         args += [text, expire]
     for ids in acked.values():
         args += [len(ids), *ids]
-    return run_script(r, _FLUSH_FENCED, names, args) != -1
+    args.append(worker_id)
+    reply = run_script(r, _FLUSH_FENCED, names, args)
+    return None if reply == -1 else reply
 
 
 class _Plan:
@@ -239,13 +284,18 @@ def publish(r: redis.Redis, worker_id: str, *, output_ttl_s: float, chunks: Sequ
     `owners[chunk.request_id]` (unchecked when absent), a hand-back and an ack under their own Ack: checked
     only when the status in Redis is not this run's (`run_id`), and then every delivery in `held` (all the
     worker holds, given with `status`: the status written here re-arms the fence) is checked too, so one it
-    lost without a write in this flush is found as well. Returns the owners this
+    lost without a write in this flush is found as well. A key of another type it writes to (a gateway's inbox, an
+    output stream: another program's write) is left out and logged, and a hand-back it cannot make (the shared
+    stream of another type) is refused, so the worker takes that request again. Returns the owners this
     worker no longer holds: nothing was written under them."""
     owners, reply_to = owners or {}, reply_to or {}
     texts = [(c, c.model_dump_json(exclude_defaults=True)) for c in chunks]
-    if run_id and not requeued and _publish_fenced(r, worker_id, shard, run_id, output_ttl_s, texts, reply_to, acks,
-                                                   status, status_ttl_s, taken):
-        return []
+    if run_id and not requeued:
+        skipped = _publish_fenced(r, worker_id, shard, run_id, output_ttl_s, texts, reply_to, acks, status,
+                                  status_ttl_s, taken)
+        if skipped is not None:
+            _report_skipped(worker_id, skipped)
+            return []
     plan, bodies = _Plan(), [worker_id, run_id]
 
     def body(text: str) -> int:  # its ARGV index
@@ -275,8 +325,18 @@ def publish(r: redis.Redis, worker_id: str, *, output_ttl_s: float, chunks: Sequ
         rows["status"] = [body(status.model_dump_json()), int(status_ttl_s * 1000), plan.key(keys.workers(shard)),
                           plan.key(keys.reserved(worker_id, shard)), *taken]
     rows["owners"] = plan.owner_rows()
-    refused = run_script(r, _FLUSH, plan.keys, [json.dumps(rows), *bodies])
-    return [plan.owners[i - 1] for i in refused or []]
+    refused, skipped = run_script(r, _FLUSH, plan.keys, [json.dumps(rows), *bodies])
+    _report_skipped(worker_id, skipped)
+    return [plan.owners[i - 1] for i in dict.fromkeys(refused or [])]
+
+
+_REPORTED: dict[str, float] = {}  # keys of another type a flush left out -> when this process last logged one
+
+
+def _report_skipped(worker_id: str, skipped: list[str]) -> None:
+    """Log the keys of another type a flush left out ([key, its type, ...]), each once a minute at most."""
+    report([KeyOfAnotherType(key, kind, keys.redis_type(key) or "stream")
+            for key, kind in zip(skipped[0::2], skipped[1::2], strict=True)], f"worker {worker_id}'s flush", _REPORTED)
 
 
 def keep_status(r: redis.Redis, worker_id: str, ttl_s: float, shard: int = 0) -> bool:

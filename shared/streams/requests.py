@@ -13,6 +13,7 @@ import redis.asyncio as aioredis
 from shared import keys
 from shared.messages import GenerationRequest
 from shared.streams.client import LuaScript, arun_script
+from shared.streams.key_types import araise_named
 
 CANCEL_STREAM_MAXLEN = 10_000
 # how long an enqueue without a lease stays marked (keys.enqueued): far past redis-py's resend of a command (3
@@ -82,7 +83,11 @@ if blocks > 0 and reservable then
   redis.call('HSET', KEYS[2], ARGV[1], blocks)
   if #vals == 0 or ARGV[9] == '1' then redis.call('PEXPIRE', KEYS[2], ARGV[4]) end
 end
-local entry = redis.call('XADD', KEYS[3], '*', ARGV[6], ARGV[5])
+local entry = redis.pcall('XADD', KEYS[3], '*', ARGV[6], ARGV[5])
+if type(entry) == 'table' then  -- its stream is a key of another type: the error is the answer, nothing reserved
+  if blocks > 0 and reservable then redis.call('HDEL', KEYS[2], ARGV[1]) end
+  return entry
+end
 redis.call('SET', KEYS[4], ARGV[10] .. ' ' .. entry, 'PX', guard_ms)
 return entry
 """)
@@ -139,23 +144,32 @@ async def aenqueue_routed(r: aioredis.Redis, request: GenerationRequest, worker_
     `queue_bound` set, only while fewer requests than that wait for the worker (reserved there, or taken and
     not started); with `lease_ttl_s`, the request's lease is set with it. The reservations' expiry is pushed
     out to `reservation_ttl_s` when the hash is new, or with `push_expiry`. None: it cannot take it now (route
-    elsewhere)."""
-    return await arun_script(
-        r, _ENQUEUE_ROUTED,
-        [keys.status(worker_id, shard), keys.reserved(worker_id, shard), keys.req_stream(worker_id, shard),
-         _guard_key(request, shard, lease_ttl_s)],
-        [request.request_id, request.kv_blocks, -1 if min_headroom is None else min_headroom,
-         int(reservation_ttl_s * 1000), request.model_dump_json(), keys.FIELD,
-         -1 if queue_bound is None else queue_bound, _guard_ms(lease_ttl_s), int(push_expiry), call_nonce()])
+    elsewhere). A key of another type among its keys (the worker's stream, say) raises KeyOfAnotherType naming it,
+    and nothing is reserved."""
+    names = [keys.status(worker_id, shard), keys.reserved(worker_id, shard), keys.req_stream(worker_id, shard),
+             _guard_key(request, shard, lease_ttl_s)]
+    try:
+        return await arun_script(
+            r, _ENQUEUE_ROUTED, names,
+            [request.request_id, request.kv_blocks, -1 if min_headroom is None else min_headroom,
+             int(reservation_ttl_s * 1000), request.model_dump_json(), keys.FIELD,
+             -1 if queue_bound is None else queue_bound, _guard_ms(lease_ttl_s), int(push_expiry), call_nonce()])
+    except redis.ResponseError as e:
+        await araise_named(r, e, names)
 
 
 async def aenqueue_shared(r: aioredis.Redis, request: GenerationRequest, shard: int, *, bound: int | None,
                           lease_ttl_s: float | None = None) -> str | None:
     """Enqueue on the shard's shared stream, atomically refusing (None) when `bound` requests already wait
-    untaken there; with `lease_ttl_s`, the request's lease is set with it."""
-    return await arun_script(r, _ENQUEUE_SHARED, [keys.req_any(shard), _guard_key(request, shard, lease_ttl_s)],
-                             [-1 if bound is None else bound, keys.GROUP, request.model_dump_json(), keys.FIELD,
-                              _guard_ms(lease_ttl_s), call_nonce()])
+    untaken there; with `lease_ttl_s`, the request's lease is set with it. KeyOfAnotherType names a key of
+    another type (the shared stream, say)."""
+    names = [keys.req_any(shard), _guard_key(request, shard, lease_ttl_s)]
+    try:
+        return await arun_script(r, _ENQUEUE_SHARED, names, [-1 if bound is None else bound, keys.GROUP,
+                                                             request.model_dump_json(), keys.FIELD,
+                                                             _guard_ms(lease_ttl_s), call_nonce()])
+    except redis.ResponseError as e:
+        await araise_named(r, e, names)
 
 
 def call_nonce() -> str:

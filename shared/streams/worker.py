@@ -18,7 +18,8 @@ import redis
 from shared import keys
 from shared.fleet_state import NOT_A_STRING, UnreadableStatus, parse_status, unreadable
 from shared.messages import DeadLetter, GenerationRequest, WorkerStatus
-from shared.streams.client import LuaScript, group_missing, run_script, xread, xreadgroup
+from shared.streams.client import LuaScript, group_missing, run_script, wrong_type, xread, xreadgroup
+from shared.streams.key_types import find, report
 from shared.streams.requests import ENQUEUE_MARK_TTL_S, GUARD_LUA, call_nonce
 
 log = logging.getLogger("kvfleet.streams")
@@ -282,8 +283,19 @@ def forward(r: redis.Redis, request: GenerationRequest, worker_id: str, ack: Ack
 
 
 def dead_letter(r: redis.Redis, letter: DeadLetter) -> None:
-    """Append to kvfleet:dead (capped, approximately, at DEAD_LETTER_MAXLEN)."""
-    r.xadd(keys.DEAD, {keys.FIELD: letter.model_dump_json()}, maxlen=DEAD_LETTER_MAXLEN, approximate=True)
+    """Append to kvfleet:dead (capped, approximately, at DEAD_LETTER_MAXLEN). A kvfleet:dead of another type
+    (another program's write) takes no letter: that is logged, naming the key, once a minute, and the request's
+    error goes to its client all the same (where the WRONGTYPE failed every flush of the worker's outbox)."""
+    try:
+        r.xadd(keys.DEAD, {keys.FIELD: letter.model_dump_json()}, maxlen=DEAD_LETTER_MAXLEN, approximate=True)
+    except redis.ResponseError as e:
+        if not wrong_type(e):
+            raise
+        report(find(r, [keys.DEAD]), f"worker {letter.worker_id} (dead letter of {letter.request.request_id})",
+               _DEAD_REPORTED)
+
+
+_DEAD_REPORTED: dict[str, float] = {}  # (streams.report)
 
 
 def cancel_cursor(r: redis.Redis) -> str:

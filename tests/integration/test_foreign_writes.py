@@ -3,7 +3,7 @@ per-request keys, against a real Redis: for each key kind and each of several fo
 number out of range, JSON of another shape, bytes that are no UTF-8 text), every read the gateways, the services and
 the workers make of the fleet still answers, and the enqueues still place or refuse. Each raised for some of them
 before (a 500 for every request, a Celery task failing at every retry, a gateway's inbox reader stuck). The
-fleet-wide sets and streams kept in another Redis type are not covered (README, "Faults")."""
+fleet-wide sets and streams kept in another Redis type: tests/integration/test_keys_of_another_type.py."""
 
 from __future__ import annotations
 

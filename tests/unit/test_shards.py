@@ -12,6 +12,7 @@ from redis.crc import key_slot
 
 from shared import keys, streams
 from shared.messages import GenerationRequest, OutputChunk, WorkerStatus
+from shared.streams import flush
 from shared.streams.worker import Ack
 
 
@@ -41,9 +42,9 @@ class Recorder:
     def __init__(self) -> None:
         self.steps: list[list[str]] = []
 
-    def evalsha(self, _sha: str, n: int, *args: Any) -> list:
+    def evalsha(self, sha: str, n: int, *args: Any) -> list:
         self.steps.append(list(args[:n]))
-        return []
+        return [[], []] if sha == flush._FLUSH.sha else []  # the full flush answers (refused, skipped)
 
     def pipeline(self, transaction: bool) -> Pipe:
         return Pipe(self.steps, transaction)

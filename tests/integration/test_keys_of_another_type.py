@@ -1,0 +1,197 @@
+"""Keys of another Redis type in kvfleet's names (another program's write: a string where kvfleet keeps a stream or a
+set), under a real worker and two real gateways. Before, each stopped the fleet or was misnamed:
+- the shard's shared stream as a string failed every read of the worker, its own stream's too: an accepted request
+  waited until its client gave up;
+- the worker's own stream as a string: every request was a 503 "Redis is unavailable" (Redis was up);
+- the workers set or kvfleet:shards as a string: the same 503, for every request;
+- kvfleet:cancel as a string stopped the worker's cancel reader and its lease checks;
+- kvfleet:dead or a gateway's inbox of another type failed every flush of the worker: all its output stopped.
+Now each is named (the 503's message, `kvfleet status`, the logs: the key, what it holds, what to do), the fleet
+serves whatever does not need that key, and once the key is deleted it goes on by itself: kvfleet deletes no key
+it did not write."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+import pytest
+from fleet_harness import REPO, Fleet
+
+from shared import keys, streams
+from shared.messages import GenerationRequest
+from shared.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.integration
+
+PROMPT = "Once upon a time, in a land of many rivers,"
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_llama_dir, tmp_path_factory):
+    env = {"KVFLEET_HEARTBEAT_S": "0.5", "KVFLEET_STATUS_TTL_S": "2"}
+    with Fleet(tiny_llama_dir, tmp_path_factory.mktemp("key-types"), env=env) as f:
+        f.start_worker("w0", "--num-kv-blocks", "128")
+        f.start_gateway()
+        f.start_gateway()
+        f.wait_ready(workers=1)
+        f.r = streams.connect(f.redis.url)
+        f.reference = complete(f)
+        assert f.reference.status_code == 200, f.reference.text
+        yield f
+        f.r.close()
+
+
+def complete(fleet: Fleet, port: int | None = None, timeout: float = 30) -> httpx.Response:
+    with fleet.http(port, timeout=timeout) as h:
+        return h.post("/v1/completions", json={"model": fleet.model, "prompt": PROMPT, "max_tokens": 12,
+                                               "temperature": 0})
+
+
+def text(response: httpx.Response) -> str:
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["text"]
+
+
+@contextmanager
+def foreign(fleet: Fleet, key: str) -> Iterator[None]:
+    """`key` holds a string while inside; then an operator deletes it, as the message says (nothing restored)."""
+    fleet.r.delete(key)
+    fleet.r.set(key, "another program's value")
+    try:
+        yield
+    finally:
+        fleet.r.delete(key)
+
+
+def named_in_log(fleet: Fleet, who: str, key: str, kind: str = "string", keeps: str = "stream") -> bool:
+    return any(f"Redis key '{key}' holds a {kind} where kvfleet keeps a {keeps}" in line and "DEL" in line
+               for line in fleet.logs[who].read_text(errors="replace").splitlines())
+
+
+def group_of(fleet: Fleet, stream: str) -> bool:
+    try:
+        return any(g["name"] == keys.GROUP for g in fleet.r.xinfo_groups(stream))
+    except streams.RedisError:
+        return False
+
+
+@pytest.mark.parametrize("which", ["the shared stream", "the worker's own stream"])
+def test_a_request_stream_of_another_type_is_read_around_and_its_requests_are_served(fleet, which):
+    key = keys.req_any(0) if which == "the shared stream" else keys.req_stream("w0", 0)
+    with foreign(fleet, key):
+        # the worker meets it (an idle worker looks at both streams), then reads its other stream: its own, or the
+        # shared one the gateway falls back to
+        fleet.wait_for(lambda: named_in_log(fleet, "w0", key), what="the worker's log naming the key")
+        for _ in range(3):
+            assert text(complete(fleet)) == text(fleet.reference)
+        if which == "the worker's own stream":  # the gateway routed around it, and says why
+            assert any(named_in_log(fleet, name, key) for name in fleet.logs if name.startswith("gateway"))
+    # deleted: the worker makes its group again, and requests go on as before
+    fleet.wait_for(lambda: group_of(fleet, key), what=f"the worker's group on {key} again")
+    assert text(complete(fleet)) == text(fleet.reference)
+    assert fleet.workers["w0"].poll() is None
+
+
+@pytest.mark.parametrize("key", [keys.workers(0), keys.SHARDS])
+def test_a_fleet_set_of_another_type_is_named_in_the_503_and_by_kvfleet_status(fleet, key):
+    with foreign(fleet, key):  # (once the gateway's view of the fleet, a few ms old, is read again)
+        response = fleet.wait_for(lambda: (r := complete(fleet)).status_code != 200 and r, what="a refusal")
+        assert response.status_code == 503, response.text
+        error = response.json()["error"]
+        assert error["code"] == "redis_key_of_another_type"
+        assert f"Redis key '{key}' holds a string where kvfleet keeps a set" in error["message"]
+        assert f"redis-cli DEL '{key}'" in error["message"]
+        assert response.headers["Retry-After"]
+        status = subprocess.run([sys.executable, "-m", "services.cli", "status"], cwd=REPO, env=fleet.env,
+                                capture_output=True, text=True, timeout=60)
+        assert status.returncode == 1 and f"Redis key '{key}' holds a string" in status.stdout, status
+    # deleted: the worker is back in its shard's workers set with its next status, and the fleet serves
+    fleet.wait_for(lambda: complete(fleet).status_code == 200, what="requests served again")
+    assert fleet.r.sismember(keys.workers(0), "w0")
+    assert text(complete(fleet)) == text(fleet.reference)
+
+
+def test_cancels_of_another_type_leave_the_worker_serving(fleet):
+    with foreign(fleet, keys.CANCEL):
+        fleet.wait_for(lambda: named_in_log(fleet, "w0", keys.CANCEL), what="the worker's log naming kvfleet:cancel")
+        assert text(complete(fleet)) == text(fleet.reference)
+    assert text(complete(fleet)) == text(fleet.reference)
+
+
+def test_dead_letters_of_another_type_leave_the_failed_request_answered_and_the_output_flowing(fleet):
+    with foreign(fleet, keys.DEAD):
+        request = GenerationRequest(request_id="poison-dead", prompt_token_ids=[1, 2, 3], v=999,
+                                    sampling_params=SamplingParams(max_tokens=2).to_dict())
+        streams.enqueue(fleet.r, request, None)  # a version this worker cannot read: it dead-letters it
+        final = [c for c in streams.iter_output(fleet.r, "poison-dead", timeout_s=30) if c.final]
+        assert final and final[0].error is not None and "schema version" in final[0].error.message
+        fleet.wait_for(lambda: named_in_log(fleet, "w0", keys.DEAD), what="the worker's log naming kvfleet:dead")
+        assert text(complete(fleet)) == text(fleet.reference)  # the outbox did not stop on it
+    assert fleet.r.type(keys.DEAD) == "none"  # no dead letter was written over it
+
+
+def test_a_gateways_inbox_of_another_type_is_named_there_and_the_others_output_flows(fleet):
+    first, second = list(fleet.gateways)
+    inbox = next(k for k in fleet.r.scan_iter(keys.inbox("*", 0)) if is_of(fleet, first, k))
+    with foreign(fleet, inbox):
+        # the first gateway can get no output back: its requests get a 503 naming its inbox, not a wait
+        fleet.wait_for(lambda: complete(fleet, first).status_code == 503, what="the first gateway's 503")
+        error = complete(fleet, first).json()["error"]
+        assert error["code"] == "redis_key_of_another_type" and inbox in error["message"]
+        # the worker's flushes go on for the second gateway
+        assert text(complete(fleet, second)) == text(fleet.reference)
+    fleet.wait_for(lambda: complete(fleet, first).status_code == 200, what="the first gateway serving again")
+    assert text(complete(fleet, first)) == text(fleet.reference)
+
+
+def is_of(fleet: Fleet, port: int, inbox: str) -> bool:
+    """The inbox key is the gateway's on `port` (its id: host, pid, a random part)."""
+    return f"-{fleet.gateways[port].pid}-" in inbox
+
+
+def test_a_flush_writes_past_an_output_stream_of_another_type(fleet):
+    """A services' request's output stream, and a gateway's inbox, of another type in one flush with others'
+    chunks: those others are written and acked, where the WRONGTYPE failed the whole flush every time."""
+    r = fleet.r
+    r.set(keys.out_stream("foreign-out"), "x")
+    r.set(keys.inbox("gone-gw"), "x")
+    try:
+        from shared.messages import OutputChunk
+
+        chunks = [OutputChunk(request_id=rid, seq=0, token_ids=[5], text="a", final=True)
+                  for rid in ("foreign-out", "fine-out", "to-gone")]
+        for run_id in ("", "run"):  # _FLUSH, then _FLUSH_FENCED (its fence: a status of this run)
+            r.delete(keys.out_stream("fine-out"))
+            if run_id:
+                r.set(keys.status("wx"), '{"run_id": "run"}')
+            assert streams.publish(r, "wx", output_ttl_s=60, chunks=chunks, reply_to={"to-gone": "gone-gw"},
+                                   run_id=run_id) == []
+            assert [c.text for c in streams.read_all_chunks(r, "fine-out")] == ["a"]
+            assert r.type(keys.out_stream("foreign-out")) == "string" == r.type(keys.inbox("gone-gw"))
+    finally:
+        r.delete(keys.out_stream("foreign-out"), keys.inbox("gone-gw"), keys.status("wx"), keys.out_stream("fine-out"))
+
+
+def test_the_503s_name_the_key_while_requests_stream_elsewhere(fleet):
+    """A streaming request placed before the key went bad runs to its end; one after it gets the named 503."""
+    got: list[str] = []
+
+    def stream() -> None:
+        with fleet.http(timeout=60) as h, h.stream("POST", "/v1/completions", json={
+                "model": fleet.model, "prompt": PROMPT, "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+                "stream": True}) as resp:
+            got.extend(line for line in resp.iter_lines() if line.startswith("data: "))
+
+    t = threading.Thread(target=stream)
+    t.start()
+    fleet.wait_for(lambda: got, what="the first streamed chunk")
+    with foreign(fleet, keys.workers(0)):
+        response = fleet.wait_for(lambda: (r := complete(fleet)).status_code != 200 and r, what="a refusal")
+        assert response.json()["error"]["code"] == "redis_key_of_another_type"
+        t.join(60)
+    assert got[-1] == "data: [DONE]"
