@@ -73,15 +73,17 @@ async def aread_fleet(r: aioredis.Redis, in_use: list[int] | None = None) -> Fle
         except fleet_state.UnreadableStatus as e:
             view.unreadable[w] = str(e)
             continue
-        view.reservations[w] = 0 if isinstance(reserved, Exception) else reserved_blocks(reserved)
+        view.reservations[w] = (0 if isinstance(reserved, Exception)
+                                else reserved_blocks(reserved, view.live[-1].total_blocks))
     return view
 
 
-def reserved_blocks(values: list[str]) -> int:
+def reserved_blocks(values: list[str], most: int) -> int:
     """The KV blocks a worker's reservations hash holds: each field's value, a request's block count. A value that
     is not a count (another program's write, another version's) counts nothing, here as in the enqueue's check
-    (shared.streams.requests), instead of failing every read of the fleet."""
-    return sum(int(v) for v in values if v.isascii() and v.isdigit())
+    (shared.streams.requests), instead of failing every read of the fleet; nor does one over the worker's whole
+    cache (`most`), which no gateway reserves (that worker would look full for as long as gateways reserve there)."""
+    return sum(n for v in values if v.isascii() and v.isdigit() and (n := int(v)) <= most)
 
 
 async def _astream_info(r: aioredis.Redis, stream: str) -> StreamInfo:

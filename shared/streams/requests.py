@@ -73,9 +73,9 @@ if not reservable then vals = {} end
 if queue_bound >= 0 and #vals + count('"waiting":') >= queue_bound then return false end
 if min_headroom >= 0 then
   if not raw then return false end
-  local reserved = 0
-  for _, v in ipairs(vals) do  -- a value that is not a count (a foreign write) counts nothing (reserved_blocks)
-    if string.match(v, '^%d+$') then reserved = reserved + tonumber(v) end
+  local reserved, most = 0, count('"total_blocks":')
+  for _, v in ipairs(vals) do  -- a value that is not a count, or over the whole cache, counts nothing (reserved_blocks)
+    if string.match(v, '^%d+$') and tonumber(v) <= most then reserved = reserved + tonumber(v) end
   end
   if count('"free_blocks":') - count('"promised_blocks":') - reserved - blocks < min_headroom then return false end
 end

@@ -80,12 +80,15 @@ def test_what_a_foreign_writer_leaves_is_left_out_of_the_fleet_reads(redis_url):
     """streams.plant_foreign_state (the chaos soak's `foreign_writes`): the planted worker is neither live nor dead
     but unreadable, while its status lasts; the cancel reader skips the planted entry; a reservation on a live
     worker that is not a block count counts nothing, in the fleet's read and in the enqueue's check, and the
-    reservations that are counts still count; the shards' set and the round-robin counter go on past what was
+    reservations that are counts still count (but one over the worker's whole cache, which made it look full for
+    as long as gateways reserved there); the shards' set and the round-robin counter go on past what was
     planted in them."""
     async def body(r):
         await r.set(keys.status("w0"), status("w0", 40).model_dump_json())
         await r.sadd(keys.workers(), "w0")
-        await r.hset(keys.reserved("w0"), mapping={"real": 3, "negative": -30, "fraction": "2.5"})
+        total = status("w0", 40).total_blocks  # a reservation over the whole cache counts nothing
+        await r.hset(keys.reserved("w0"), mapping={"real": 3, "negative": -30, "fraction": "2.5",
+                                                   "over the cache": total + 1})
         sync = streams.connect(redis_url)
         try:
             cursor = streams.cancel_cursor(sync)

@@ -72,8 +72,8 @@ def test_every_read_of_the_fleet_goes_on_past_a_foreign_value(redis_url, kind):
                                             sampling_params=SamplingParams(max_tokens=2).to_dict())
                 placed = await streams.aenqueue_routed(r, request, "w0", 0, min_headroom=2, queue_bound=8,
                                                        lease_ttl_s=10)
-                # refused: no readable status; or a foreign reservation that is a count, and a huge one
-                refused = kind.startswith("status") or kind == "reservation" and value.isdigit() and int(value) > 50
+                # refused: no readable status (a foreign reservation over the whole cache of 64 counts nothing)
+                refused = kind.startswith("status")
                 assert (placed is None) == refused, (kind, value)
                 assert await streams.aenqueue_shared(r, request.model_copy(update={"request_id": "s"}), 0, bound=8)
                 await job_record.get(r, "j")
