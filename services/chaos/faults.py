@@ -171,10 +171,12 @@ class Injector:
     def foreign_writes(self) -> str:
         """What another kvfleet version or another program may leave in Redis: a worker registered with a status
         this version cannot read (for FOREIGN_STATUS_TTL_S; then it is a dead worker with nothing to take over),
-        a cancel entry without a request id, a reservation on a live worker that is not a block count, a member of
-        the shards' set and a round-robin counter that are not numbers (streams.plant_foreign_state). Before, the
-        status, the reservation and the member each failed every request with a 500, the counter every
-        round-robin route, and the cancel entry stopped the workers' cancel readers for good."""
+        its request stream kept as a string (for twice that), a cancel entry without a request id, reservations on a
+        live worker that are no block count or more than its cache, a member of the shards' set and a round-robin
+        counter that are not numbers (streams.plant_foreign_state). Before, the status, the reservation and the
+        member each failed every request with a 500, the counter every round-robin route, the cancel entry stopped
+        the workers' cancel readers for good, the stream of another type every read turn of the workers of its
+        shard (their takeover scan met it), and the huge count made that worker look full."""
         worker_id = f"w-foreign-{self.log.counts['foreign_writes']}"
         beside = self._worker().name
         try:

@@ -31,18 +31,22 @@ def plant_foreign_state(r: redis.Redis, worker_id: str, ttl_s: float, shard: int
                         beside: str | None = None) -> None:
     """What a kvfleet of another version (in a rolling upgrade) or another program may leave in Redis: `worker_id`
     registered in `shard` with a status this version cannot read (expiring in `ttl_s`), an entry of the cancel
-    stream without a request id, a member of the shards' set and a round-robin counter that are not numbers, and
-    with `beside` (a live worker of the shard) a field of its reservations hash whose value is not a block count (it
-    goes when the hash expires, after the gateways stop reserving there). The fleet must go on past all of them."""
+    stream without a request id, a member of the shards' set and a round-robin counter that are not numbers, the
+    worker's request stream kept as a string (for twice `ttl_s`: after its status it is a dead worker whose stream
+    is of another type, until that expires as an operator would delete it), and with `beside` (a live worker of the
+    shard) two fields of its reservations hash whose values are no block count, or more blocks than any cache (they
+    go when the hash expires, after the gateways stop reserving there). The fleet must go on past all of them."""
+    ttl_ms = max(1, int(ttl_s * 1000))
     pipe = r.pipeline(transaction=False)
     pipe.sadd(keys.workers(shard), worker_id)
-    pipe.set(keys.status(worker_id, shard), json.dumps({"worker_id": worker_id, "kv_cache": {"free": 1}}),
-             px=max(1, int(ttl_s * 1000)))
+    pipe.set(keys.status(worker_id, shard), json.dumps({"worker_id": worker_id, "kv_cache": {"free": 1}}), px=ttl_ms)
+    pipe.set(keys.req_stream(worker_id, shard), f"{worker_id}'s stream, as another program keeps it", px=2 * ttl_ms)
     pipe.xadd(keys.CANCEL, {"cancelled_by": worker_id})
     pipe.sadd(keys.SHARDS, f"{worker_id}-shard")
     pipe.set(keys.ROUND_ROBIN, f"{worker_id}-turn")
     if beside is not None:
-        pipe.hset(keys.reserved(beside, shard), f"{worker_id}-request", json.dumps({"blocks": 2}))
+        pipe.hset(keys.reserved(beside, shard), mapping={f"{worker_id}-request": json.dumps({"blocks": 2}),
+                                                         f"{worker_id}-count": 10**22})
     pipe.execute()
 
 

@@ -195,3 +195,18 @@ def test_the_503s_name_the_key_while_requests_stream_elsewhere(fleet):
         assert response.json()["error"]["code"] == "redis_key_of_another_type"
         t.join(60)
     assert got[-1] == "data: [DONE]"
+
+
+def test_a_dead_workers_stream_of_another_type_is_read_around_and_forgotten_once_gone(fleet):
+    """The takeover scan of the worker meets a dead worker (in its shard's set, no status) whose stream is a string:
+    it goes on reading its own, and once that key is gone it forgets the dead worker (before, every read turn of
+    every worker of the shard failed on it)."""
+    stream = keys.req_stream("w-gone", 0)
+    fleet.r.sadd(keys.workers(0), "w-gone")
+    with foreign(fleet, stream):
+        fleet.wait_for(lambda: named_in_log(fleet, "w0", stream), what="the worker's log naming the dead one's stream")
+        for _ in range(3):
+            assert text(complete(fleet)) == text(fleet.reference)
+        assert fleet.r.sismember(keys.workers(0), "w-gone")
+    fleet.wait_for(lambda: not fleet.r.sismember(keys.workers(0), "w-gone"), what="the dead worker forgotten")
+    assert text(complete(fleet)) == text(fleet.reference)
