@@ -200,7 +200,7 @@ for _ = 1, na do
 end
 if ARGV[2] ~= '' then
   if nt > 0 then try('HDEL', KEYS[2], unpack(ARGV, 11, 10 + nt)) end
-  -- a workers set deleted alone (one of another type, say) has it back
+  try('SADD', KEYS[3], ARGV[#ARGV])  -- a workers set deleted alone (one of another type, say) has it back
 end
 if fatal then return fatal end
 return skipped
