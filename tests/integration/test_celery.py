@@ -18,6 +18,7 @@ from services import job_record
 from services.call_errors import InvalidRequest
 from services.celery_app import app, chat, configure, generate
 from shared import keys, streams
+from shared.messages import WorkerStatus
 from shared.settings import Settings
 
 pytestmark = pytest.mark.integration
@@ -123,7 +124,9 @@ def test_bad_chat_request_names_the_field(fleet):
 
 def test_full_fleet_is_retried_until_capacity_frees(fleet, r):
     # Another gateway has reserved every block of the only worker: no room, and the shared queue's bound is 0.
-    r.hset(keys.reserved("w0"), "someone-else", 1_000_000)
+    # (All of them: a reservation over the worker's whole cache is no gateway's, and counts nothing.)
+    total = WorkerStatus.model_validate_json(r.get(keys.status("w0"))).total_blocks
+    r.hset(keys.reserved("w0"), "someone-else", total)
     try:
         res = generate.delay("Patience is", max_tokens=4, ignore_eos=True)
         fleet.wait_for(lambda: res.state == "RETRY", 60, "the task to be retried after a 429")
