@@ -132,7 +132,6 @@ class Inbox:
         self.shards: dict[int, _ShardInbox] = {}
         self.dropped = 0  # chunks for requests with no mailbox
         self._closing = False
-        self._reported: dict[str, float] = {}  # (streams.report)
 
     async def start(self) -> None:
         """Create shard 0's inbox and start reading it (the others once a request goes there). Redis away: the
@@ -274,7 +273,7 @@ class Inbox:
                     raise asyncio.CancelledError from e
                 if streams.wrong_type(e) and (found := await streams.afind(self.r, [inbox.key])):
                     inbox.foreign, next_keep = found[0], 0.0  # requests get a 503 naming it until it is gone
-                    streams.report(found, f"gateway {self.gateway_id}'s output inbox reader", self._reported)
+                    streams.report(found, f"gateway {self.gateway_id}'s output inbox reader")
                     await asyncio.sleep(1.0)
                     continue
                 failures, next_keep = failures + 1, 0.0  # once back, check at once that Redis kept the inbox

@@ -37,7 +37,6 @@ OPERATIONS = {"chatcmpl": "chat", "cmpl": "text_completion"}  # request id prefi
 MAX_ROUTE_TRIES = 3
 COMEBACK_HEARTBEATS = 2  # how long a fleet with known workers but none live is waited for (live_view)
 COMEBACK_POLL_S = 0.05
-_REPORTED: dict[str, float] = {}  # keys of another type the routing met -> when it last logged one (streams.report)
 
 
 @dataclass
@@ -310,7 +309,7 @@ async def _route_and_enqueue(state: GatewayState, planned: Planned, lease_ttl_s:
                     queue_bound=settings.worker_queue_bound, reservation_ttl_s=settings.reservation_ttl_s,
                     lease_ttl_s=lease_ttl_s, push_expiry=push)
             except streams.KeyOfAnotherType as e:  # its stream (say) holds another type: the others take it
-                streams.report([e], "the gateway's routing", _REPORTED)
+                streams.report([e], "the gateway's routing")
                 entry_id = None
         if entry_id is not None:
             if state.views is not None:

@@ -69,12 +69,12 @@ async def aread_fleet(r: aioredis.Redis, in_use: list[int] | None = None) -> Fle
         try:
             if isinstance(raw, Exception):
                 raise fleet_state.unreadable(w, fleet_state.NOT_A_STRING)
-            view.live.append(fleet_state.parse_status(w, raw))
+            status = fleet_state.parse_status(w, raw)
         except fleet_state.UnreadableStatus as e:
             view.unreadable[w] = str(e)
             continue
-        view.reservations[w] = (0 if isinstance(reserved, Exception)
-                                else reserved_blocks(reserved, view.live[-1].total_blocks))
+        view.live.append(status)
+        view.reservations[w] = 0 if isinstance(reserved, Exception) else reserved_blocks(reserved, status.total_blocks)
     return view
 
 

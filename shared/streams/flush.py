@@ -330,13 +330,10 @@ def publish(r: redis.Redis, worker_id: str, *, output_ttl_s: float, chunks: Sequ
     return [plan.owners[i - 1] for i in dict.fromkeys(refused or [])]
 
 
-_REPORTED: dict[str, float] = {}  # keys of another type a flush left out -> when this process last logged one
-
-
 def _report_skipped(worker_id: str, skipped: list[str]) -> None:
     """Log the keys of another type a flush left out ([key, its type, ...]), each once a minute at most."""
     report([KeyOfAnotherType(key, kind, keys.redis_type(key) or "stream")
-            for key, kind in zip(skipped[0::2], skipped[1::2], strict=True)], f"worker {worker_id}'s flush", _REPORTED)
+            for key, kind in zip(skipped[0::2], skipped[1::2], strict=True)], f"worker {worker_id}'s flush")
 
 
 def keep_status(r: redis.Redis, worker_id: str, ttl_s: float, shard: int = 0) -> bool:

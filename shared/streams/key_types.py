@@ -83,13 +83,16 @@ async def araise_named(r: aioredis.Redis | Any, e: BaseException, names: Iterabl
     raise e
 
 
-def report(found: Iterable[KeyOfAnotherType], what: str, logged: dict[str, float]) -> None:
+_logged: dict[tuple[str, str], float] = {}  # (what, key) -> when this process last said so (report)
+
+
+def report(found: Iterable[KeyOfAnotherType], what: str) -> None:
     """Log that `what` ("worker w0's reader", "the gateway's routing") goes on without each key of `found`, unless
-    it did in the last REPORT_EVERY_S (`logged`: key -> when it last did)."""
+    it said so in the last REPORT_EVERY_S."""
     now = time.monotonic()
     for f in found:
-        if now - logged.get(f.key, float("-inf")) >= REPORT_EVERY_S:
-            logged[f.key] = now
+        if now - _logged.get((what, f.key), float("-inf")) >= REPORT_EVERY_S:
+            _logged[(what, f.key)] = now
             log.error("%s goes on without %s: %s", what, f.key, f)
 
 
@@ -101,7 +104,6 @@ class Avoided:
     def __init__(self, r: redis.Redis, what: str):
         self.r, self.what = r, what  # `what`: who works around them, for the log ("worker w0's reader")
         self._keys: dict[str, KeyOfAnotherType] = {}
-        self._logged: dict[str, float] = {}
         self._next_look = 0.0
         self._lock = threading.Lock()
 
@@ -120,11 +122,8 @@ class Avoided:
         with self._lock:
             self._keys.update({f.key: f for f in found})
             self._next_look = time.monotonic() + RECHECK_S
-        self.report(found)
+        report(found, self.what)
         return bool(found)
-
-    def report(self, found: Iterable[KeyOfAnotherType]) -> None:
-        report(found, self.what, self._logged)
 
     def recheck(self) -> list[str]:
         """Look again at the avoided keys (at most every RECHECK_S); those gone or of kvfleet's type are used
@@ -136,8 +135,8 @@ class Avoided:
             back = sorted(set(self._keys) - {f.key for f in found})
             for key in back:
                 log.warning("%s uses %s again: it no longer holds another type", self.what, key)
-                self._logged.pop(key, None)
+                _logged.pop((self.what, key), None)
             self._keys = {f.key: f for f in found}
             self._next_look = time.monotonic() + RECHECK_S
-        self.report(found)
+        report(found, self.what)
         return back

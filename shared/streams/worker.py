@@ -291,11 +291,7 @@ def dead_letter(r: redis.Redis, letter: DeadLetter) -> None:
     except redis.ResponseError as e:
         if not wrong_type(e):
             raise
-        report(find(r, [keys.DEAD]), f"worker {letter.worker_id} (dead letter of {letter.request.request_id})",
-               _DEAD_REPORTED)
-
-
-_DEAD_REPORTED: dict[str, float] = {}  # (streams.report)
+        report(find(r, [keys.DEAD]), f"worker {letter.worker_id}'s dead letters")
 
 
 def cancel_cursor(r: redis.Redis) -> str:
