@@ -12,8 +12,13 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shared import streams
+from shared.outage_log import OutageLog
 
 log = logging.getLogger("kvfleet.gateway")
+# Every request refused while Redis is away or refuses writes would log a line: one per outage instead, and one
+# every 30 s while it goes on (with the count).
+_REFUSED = OutageLog(log, "a request's write to redis")
+_UNAVAILABLE = OutageLog(log, "a request's call to redis")
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
          409: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
@@ -91,10 +96,10 @@ def error_response(exc: Exception) -> JSONResponse:
                                  "JSON encoded as UTF-8", code="invalid_utf8").response()
         return APIError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None)).response()
     if (refused := refusal(exc)) is not None:
-        log.warning("redis refused the request: %s", exc)
+        _REFUSED.failed(exc, "answering 503")
         return refused.response()
     if isinstance(exc, streams.RedisError):
-        log.warning("redis unavailable: %s", exc)
+        _UNAVAILABLE.failed(exc, "answering 503 redis_unavailable")
         return APIError(503, "the request queue (Redis) is unavailable; retry shortly", code="redis_unavailable",
                         headers={"Retry-After": "1"}).response()
     log.error("internal error", exc_info=exc)

@@ -26,6 +26,7 @@ from typing import Any
 
 from shared import keys, streams
 from shared.messages import OutputChunk
+from shared.outage_log import OutageLog
 
 log = logging.getLogger("kvfleet.gateway")
 
@@ -114,6 +115,7 @@ class _ShardInbox:
         self.key, self.cursor = key, "0-0"
         self.reader = reader  # the client its blocking read waits on
         self.down_since: float | None = None  # monotonic time its reads began failing
+        self.outage = OutageLog(log, f"reading the output inbox {key}")
         self.foreign: streams.KeyOfAnotherType | None = None  # its key holds another type (another program's write)
         self.task: asyncio.Task | None = None
 
@@ -267,6 +269,7 @@ class Inbox:
                 inbox.cursor, chunks, moves = await streams.aread_inbox(inbox.reader, inbox.key, inbox.cursor,
                                                                         block_ms=self.block_ms)
                 failures, inbox.down_since, inbox.foreign = 0, None, None
+                inbox.outage.ok()
             except streams.RedisError as e:
                 task = asyncio.current_task()
                 if task is not None and task.cancelling():  # redis-py turned a cancel into a ConnectionError
@@ -279,8 +282,7 @@ class Inbox:
                 failures, next_keep = failures + 1, 0.0  # once back, check at once that Redis kept the inbox
                 inbox.down_since = inbox.down_since or time.monotonic()
                 wait = min(0.05 * 2 ** (failures - 1), 1.0)
-                log.warning("reading the output inbox %s failed (%s: %s); retrying in %.2fs", inbox.key,
-                            type(e).__name__, e, wait)
+                inbox.outage.failed(e, "retrying, backing off to 1 s apart")
                 await asyncio.sleep(wait)
                 continue
             except Exception:  # noqa: BLE001 (the reader must not die: every relay waits on it)

@@ -29,6 +29,7 @@ import logging
 from typing import Any
 
 from shared import keys, streams
+from shared.outage_log import OutageLog
 
 log = logging.getLogger("kvfleet.gateway")
 
@@ -45,6 +46,7 @@ class Leases:
         self.read_out: list[str] = []  # output streams read to their end, to expire in read_out_ttl_s
         self._task: asyncio.Task | None = None
         self._r: Any = None
+        self._outage = OutageLog(log, "the lease refresh")
 
     def hold(self, r: Any, request_id: str, entry: tuple[str, str]) -> None:
         """Keep the request's lease (set by its enqueue of the request-stream `entry`, in that stream's shard)
@@ -114,7 +116,8 @@ class Leases:
                                 "go by their workers): %s", len(gone), ", ".join(sorted(gone)[:5]))
                 self.lost |= gone
                 wait = self.ttl_s / 3
+                self._outage.ok()
             except streams.RedisError as e:
                 self.read_out[:0] = read_out
                 wait = min(RETRY_S, self.ttl_s / 3)
-                log.warning("could not refresh %d lease(s): %s; retrying in %.1fs", len(self.held), e, wait)
+                self._outage.failed(e, f"retrying every {wait:.1f}s for the {len(self.held)} lease(s) held")

@@ -63,13 +63,16 @@ from gpu_worker.serve.request_tracker import Job, RequestTracker
 from shared import keys, streams, telemetry
 from shared.blocks import request_blocks
 from shared.messages import SCHEMA_VERSION, ChunkError, DeadLetter, ErrorKind, GenerationRequest
+from shared.outage_log import OutageLog
 from shared.settings import Settings
 
 log = logging.getLogger("kvfleet.worker")
 
 CLAIM_MIN_IDLE_MS = 1000
 READ_BLOCK_MS = 1000  # the longest blocking read of its own stream (it returns at once when a request arrives)
-MAX_BACKOFF_S = 5.0  # a reader thread that keeps failing waits up to this long between tries
+# A reader thread that keeps failing waits up to this long between tries: the worker reads again within a second of
+# Redis's return (at 5 s, a 6 s outage kept it deaf for 11). The log says each outage once (shared.outage_log).
+MAX_BACKOFF_S = 1.0
 # With room to spare, look at the shared stream's head this often while it holds requests; while it holds none
 # (the router placed everything: the common case) every SHARED_LOOK_MS, doubling with each empty look up to
 # READ_BLOCK_MS. A worker that just got room again (the fleet was full: requests may have overflowed there)
@@ -149,13 +152,14 @@ class Intake:
         reader threads. While Redis is away (restarting, say, just as the worker got ready) it waits, doubling
         from 0.1 s up to MAX_BACKOFF_S, until Redis answers or `stopping()` (a signal meanwhile: the threads are
         then not started)."""
-        failures = 0
+        failures, outage = 0, OutageLog(log, "redis unavailable at start: joining the fleet")
         while not stopping():
             try:
                 if failures:
                     self._on_redis_since = time.monotonic()
                 self._join()
                 self.redis_failing.discard("start")
+                outage.ok()
                 break
             except streams.RedisError as e:
                 if self.avoided.met(e, self._names()):  # logged there; the next try goes around it
@@ -163,7 +167,7 @@ class Intake:
                     continue
                 failures += 1
                 self.redis_failing.add("start")
-                log.warning("redis unavailable at start (%s); waiting for it", e)
+                outage.failed(e, "waiting for it")
                 time.sleep(min(0.1 * 2 ** (failures - 1), MAX_BACKOFF_S))
         else:
             return self
@@ -220,7 +224,7 @@ class Intake:
         """Run `turn` until stopped; an error is logged (with its traceback unless Redis is away) and the
         next turn waits, doubling from 0.1 s up to MAX_BACKOFF_S while the errors go on. A missing consumer
         group (Redis restarted without its data, or was flushed) makes the next turn create the groups again."""
-        failures, regroup = 0, False
+        failures, regroup, outage = 0, False, OutageLog(log, f"redis {what}")
         while not self._stop.is_set():
             try:
                 if regroup:
@@ -234,6 +238,7 @@ class Intake:
                     self._on_redis_since = time.monotonic()  # its calls hung: Redis was paused, say
                 failures = 0
                 self.redis_failing.discard(what)
+                outage.ok()
             except streams.RedisError as e:
                 if self.avoided.met(e, self._names()):  # logged there; the next turn goes around it
                     failures = 1
@@ -242,7 +247,7 @@ class Intake:
                 failures += 1
                 self.redis_failing.add(what)
                 regroup = regroup or streams.group_missing(e)
-                log.warning("redis %s failed (%s); retrying", what, e)
+                outage.failed(e)
             except Exception:  # noqa: BLE001 (a reader thread must not die)
                 failures += 1
                 log.exception("unexpected error in the %s thread (%d in a row); carrying on", what, failures)

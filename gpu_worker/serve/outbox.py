@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 from shared import streams
 from shared.messages import DeadLetter, GenerationRequest, OutputChunk, WorkerStatus
+from shared.outage_log import OutageLog
 from shared.settings import Settings
 
 log = logging.getLogger("kvfleet.worker")
@@ -79,6 +80,7 @@ class Outbox:
         # took them)
         self.refused = ""
         self._refused_said = float("-inf")  # when that was last logged
+        self._outage = OutageLog(log, "redis write")  # its other failures (Redis away), said once per outage
         # (request id, delivery) of the requests another worker owns now (fenced out)
         self.lost: queue.SimpleQueue[tuple[str, streams.Ack]] = queue.SimpleQueue()
         self.fenced_out: set[streams.Ack] = set()  # the deliveries whose writes were refused: never written again
@@ -262,8 +264,9 @@ class Outbox:
             if why := streams.write_refused(e):
                 self._while_refused(why, status_due)
             else:
-                log.warning("redis write failed (%s); retrying", e)
+                self._outage.failed(e)
             return False
+        self._outage.ok()
         if self.refused:
             log.warning("Redis takes writes again: this worker's output goes out")
             self.refused, self._refused_said = "", float("-inf")

@@ -31,6 +31,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -438,3 +439,45 @@ def test_a_live_workers_stream_is_not_taken_over_after_an_outage_past_the_status
         assert not reader.is_alive()
         assert _stream_text(events) == reference
         assert "left pending by" not in fleet.logs[other].read_text(errors="replace"), fleet.tail()
+
+
+def test_an_outage_is_logged_once_per_loop_not_at_every_retry(fleet):
+    """Redis away for 6 s, requests refused meanwhile: the worker's request reader, cancel reader and writer and
+    the gateway's inbox reader retry several times a second, but each says the outage once (then every 30 s), the
+    gateway one line for all the requests it refused, and each says when Redis works again. Before, the worker
+    wrote ~2 lines a second for each loop, the gateway one a second and one per refused request."""
+    port = fleet.redis.port
+    fleet.wait_ready(workers=1)
+    worker_log, gateway_log = fleet.logs["w0"], fleet.logs[f"gateway-{next(iter(fleet.gateways))}"]
+    start = {p: p.stat().st_size for p in (worker_log, gateway_log)}
+    _stop_redis(fleet, keep_data=True)
+    try:
+        deadline = time.monotonic() + 6
+        refused = 0
+        with fleet.http(timeout=30) as h:
+            while time.monotonic() < deadline:
+                resp = h.post("/v1/completions", json={"model": fleet.model, "prompt": "hi", "max_tokens": 2})
+                refused += resp.status_code == 503
+                time.sleep(0.2)
+    finally:
+        _start_redis(fleet, port)
+    assert refused >= 10, refused
+    fleet.wait_ready(workers=1)
+    _complete(fleet)
+
+    def lines(path: Path, what: str) -> list[str]:
+        with open(path, "rb") as f:
+            f.seek(start[path])
+            return [ln for ln in f.read().decode(errors="replace").splitlines() if what in ln]
+
+    fleet.wait_for(lambda: len(lines(worker_log, "works again")) >= 3, timeout_s=20,
+                   what="the worker's three loops to say Redis works again")
+
+    for loop in ("redis request read", "redis cancel read", "redis write"):
+        said = lines(worker_log, f"{loop} failed (")
+        assert 1 <= len(said) <= 2, (loop, said)  # 2: a new kind of error (a connection reset, then refused)
+        assert len(lines(worker_log, f"{loop} works again")) == 1, fleet.tail()
+    said = lines(gateway_log, "output inbox")
+    assert 1 <= len([ln for ln in said if "failed (" in ln]) <= 2 and [ln for ln in said if "works again" in ln], said
+    assert 1 <= len(lines(gateway_log, "a request's call to redis failed")) <= 2, fleet.tail()
+    assert not lines(gateway_log, "still failing"), fleet.tail()  # 6 s: under the 30 s between reminders
