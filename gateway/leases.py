@@ -1,8 +1,8 @@
 """The leases one gateway holds on the requests it relays (kvfleet:{s}:lease:{request}, shared.streams.leases).
 
 A lease is set by the enqueue itself (in the same Lua step, shared.streams.aenqueue_routed) and refreshed
-while the relay runs: one background task per gateway refreshes every lease it holds in one pipelined round
-trip every third of the TTL (never one timer per request). The relay releases it when it ends; a released
+while the relay runs: one background task per gateway refreshes every lease it holds in one round trip (a
+script per shard, safe to send again: shared.streams.ahold_leases) every third of the TTL (never one timer per request). The relay releases it when it ends; a released
 lease is left to expire. When the gateway dies the refreshes stop, the leases lapse, and the workers abort
 the requests nobody reads (gpu_worker.serve.intake). A lease the relay stopped touching for request_timeout_s
 (a relay that never started) is dropped, so none is held forever.

@@ -168,3 +168,28 @@ def test_a_job_record_claim_and_promote_sent_again_after_the_reply_was_lost_stay
             await r.aclose()
 
     asyncio.run(main())
+
+
+def test_a_lease_refresh_sent_again_after_its_reply_was_lost_still_finds_the_lease_gone(redis_url, monkeypatch):
+    """The gateway's lease refresh sets every lease it holds and learns which were gone (Redis lost the request).
+    Its reply lost and the script sent again, the second run found the lease the first had just set: with a plain
+    SET ... GET, a lost request went unnoticed and its client waited out the request timeout. The refresh marks its
+    call in the value, so the run sent again answers what the first found."""
+    async def main() -> None:
+        r = streams.connect_async(redis_url)
+        try:
+            await r.flushdb()
+            await r.set(keys.lease("kept"), 1, px=30_000)
+            await streams.ahold_leases(r, {"warm": 0}, 30.0)  # the script loaded, a connection open
+            sent = lose_the_next_script_reply(monkeypatch)
+            gone, full = await streams.ahold_leases(r, {"kept": 0, "lost": 0}, 30.0)
+            monkeypatch.undo()
+            assert [c.upper() for c in sent].count("EVALSHA") == 2  # redis-py did send it again
+            assert gone == {"lost"} and not full
+            assert 20_000 < await r.pttl(keys.lease("lost")) <= 30_000  # set again, as before
+            gone, _ = await streams.ahold_leases(r, {"kept": 0, "lost": 0}, 30.0)  # the next call: both there
+            assert gone == set()
+        finally:
+            await r.aclose()
+
+    asyncio.run(main())

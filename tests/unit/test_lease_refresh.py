@@ -1,5 +1,5 @@
 """gateway.leases alone, against a recording stand-in for the asyncio Redis client: every lease a gateway
-holds is refreshed in one pipelined round trip per turn (never one per request); released leases and those
+holds is refreshed in one round trip per turn (a script per shard) (never one per request); released leases and those
 no relay touched for max_idle_s are not refreshed; a failed refresh is retried soon. And the worker side's
 rule (gpu_worker.serve.intake): a lease must stay gone for LEASE_CONFIRM_S before its request is cancelled. A lease
 found gone while its request's entry is still there lapsed in a stall: set again, not lost."""
@@ -16,17 +16,14 @@ from gateway.leases import Leases
 from gpu_worker.serve.intake import LEASE_CONFIRM_S, Cancel, Intake
 from shared import keys, streams
 from shared.settings import Settings
+from shared.streams.leases import _HOLD
 
 pytestmark = pytest.mark.unit
 
 
 class Pipe:
     def __init__(self, redis: FakeRedis):
-        self.redis, self.sets, self.ranges, self.pexpires = redis, [], [], []
-
-    def set(self, key, value, px, get):
-        assert get  # SET ... GET: the refresh learns which leases were gone
-        self.sets.append((key, px))
+        self.redis, self.ranges, self.pexpires = redis, [], []
 
     def pexpire(self, key, ms):
         self.pexpires.append(key)
@@ -37,22 +34,14 @@ class Pipe:
         self.ranges.append((stream, first))
 
     async def execute(self, raise_on_error=True):
-        if self.redis.full:  # maxmemory under noeviction: SETs refused, PEXPIRE taken
-            if self.sets:
-                raise redis.ResponseError("OOM command not allowed when used memory > 'maxmemory'.")
-            if not self.ranges:
-                return [int(key in self.redis.stored) for key in self.pexpires]
         if self.ranges:  # the entries of leases found gone: still there?
             self.redis.entry_trips.append(self.ranges)
             return [[(entry_id, {})] if (stream, entry_id) in self.redis.entries else []
                     for stream, entry_id in self.ranges]
-        if self.redis.fail:
-            self.redis.fail -= 1
-            raise streams.CONNECTION_ERRORS[0]("Redis away")
-        self.redis.round_trips.append(self.sets)
-        previous = [b"1" if key in self.redis.stored else None for key, _ in self.sets]
-        self.redis.stored |= {key for key, _ in self.sets}
-        return previous
+        if self.redis.full:  # maxmemory under noeviction: PEXPIRE taken (the leases kept while full)
+            return [int(key in self.redis.stored) for key in self.pexpires]
+        self.redis.round_trips.append([])  # the PEXPIREs of output streams read to their end, alone
+        return [1] * len(self.pexpires)
 
 
 def place(leases: Leases, r: FakeRedis, rid: str) -> None:
@@ -80,6 +69,20 @@ class FakeRedis:
     def pipeline(self, transaction):
         assert not transaction
         return Pipe(self)
+
+    async def evalsha(self, sha, numkeys, *args):
+        """The refresh's script (streams.leases._HOLD) on one shard's leases: set each, say which were there."""
+        assert sha == _HOLD.sha
+        names, (ms, _nonce) = list(args[:numkeys]), args[numkeys:]
+        if self.full:  # maxmemory under noeviction: the SETs refused
+            raise redis.ResponseError("OOM command not allowed when used memory > 'maxmemory'.")
+        if self.fail:
+            self.fail -= 1
+            raise streams.CONNECTION_ERRORS[0]("Redis away")
+        self.round_trips.append([(name, ms) for name in names])
+        there = [int(name in self.stored) for name in names]
+        self.stored |= set(names)
+        return there
 
 
 def refreshed(r: FakeRedis) -> list[set[str]]:
