@@ -282,12 +282,29 @@ def forward(r: redis.Redis, request: GenerationRequest, worker_id: str, ack: Ack
                                            call_nonce(), int(ENQUEUE_MARK_TTL_S * 1000), keys.MOVED_FIELD])
 
 
+# Append a dead letter (ARGV[2]) to kvfleet:dead unless it is among the last DEAD_LETTER_SEEN entries already: a
+# write sent again (redis-py after a lost reply, or the worker's outbox after a failed flush) adds it once. A letter
+# is unique (it carries its worker and time), and a resend comes within seconds, where dead letters are rare.
+_DEAD_LETTER = LuaScript("""
+for _, entry in ipairs(redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', ARGV[4])) do
+  local f = entry[2]
+  for i = 1, #f, 2 do
+    if f[i] == ARGV[1] and f[i + 1] == ARGV[2] then return entry[1] end
+  end
+end
+return redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', ARGV[1], ARGV[2])
+""")
+DEAD_LETTER_SEEN = 32
+
+
 def dead_letter(r: redis.Redis, letter: DeadLetter) -> None:
-    """Append to kvfleet:dead (capped, approximately, at DEAD_LETTER_MAXLEN). A kvfleet:dead of another type
-    (another program's write) takes no letter: that is logged, naming the key, once a minute, and the request's
-    error goes to its client all the same (where the WRONGTYPE failed every flush of the worker's outbox)."""
+    """Append to kvfleet:dead (capped, approximately, at DEAD_LETTER_MAXLEN), once however often it is sent
+    (_DEAD_LETTER). A kvfleet:dead of another type (another program's write) takes no letter: that is logged, naming
+    the key, once a minute, and the request's error goes to its client all the same (where the WRONGTYPE failed
+    every flush of the worker's outbox)."""
     try:
-        r.xadd(keys.DEAD, {keys.FIELD: letter.model_dump_json()}, maxlen=DEAD_LETTER_MAXLEN, approximate=True)
+        run_script(r, _DEAD_LETTER, [keys.DEAD], [keys.FIELD, letter.model_dump_json(), DEAD_LETTER_MAXLEN,
+                                                  DEAD_LETTER_SEEN])
     except redis.ResponseError as e:
         if not wrong_type(e):
             raise

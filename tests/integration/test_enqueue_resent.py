@@ -15,7 +15,7 @@ from redis.asyncio.connection import Connection
 from redis.connection import Connection as SyncConnection
 
 from shared import keys, streams
-from shared.messages import GenerationRequest, WorkerStatus
+from shared.messages import DeadLetter, GenerationRequest, WorkerStatus
 from shared.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.integration
@@ -193,3 +193,27 @@ def test_a_lease_refresh_sent_again_after_its_reply_was_lost_still_finds_the_lea
             await r.aclose()
 
     asyncio.run(main())
+
+
+def test_a_dead_letter_sent_again_is_kept_once(redis_url, monkeypatch):
+    """A worker's dead letter whose reply is lost is sent again by redis-py, and a flush that failed is sent again by
+    the worker's outbox: kvfleet:dead got the letter twice, and counted two requests dead for one."""
+    r = streams.connect(redis_url)  # the worker's main client: it sends a command again after a connection error
+    try:
+        r.flushdb()
+        letter = DeadLetter(request=request("poison", leased=False), reason="the forward failed for it alone",
+                            deliveries=1, worker_id="w0")
+        streams.dead_letter(r, DeadLetter(reason="warm", deliveries=1, worker_id="w0"))  # the script loaded
+        sent = lose_the_next_script_reply(monkeypatch, SyncConnection)
+        streams.dead_letter(r, letter)
+        monkeypatch.undo()
+        assert [c.upper() for c in sent].count("EVALSHA") == 2  # redis-py did send it again
+        streams.dead_letter(r, letter)  # the outbox's own retry of the same letter
+        letters = [DeadLetter.model_validate_json(f[keys.FIELD]) for _, f in r.xrange(keys.DEAD)]
+        assert [(x.reason, x.request and x.request.request_id) for x in letters] == [
+            ("warm", None), ("the forward failed for it alone", "poison")]
+        again = letter.model_copy(update={"time": letter.time + 1, "deliveries": 2})  # a new letter for it: kept
+        streams.dead_letter(r, again)
+        assert r.xlen(keys.DEAD) == 3
+    finally:
+        r.close()
