@@ -263,7 +263,9 @@ async def _route_and_enqueue(state: GatewayState, planned: Planned, lease_ttl_s:
     r, settings = state.redis, state.settings
     request, policy, routing_blocks = planned.request, settings.routing, planned.routing_blocks
     checks_room = policy in ("free_blocks", "prefix")
-    refused: set[str] = set()
+    now = asyncio.get_running_loop().time()
+    state.unroutable = {w: until for w, until in state.unroutable.items() if until > now}
+    refused: set[str] = set(state.unroutable)
     ready: set[int] = set()  # shards where its inbox is read and its restored output written
 
     async def into(shard: int) -> None:
@@ -310,6 +312,7 @@ async def _route_and_enqueue(state: GatewayState, planned: Planned, lease_ttl_s:
                     lease_ttl_s=lease_ttl_s, push_expiry=push)
             except streams.KeyOfAnotherType as e:  # its stream (say) holds another type: the others take it
                 streams.report([e], "the gateway's routing")
+                state.unroutable[worker] = asyncio.get_running_loop().time() + streams.RECHECK_S
                 entry_id = None
         if entry_id is not None:
             if state.views is not None:

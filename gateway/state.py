@@ -31,6 +31,9 @@ class GatewayState:
     leases: Leases | None = None
     inbox: Inbox | None = None
     views: FleetViews | None = None  # the gateway's shared fleet view (None: read Redis for every request)
+    # worker id -> loop time until which routing leaves it out: its request stream holds another Redis type (another
+    # program's write), so an enqueue there fails; tried again after streams.RECHECK_S, not at every request
+    unroutable: dict[str, float] = field(default_factory=dict)
 
     def let_go(self, request_id: str) -> None:
         """Its relay ended (or never started): stop refreshing its lease and collecting its output."""

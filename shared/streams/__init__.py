@@ -67,6 +67,7 @@ from shared.streams.jobs import (  # noqa: F401
     arequest_in_fleet,
 )
 from shared.streams.key_types import (  # noqa: F401
+    RECHECK_S,
     Avoided,
     KeyOfAnotherType,
     afind,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -91,6 +92,13 @@ def test_a_request_stream_of_another_type_is_read_around_and_its_requests_are_se
             assert text(complete(fleet)) == text(fleet.reference)
         if which == "the worker's own stream":  # the gateway routed around it, and says why
             assert any(named_in_log(fleet, name, key) for name in fleet.logs if name.startswith("gateway"))
+            # ... and remembers for a while: no enqueue into that stream (a failed XADD each) at every request
+            fleet.r.config_resetstat()
+            began = time.monotonic()
+            for _ in range(5):
+                assert text(complete(fleet)) == text(fleet.reference)
+            tries = fleet.r.info("commandstats").get("cmdstat_xadd", {}).get("failed_calls", 0)
+            assert tries <= 1 + int((time.monotonic() - began) / streams.RECHECK_S), tries
     # deleted: the worker makes its group again, and requests go on as before
     fleet.wait_for(lambda: group_of(fleet, key), what=f"the worker's group on {key} again")
     assert text(complete(fleet)) == text(fleet.reference)
