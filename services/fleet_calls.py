@@ -13,6 +13,7 @@ when their caller died, for the retry to attach to; only the gateway's are abort
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import uuid
@@ -196,6 +197,11 @@ class FleetCaller:
                                        tools=tools)
         except APIError as e:
             raise from_api_error(e) from None
+        except streams.KeyOfAnotherType as e:  # its output stream (another program's write): nothing would come
+            with contextlib.suppress(streams.RedisError):
+                await streams.acancel(self.redis, call.request_id)  # the worker writes past it: stop the work
+            raise GenerationFailed(f"request {call.request_id} was cancelled: its output cannot be read. {e}", 503,
+                                   None, "redis_key_of_another_type") from None
         except streams.OutputTimeout:
             await streams.acancel(self.redis, call.request_id)
             raise GenerationFailed(f"no output for request {call.request_id} in {s.request_timeout_s:g}s; it was "

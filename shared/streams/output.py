@@ -20,7 +20,8 @@ from pydantic import TypeAdapter, ValidationError
 
 from shared import keys
 from shared.messages import OutputChunk
-from shared.streams.client import CONNECTION_ERRORS, xread
+from shared.streams.client import CONNECTION_ERRORS, wrong_type, xread
+from shared.streams.key_types import afind, find
 
 log = logging.getLogger("kvfleet.streams")
 
@@ -108,6 +109,10 @@ class _OutputCursor:
             raise OutputTimeout(f"no output for request {self.request_id} in {self.timeout_s:g}s")
         return {self.stream: self.last_id}
 
+    def names(self) -> list[str]:
+        """The keys a read touches: the output stream, and the request's stream when its entry is checked."""
+        return [self.stream, *([self.entry[0]] if self.entry else [])]
+
     def failed(self, e: Exception) -> float:
         """A read met a dropped connection: the seconds to wait before the next try (doubling from 0.05 s up
         to 1 s); RedisAway once Redis has been away for longer than grace_s."""
@@ -189,6 +194,10 @@ def iter_output(r: redis.Redis, request_id: str, shard: int = 0, *, timeout_s: f
         except CONNECTION_ERRORS as e:
             time.sleep(cursor.failed(e))
             continue
+        except redis.ResponseError as e:
+            if wrong_type(e) and (found := find(r, cursor.names())):
+                raise found[0] from e  # the worker writes past it: no chunk would ever come
+            raise
         if kept:
             cursor.check_kept(*kept)
         for chunk in cursor.new_chunks(reply):
@@ -218,6 +227,10 @@ async def aiter_output(r: aioredis.Redis, request_id: str, shard: int = 0, *, ti
         except CONNECTION_ERRORS as e:
             await asyncio.sleep(cursor.failed(e))
             continue
+        except redis.ResponseError as e:
+            if wrong_type(e) and (found := await afind(r, cursor.names())):
+                raise found[0] from e
+            raise
         if kept:
             cursor.check_kept(*kept)
         for chunk in cursor.new_chunks(reply):

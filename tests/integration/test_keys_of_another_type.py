@@ -218,3 +218,21 @@ def test_a_dead_workers_stream_of_another_type_is_read_around_and_forgotten_once
         assert fleet.r.sismember(keys.workers(0), "w-gone")
     fleet.wait_for(lambda: not fleet.r.sismember(keys.workers(0), "w-gone"), what="the dead worker forgotten")
     assert text(complete(fleet)) == text(fleet.reference)
+
+
+def test_a_services_request_whose_output_stream_is_of_another_type_fails_at_once_naming_it(fleet):
+    """The worker writes past the output stream (its other requests' output flows), so the request's reader would
+    wait for chunks that never come: it fails at once with the key named (Celery's task, the Python client)."""
+    from services.call_errors import GenerationFailed
+    from services.client import FleetClient
+
+    rid = "services-foreign-out"
+    with foreign(fleet, keys.out_stream(rid)), FleetClient(fleet.redis.url) as client:
+        handle = client.submit(PROMPT, max_tokens=12, temperature=0, request_id=rid)
+        began = time.monotonic()
+        with pytest.raises(GenerationFailed) as failed:
+            handle.result(timeout=60)
+        assert time.monotonic() - began < 10, "it waited out the Redis grace or the request timeout"
+        assert failed.value.code == "redis_key_of_another_type" and failed.value.status_code == 503
+        assert f"Redis key '{keys.out_stream(rid)}' holds a string where kvfleet keeps a stream" in str(failed.value)
+        assert text(complete(fleet)) == text(fleet.reference)  # the others' output flows
