@@ -2,10 +2,11 @@
 
 A lease is set by the enqueue itself (in the same Lua step, shared.streams.aenqueue_routed) and refreshed
 while the relay runs: one background task per gateway refreshes every lease it holds in one round trip (a
-script per shard, safe to send again: shared.streams.ahold_leases) every third of the TTL (never one timer per request). The relay releases it when it ends; a released
-lease is left to expire. When the gateway dies the refreshes stop, the leases lapse, and the workers abort
-the requests nobody reads (gpu_worker.serve.intake). A lease the relay stopped touching for request_timeout_s
-(a relay that never started) is dropped, so none is held forever.
+script per shard, safe to send again: shared.streams.ahold_leases) every third of the TTL (never one timer
+per request). The relay releases it when it ends; a released lease is left to expire. When the gateway dies
+the refreshes stop, the leases lapse, and the workers abort the requests nobody reads
+(gpu_worker.serve.intake). A lease the relay stopped touching for request_timeout_s (a relay that never
+started) is dropped, so none is held forever.
 
 A refresh that finds a held lease gone (its SET puts it back) looks for the request's stream entry in the
 same turn. Still there (queued, or pending on its worker: not acked), the lease only lapsed while Redis or
