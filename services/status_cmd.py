@@ -1,6 +1,7 @@
 """Show the fleet at a glance (`kvfleet status`): one frame of `kvfleet top` from a single read: each live
 worker (model, free/total and reserved KV blocks, running, waiting, TTFT, restarts, heartbeat age), dead
-workers, stream lengths, pending counts and lag, dead letters."""
+workers, stream lengths, pending counts and lag, dead letters. Exit status 1 when Redis cannot be read, or when a
+fleet set holds another Redis type (named, with what to do; the fleet serves around it)."""
 
 from __future__ import annotations
 
@@ -30,4 +31,4 @@ def run(args: argparse.Namespace) -> int:
     finally:
         reader.close()
     print(json.dumps(sample.snap, indent=2) if args.json else "\n".join(render(sample, None)))
-    return 0
+    return 1 if sample.snap.get("keys_of_another_type") else 0  # the fleet serves around them: an operator acts

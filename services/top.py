@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import textwrap
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -123,6 +124,9 @@ def render(now: Sample, prev: Sample | None, width: int = 150) -> list[str]:
                  f"{total_tps:.1f} tokens/s | dead letters {snap['dead_letters']}{redis_memory(snap.get('redis'))}")
     if failed := (snap.get("redis") or {}).get("persistence_error"):  # a full disk, say
         lines.append(f"redis CANNOT PERSIST: {failed} (free space on its data volume)")
+    for named in snap.get("keys_of_another_type") or []:  # read around: the live workers found by their statuses
+        lines += textwrap.wrap(f"KEY OF ANOTHER TYPE (read around: workers found by their statuses): {named}",
+                               width, subsequent_indent="  ")
     return [line[:width] for line in lines]
 
 

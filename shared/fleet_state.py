@@ -87,6 +87,8 @@ class FleetSnapshot(TypedDict):
     # Redis's state: used_memory, maxmemory (0: no cap) and maxmemory_policy (INFO memory), persistence_error (""
     # when its persistence works: INFO persistence); None on a cluster
     redis: dict[str, Any] | None
+    # fleet sets holding another Redis type (another program's write), read around: each named, with what to do
+    keys_of_another_type: list[str]
 
 
 def lag(info: StreamInfo) -> int:
@@ -101,7 +103,7 @@ def snapshot_streams(view: FleetView) -> list[str]:
 
 
 def snapshot(view: FleetView, streams: dict[str, StreamInfo], dead_letters: int, now: float,
-             redis_state: dict[str, Any] | None = None) -> FleetSnapshot:
+             redis_state: dict[str, Any] | None = None, of_another_type: list[str] | None = None) -> FleetSnapshot:
     return {
         "workers": [s.model_dump() | {"heartbeat_age_s": round(now - s.heartbeat, 3),
                                       "reserved_blocks": view.reservations.get(s.worker_id, 0)}
@@ -111,4 +113,5 @@ def snapshot(view: FleetView, streams: dict[str, StreamInfo], dead_letters: int,
         "streams": streams,
         "dead_letters": dead_letters,
         "redis": redis_state,
+        "keys_of_another_type": of_another_type or [],
     }

@@ -38,6 +38,7 @@ Keys:
 
 from __future__ import annotations
 
+import re
 import zlib
 
 PREFIX = "kvfleet"
@@ -105,6 +106,16 @@ def status(worker_id: str, shard: int = 0) -> str:
 
 def workers(shard: int = 0) -> str:
     return f"{_in(shard)}:workers"
+
+
+STATUSES = f"{PREFIX}:{{s*}}:status:*"  # every worker's status in every shard: a SCAN's MATCH
+_STATUS = re.compile(rf"^{PREFIX}:\{{s(\d+)\}}:status:(.+)$")
+
+
+def status_of(name: str) -> tuple[str, int] | None:
+    """(worker id, shard) of a status key's name; None for any other name."""
+    m = _STATUS.match(name)
+    return (m.group(2), int(m.group(1))) if m else None
 
 
 def reserved(worker_id: str, shard: int = 0) -> str:

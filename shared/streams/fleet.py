@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 from shared import fleet_state, keys
 from shared.fleet_state import FleetSnapshot, FleetView, StreamInfo
 from shared.streams.client import LuaScript, arun_script, wrong_type
-from shared.streams.key_types import araise_named
+from shared.streams.key_types import RECHECK_S, afind, araise_named, report
 
 # ---- fleet reads ----------------------------------------------------------------------------------
 # What the gateway routes on, and what GET /v1/fleet, `kvfleet status` / `top` and the gateway's fleet
@@ -26,20 +26,57 @@ async def aping(r: aioredis.Redis) -> None:
 
 async def aread_shards(r: aioredis.Redis) -> list[int]:
     """The shards workers ever lived in (shard 0 always). A member that is not a shard number (a foreign write) is
-    left out, where it failed every read of the fleet; a kvfleet:shards of another type raises KeyOfAnotherType."""
+    left out, where it failed every read of the fleet; a kvfleet:shards of another type is read around (_around)."""
     try:
-        members = await r.smembers(keys.SHARDS)
+        members = {str(k) for k in await r.smembers(keys.SHARDS)}
     except redis.ResponseError as e:
-        await araise_named(r, e, [keys.SHARDS])
+        await _around(r, e, [keys.SHARDS])
+        members = {str(k) for k in (await _by_status_keys(r)).values()}
     return sorted({0} | {int(k) for k in members if k.isascii() and k.isdigit()})
 
 
 async def aread_members(r: aioredis.Redis, in_use: list[int]) -> dict[str, int]:
-    """Every worker ever seen in the shards `in_use`, with its shard: one round trip."""
+    """Every worker ever seen in the shards `in_use`, with its shard: one round trip. A shard's workers set of
+    another type is read around (_around): that shard's live workers are found by their status keys."""
     pipe = r.pipeline(transaction=False)
     for k in in_use:
         pipe.smembers(keys.workers(k))
-    return {w: k for k, members in zip(in_use, await pipe.execute(), strict=True) for w in members}
+    members: dict[str, int] = {}
+    for k, found in zip(in_use, await pipe.execute(raise_on_error=False), strict=True):
+        if isinstance(found, Exception):
+            await _around(r, found, [keys.workers(k)])
+            found = [w for w, shard in (await _by_status_keys(r)).items() if shard == k]
+        members.update((w, k) for w in found)
+    return members
+
+
+# kvfleet:shards, or a shard's workers set, of another type (another program's write) is read around: the shards and
+# their live workers are then found by their status keys (a SCAN, at most every RECHECK_S per client), and the key is
+# logged once a minute and named by `kvfleet status` and GET /v1/fleet (afleet_snapshot). Before, every request got
+# a 503 naming the key: one stray write kept the whole fleet from taking requests until an operator deleted it.
+_scanned: dict[int, tuple[float, dict[str, int]]] = {}  # id(client) -> (when, worker -> shard)
+
+
+async def _around(r: aioredis.Redis, e: Exception, names: list[str]) -> None:
+    """`e` came from reading the sets `names`: when one holds another type, report it (and return: the caller reads
+    around it); else raise `e`."""
+    if wrong_type(e) and (found := await afind(r, names)):
+        report(found, "the fleet reads")
+        return
+    raise e
+
+
+async def _by_status_keys(r: aioredis.Redis) -> dict[str, int]:
+    """Every worker with a status, with its shard, found by a SCAN of the status keys (every master of a cluster);
+    the last scan's answer when it is under RECHECK_S old."""
+    at, found = _scanned.get(id(r), (float("-inf"), {}))
+    if time.monotonic() - at >= RECHECK_S:
+        found = {}
+        async for name in r.scan_iter(match=keys.STATUSES, count=1000):
+            if (worker := keys.status_of(name)) is not None:
+                found[worker[0]] = worker[1]
+        _scanned[id(r)] = (time.monotonic(), found)
+    return found
 
 
 async def aread_fleet(r: aioredis.Redis, in_use: list[int] | None = None) -> FleetView:
@@ -47,10 +84,7 @@ async def aread_fleet(r: aioredis.Redis, in_use: list[int] | None = None) -> Fle
     live ones (status present) with the blocks reserved on them, the dead ones. Two round trips (three with
     the shards): the shards' workers, then their statuses and reservations."""
     in_use = in_use if in_use is not None else await aread_shards(r)
-    try:
-        shards = await aread_members(r, in_use)
-    except redis.ResponseError as e:  # a WRONGTYPE names a shard's workers set of another type
-        await araise_named(r, e, [keys.workers(k) for k in in_use])
+    shards = await aread_members(r, in_use)
     view = FleetView(shards=shards, in_use=in_use)
     if not shards:
         return view
@@ -104,9 +138,13 @@ async def afleet_snapshot(r: aioredis.Redis) -> FleetSnapshot:
     try:
         view = await aread_fleet(r)
         infos = {name: await _astream_info(r, name) for name in fleet_state.snapshot_streams(view)}
-        return fleet_state.snapshot(view, infos, await r.xlen(keys.DEAD), time.time(), await _aredis_state(r))
+        dead_letters = await r.xlen(keys.DEAD)
     except redis.ResponseError as e:  # a WRONGTYPE names the key (`kvfleet status` shows it)
         await araise_named(r, e)
+    # the sets the reads went around (_around): named here, where an operator looks
+    around = await afind(r, [keys.SHARDS, *(keys.workers(k) for k in view.in_use)])
+    return fleet_state.snapshot(view, infos, dead_letters, time.time(), await _aredis_state(r),
+                                [str(f) for f in around])
 
 
 async def _aredis_state(r: aioredis.Redis) -> dict[str, Any] | None:

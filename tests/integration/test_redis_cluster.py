@@ -179,3 +179,31 @@ def test_stop_leaves_no_process_behind():
     for pid in pids:
         assert not os.path.exists(f"/proc/{pid}"), f"redis-server {pid} still runs"
     assert not any(os.path.exists(d) for d in dirs)
+
+
+def test_fleet_sets_of_another_type_are_read_around_on_every_master(rc, redis_cluster_url):
+    """kvfleet:shards and a shard's workers set holding strings (another program's write): the fleet read finds the
+    shards and the live workers by their status keys, scanning every master of the cluster."""
+    from shared import keys, streams
+    from shared.messages import WorkerStatus
+
+    workers = {f"w{k}": k for k in range(4)}  # shards 0-3: their hash tags on more than one master
+    for w, k in workers.items():
+        status = WorkerStatus(worker_id=w, model="tiny", max_model_len=4096, block_size=16, total_blocks=64,
+                              free_blocks=64)
+        rc.set(keys.status(w, k), status.model_dump_json())
+        rc.sadd(keys.workers(k), w)
+    rc.sadd(keys.SHARDS, *map(str, workers.values()))
+    rc.set(keys.SHARDS, "another program's")
+    rc.set(keys.workers(2), "another program's")
+
+    async def main():
+        r = streams.connect_async(redis_cluster_url)  # kvfleet's own client of the cluster
+        try:
+            return await streams.aread_fleet(r)
+        finally:
+            await r.aclose()
+
+    view = asyncio.run(main())
+    assert view.in_use == [0, 1, 2, 3]
+    assert {s.worker_id: view.shards[s.worker_id] for s in view.live} == workers
