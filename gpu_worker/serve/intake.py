@@ -399,8 +399,7 @@ class Intake:
     def _scan_dead(self) -> None:
         """Find the shard's workers whose status expired; forget those that left nothing behind. None while this
         worker has been back on Redis for less than a status TTL (see the module's docstring, 2.)."""
-        if (time.monotonic() - self._on_redis_since < self.settings.status_ttl_s
-                or keys.workers(self.shard) in self.avoided):
+        if time.monotonic() - self._on_redis_since < self.settings.status_ttl_s:
             self._dead = []
             return
         self._dead = [w for w, s in streams.other_workers(self.r, self.worker_id, self.shard).items()

@@ -9,6 +9,7 @@ so a worker that lost the entry to another (or to a later run under its own id) 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +20,7 @@ from shared import keys
 from shared.fleet_state import NOT_A_STRING, UnreadableStatus, parse_status, unreadable
 from shared.messages import DeadLetter, GenerationRequest, WorkerStatus
 from shared.streams.client import LuaScript, group_missing, run_script, wrong_type, xread, xreadgroup
-from shared.streams.key_types import find, report
+from shared.streams.key_types import RECHECK_S, find, report
 from shared.streams.requests import ENQUEUE_MARK_TTL_S, GUARD_LUA, call_nonce
 
 log = logging.getLogger("kvfleet.streams")
@@ -141,7 +142,30 @@ def request_streams(r: redis.Redis, shard: int = 0) -> list[str]:
     """Every stream of the shard an entry may be pending on for any worker: the shared stream and each known
     worker's own (a worker also reads new entries on the streams of workers it takes for dead, as itself: such an
     entry stays pending on it there)."""
-    return [keys.req_any(shard)] + [keys.req_stream(w, shard) for w in sorted(r.smembers(keys.workers(shard)))]
+    return [keys.req_any(shard)] + [keys.req_stream(w, shard) for w in sorted(shard_workers(r, shard))]
+
+
+_scanned: dict[tuple[int, int], tuple[float, set[str]]] = {}  # (id(client), shard) -> (when, workers)
+
+
+def shard_workers(r: redis.Redis, shard: int = 0) -> set[str]:
+    """Every worker of the shard ever seen: its workers set. A set of another type (another program's write) is
+    read around: the workers are then those with a request stream in the shard (a SCAN, at most every RECHECK_S per
+    client), so the takeover still finds a dead worker (whose status is gone) and claims what it left pending."""
+    try:
+        return set(r.smembers(keys.workers(shard)))
+    except redis.ResponseError as e:
+        if not (wrong_type(e) and (found := find(r, [keys.workers(shard)]))):
+            raise
+        report(found, "the takeover scan")
+    at, members = _scanned.get((id(r), shard), (float("-inf"), set()))
+    if time.monotonic() - at >= RECHECK_S:
+        prefix, members = keys.req_stream("", shard), set()
+        for name in r.scan_iter(match=keys.req_stream("*", shard), count=1000, _type="stream"):
+            if name != keys.req_any(shard):
+                members.add(name[len(prefix):])
+        _scanned[(id(r), shard)] = (time.monotonic(), members)
+    return members
 
 
 def pending_owners(r: redis.Redis, streams: Sequence[str]) -> dict[str, set[str]]:
@@ -172,7 +196,7 @@ def other_workers(r: redis.Redis, worker_id: str, shard: int = 0) -> dict[str, W
     """Every other worker of the shard ever seen, by id, with its status: None when the status expired (the
     worker is dead). One whose status this version cannot read is left out (shared.fleet_state.parse_status).
     One MGET: the statuses share the shard's slot."""
-    members = sorted(r.smembers(keys.workers(shard)) - {worker_id})
+    members = sorted(shard_workers(r, shard) - {worker_id})
     raw = r.mget([keys.status(w, shard) for w in members]) if members else []
     # MGET answers nil for a key of another type too (another version's or program's write): such a status is
     # there, unreadable, not gone. TYPE tells them apart, asked only for the few that came back nil ("string": it
@@ -207,7 +231,7 @@ for i = 5, #KEYS do
   if type(pending) == 'table' and pending['err'] == nil and #pending > 0 then return 0 end
 end
 redis.call('DEL', KEYS[2], KEYS[3])
-redis.call('SREM', KEYS[4], ARGV[2])
+redis.pcall('SREM', KEYS[4], ARGV[2])  -- a workers set of another type: read around (shard_workers)
 for i = 5, #KEYS do redis.pcall('XGROUP', 'DELCONSUMER', KEYS[i], ARGV[1], ARGV[2]) end
 return 1
 """)

@@ -234,6 +234,24 @@ def test_a_dead_workers_stream_of_another_type_is_read_around_and_forgotten_once
     assert text(complete(fleet)) == text(fleet.reference)
 
 
+def test_a_dead_workers_requests_are_taken_over_while_the_workers_set_is_of_another_type(fleet):
+    """A worker died holding a request (pending on it, its status gone) while its shard's workers set holds a string:
+    the live worker finds it by its request stream and claims the request, which its reader gets whole. Before, the
+    takeover scan stopped while the set was bad, and the request waited until an operator deleted the key."""
+    r, stream, rid = fleet.r, keys.req_stream("w-died", 0), "held-by-a-dead-worker"
+    streams.ensure_group(r, stream)
+    streams.enqueue(r, GenerationRequest(request_id=rid, prompt_token_ids=[5, 17, 30, 9], sampling_params=SamplingParams(
+        max_tokens=6, temperature=0.0, ignore_eos=True).to_dict()), "w-died")
+    assert len(streams.read_requests(r, "w-died", {stream: ">"}, count=1)) == 1  # then it died
+    with foreign(fleet, keys.workers(0)):
+        chunks = list(streams.iter_output(r, rid, timeout_s=30))
+        assert sum(len(c.token_ids) for c in chunks) == 6 and chunks[-1].final and chunks[-1].error is None, chunks
+        assert "left pending by w-died" in fleet.logs["w0"].read_text(errors="replace"), fleet.tail()
+        # and forgotten once nothing is pending on it (the prune's SREM from the set goes past the string)
+        fleet.wait_for(lambda: not r.exists(stream), what="the dead worker forgotten")
+    fleet.wait_for(lambda: r.sismember(keys.workers(0), "w0"), what="the worker in its set again")
+
+
 def test_a_services_request_whose_output_stream_is_of_another_type_fails_at_once_naming_it(fleet):
     """The worker writes past the output stream (its other requests' output flows), so the request's reader would
     wait for chunks that never come: it fails at once with the key named (Celery's task, the Python client)."""
