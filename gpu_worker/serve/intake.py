@@ -191,7 +191,7 @@ class Intake:
 
     def _names(self) -> list[str]:
         """The keys its reads touch, where a WRONGTYPE may come from (streams.Avoided.met)."""
-        names = [self.own, self.shared, keys.workers(self.shard), keys.SHARDS, keys.CANCEL, keys.DEAD,
+        names = [self.own, self.shared, keys.SHARDS, keys.CANCEL, keys.DEAD,
                  keys.status(self.worker_id, self.shard), *self._shard_streams,
                  *(keys.req_stream(d, self.shard) for d in self._dead)]
         try:
@@ -201,11 +201,9 @@ class Intake:
         return names
 
     def _request_streams(self) -> list[str]:
-        """streams.request_streams, but for those of another type (and without the workers' streams while the
-        shard's workers set is one)."""
-        found = ([self.shared] if keys.workers(self.shard) in self.avoided
-                 else streams.request_streams(self.r, self.shard))
-        return [s for s in found if s not in self.avoided]
+        """streams.request_streams, but for those of another type (a workers set of another type is read around
+        there: streams.shard_workers)."""
+        return [s for s in streams.request_streams(self.r, self.shard) if s not in self.avoided]
 
     def stop(self) -> None:
         self._stop.set()

@@ -173,16 +173,19 @@ class Injector:
         this version cannot read (for FOREIGN_STATUS_TTL_S; then it is a dead worker with nothing to take over),
         its request stream kept as a string (for twice that), a cancel entry without a request id, reservations on a
         live worker that are no block count or more than its cache, a member of the shards' set and a round-robin
-        counter that are not numbers (streams.plant_foreign_state). Before, the status, the reservation and the
-        member each failed every request with a 500, the counter every round-robin route, the cancel entry stopped
-        the workers' cancel readers for good, the stream of another type every read turn of the workers of its
-        shard (their takeover scan met it), and the huge count made that worker look full."""
+        counter that are not numbers, and the shard's workers set replaced by a string for FOREIGN_STATUS_TTL_S
+        (streams.plant_foreign_state). Before, the status, the reservation and the member each failed every request
+        with a 500, the counter every round-robin route, the cancel entry stopped the workers' cancel readers for
+        good, the stream of another type every read turn of the workers of its shard (their takeover scan met it),
+        the huge count made that worker look full, and the workers set of another type got every request a 503
+        and stopped the takeover."""
         worker_id = f"w-foreign-{self.log.counts['foreign_writes']}"
         beside = self._worker().name
         try:
             r = streams.connect(self.fleet.redis.url)
             try:
-                streams.plant_foreign_state(r, worker_id, FOREIGN_STATUS_TTL_S, beside=beside)
+                streams.plant_foreign_state(r, worker_id, FOREIGN_STATUS_TTL_S, beside=beside,
+                                            workers_set_s=FOREIGN_STATUS_TTL_S)
                 return worker_id
             finally:
                 r.close()

@@ -28,14 +28,17 @@ def kill_clients(r: redis.Redis) -> int:
 
 
 def plant_foreign_state(r: redis.Redis, worker_id: str, ttl_s: float, shard: int = 0, *,
-                        beside: str | None = None) -> None:
+                        beside: str | None = None, workers_set_s: float = 0.0) -> None:
     """What a kvfleet of another version (in a rolling upgrade) or another program may leave in Redis: `worker_id`
     registered in `shard` with a status this version cannot read (expiring in `ttl_s`), an entry of the cancel
     stream without a request id, a member of the shards' set and a round-robin counter that are not numbers, the
     worker's request stream kept as a string (for twice `ttl_s`: after its status it is a dead worker whose stream
     is of another type, until that expires as an operator would delete it), and with `beside` (a live worker of the
     shard) two fields of its reservations hash whose values are no block count, or more blocks than any cache (they
-    go when the hash expires, after the gateways stop reserving there). The fleet must go on past all of them."""
+    go when the hash expires, after the gateways stop reserving there). With `workers_set_s`, the shard's workers
+    set is then replaced by a string for that long (it expires, as an operator would delete it: the live workers
+    add themselves back, and the dead ones are added back from their streams). The fleet must go on past all of
+    them."""
     ttl_ms = max(1, int(ttl_s * 1000))
     pipe = r.pipeline(transaction=False)
     pipe.sadd(keys.workers(shard), worker_id)
@@ -47,6 +50,9 @@ def plant_foreign_state(r: redis.Redis, worker_id: str, ttl_s: float, shard: int
     if beside is not None:
         pipe.hset(keys.reserved(beside, shard), mapping={f"{worker_id}-request": json.dumps({"blocks": 2}),
                                                          f"{worker_id}-count": 10**22})
+    if workers_set_s > 0:
+        pipe.set(keys.workers(shard), f"{worker_id}'s workers, as another program keeps them",
+                 px=max(1, int(workers_set_s * 1000)))
     pipe.execute()
 
 

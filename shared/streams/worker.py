@@ -151,21 +151,31 @@ _scanned: dict[tuple[int, int], tuple[float, set[str]]] = {}  # (id(client), sha
 def shard_workers(r: redis.Redis, shard: int = 0) -> set[str]:
     """Every worker of the shard ever seen: its workers set. A set of another type (another program's write) is
     read around: the workers are then those with a request stream in the shard (a SCAN, at most every RECHECK_S per
-    client), so the takeover still finds a dead worker (whose status is gone) and claims what it left pending."""
+    client), so the takeover still finds a dead worker (whose status is gone) and claims what it left pending. Once
+    the set is back (an operator deleted the key; the live workers add themselves with their next status), the dead
+    workers it lost are added back from their streams, to be taken over."""
     try:
-        return set(r.smembers(keys.workers(shard)))
+        members = set(r.smembers(keys.workers(shard)))
     except redis.ResponseError as e:
         if not (wrong_type(e) and (found := find(r, [keys.workers(shard)]))):
             raise
         report(found, "the takeover scan")
-    at, members = _scanned.get((id(r), shard), (float("-inf"), set()))
-    if time.monotonic() - at >= RECHECK_S:
-        prefix, members = keys.req_stream("", shard), set()
-        for name in r.scan_iter(match=keys.req_stream("*", shard), count=1000, _type="stream"):
-            if name != keys.req_any(shard):
-                members.add(name[len(prefix):])
-        _scanned[(id(r), shard)] = (time.monotonic(), members)
+        at, members = _scanned.get((id(r), shard), (float("-inf"), set()))
+        if time.monotonic() - at >= RECHECK_S:
+            members = _by_streams(r, shard)
+            _scanned[(id(r), shard)] = (time.monotonic(), members)
+        return members
+    if _scanned.pop((id(r), shard), None) is not None and (lost := _by_streams(r, shard) - members):
+        r.sadd(keys.workers(shard), *lost)
+        members |= lost
     return members
+
+
+def _by_streams(r: redis.Redis, shard: int) -> set[str]:
+    """The workers with a request stream in the shard (a SCAN of every master)."""
+    prefix = keys.req_stream("", shard)
+    return {name[len(prefix):] for name in r.scan_iter(match=keys.req_stream("*", shard), count=1000, _type="stream")
+            if name != keys.req_any(shard)}
 
 
 def pending_owners(r: redis.Redis, streams: Sequence[str]) -> dict[str, set[str]]:

@@ -24,7 +24,7 @@ import pytest
 from fleet_harness import REPO, Fleet
 
 from shared import keys, streams
-from shared.messages import GenerationRequest
+from shared.messages import GenerationRequest, WorkerStatus
 from shared.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.integration
@@ -250,6 +250,27 @@ def test_a_dead_workers_requests_are_taken_over_while_the_workers_set_is_of_anot
         # and forgotten once nothing is pending on it (the prune's SREM from the set goes past the string)
         fleet.wait_for(lambda: not r.exists(stream), what="the dead worker forgotten")
     fleet.wait_for(lambda: r.sismember(keys.workers(0), "w0"), what="the worker in its set again")
+
+
+def test_a_worker_that_dies_after_its_workers_set_was_deleted_is_taken_over(fleet):
+    """The operator deletes the workers set of another type: the live workers add themselves back with their next
+    status, but a worker alive meanwhile that dies later was in no set, and nobody would have taken its requests
+    over. The takeover scan adds back the workers it found by their streams while it read around the set."""
+    r, stream, rid = fleet.r, keys.req_stream("w-late", 0), "held-by-a-worker-that-dies-later"
+    streams.ensure_group(r, stream)
+    streams.enqueue(r, GenerationRequest(request_id=rid, prompt_token_ids=[5, 17, 30, 9], sampling_params=SamplingParams(
+        max_tokens=6, temperature=0.0, ignore_eos=True).to_dict()), "w-late")
+    assert len(streams.read_requests(r, "w-late", {stream: ">"}, count=1)) == 1
+    alive = WorkerStatus(worker_id="w-late", model="another", max_model_len=4096, block_size=16, total_blocks=64,
+                         free_blocks=64)
+    r.set(keys.status("w-late"), alive.model_dump_json(), px=6000)  # alive for 6 s, then dead
+    with foreign(fleet, keys.workers(0)):
+        time.sleep(2)  # the takeover scan reads around the set (every heartbeat, 0.5 s): w-late is alive
+        assert not r.exists(keys.out_stream(rid))
+    fleet.wait_for(lambda: r.sismember(keys.workers(0), "w-late"), what="w-late added back to the set")
+    chunks = list(streams.iter_output(r, rid, timeout_s=30))  # once its status expired: taken over
+    assert sum(len(c.token_ids) for c in chunks) == 6 and chunks[-1].final and chunks[-1].error is None, chunks
+    fleet.wait_for(lambda: not r.exists(stream), what="the dead worker forgotten")
 
 
 def test_a_services_request_whose_output_stream_is_of_another_type_fails_at_once_naming_it(fleet):
