@@ -9,6 +9,7 @@ import json
 import redis
 
 from shared import keys
+from shared.streams.client import wrong_type
 
 
 def _info(r: redis.Redis, section: str) -> list[dict]:
@@ -53,7 +54,10 @@ def plant_foreign_state(r: redis.Redis, worker_id: str, ttl_s: float, shard: int
     if workers_set_s > 0:
         pipe.set(keys.workers(shard), f"{worker_id}'s workers, as another program keeps them",
                  px=max(1, int(workers_set_s * 1000)))
-    pipe.execute()
+    # the SADD meets the string an earlier plant left in the workers set: the rest is planted all the same
+    for reply in pipe.execute(raise_on_error=False):
+        if isinstance(reply, Exception) and not wrong_type(reply):
+            raise reply
 
 
 KEY_BYTES, EXPIRY_BYTES = 40, 24  # a key's entry in the keyspace (dictEntry, value robj), its expiry's entry
