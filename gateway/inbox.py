@@ -114,7 +114,7 @@ class _ShardInbox:
     def __init__(self, key: str, reader: Any):
         self.key, self.cursor = key, "0-0"
         self.reader = reader  # the client its blocking read waits on
-        self.down_since: float | None = None  # monotonic time its reads began failing
+        # its reads' failures: `outage.since`, the monotonic time they began (None while they go through)
         self.outage = OutageLog(log, f"reading the output inbox {key}")
         self.foreign: streams.KeyOfAnotherType | None = None  # its key holds another type (another program's write)
         self.task: asyncio.Task | None = None
@@ -214,7 +214,7 @@ class Inbox:
                 raise streams.OutputLost(f"Redis lost request {request_id}: its lease vanished (Redis restarted "
                                          "without its data or was flushed, or the gateway stalled past the lease TTL)")
             now = time.monotonic()
-            down_since = shard.down_since if shard is not None else None
+            down_since = shard.outage.since if shard is not None else None
             if down_since is not None and now - down_since >= grace_s and not await self._answers():
                 raise streams.RedisAway(f"lost the connection to Redis for more than {grace_s:g}s (redis_grace_s) "
                                         f"while reading the output of request {request_id}; retry the request once "
@@ -268,7 +268,7 @@ class Inbox:
                     await self._keep(inbox)
                 inbox.cursor, chunks, moves = await streams.aread_inbox(inbox.reader, inbox.key, inbox.cursor,
                                                                         block_ms=self.block_ms)
-                failures, inbox.down_since, inbox.foreign = 0, None, None
+                failures, inbox.foreign = 0, None
                 inbox.outage.ok()
             except streams.RedisError as e:
                 task = asyncio.current_task()
@@ -280,7 +280,6 @@ class Inbox:
                     await asyncio.sleep(1.0)
                     continue
                 failures, next_keep = failures + 1, 0.0  # once back, check at once that Redis kept the inbox
-                inbox.down_since = inbox.down_since or time.monotonic()
                 wait = min(0.05 * 2 ** (failures - 1), 1.0)
                 inbox.outage.failed(e, "retrying, backing off to 1 s apart")
                 await asyncio.sleep(wait)

@@ -263,8 +263,9 @@ async def _route_and_enqueue(state: GatewayState, planned: Planned, lease_ttl_s:
     r, settings = state.redis, state.settings
     request, policy, routing_blocks = planned.request, settings.routing, planned.routing_blocks
     checks_room = policy in ("free_blocks", "prefix")
-    now = asyncio.get_running_loop().time()
-    state.unroutable = {w: until for w, until in state.unroutable.items() if until > now}
+    if state.unroutable:  # workers whose stream holds another type, left out for a while (below)
+        now = asyncio.get_running_loop().time()
+        state.unroutable = {w: until for w, until in state.unroutable.items() if until > now}
     refused: set[str] = set(state.unroutable)
     ready: set[int] = set()  # shards where its inbox is read and its restored output written
 

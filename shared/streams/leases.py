@@ -45,10 +45,9 @@ async def ahold_leases(r: aioredis.Redis, request_ids: Mapping[str, int], ttl_s:
     by_shard: dict[int, list[str]] = {}
     for rid, shard in request_ids.items():
         by_shard.setdefault(shard, []).append(rid)
-    calls = [_ahold_shard(r, ids, shard, ms, nonce) for shard, ids in by_shard.items()]
-    if expire := list(expire):
-        calls.append(_aexpire(r, expire, max(1, int(expire_s * 1000))))
-    found = await asyncio.gather(*calls)
+    expiring = _apexpire(r, list(expire), max(1, int(expire_s * 1000))) if expire else asyncio.sleep(0)
+    found, _ = await asyncio.gather(
+        asyncio.gather(*(_ahold_shard(r, ids, shard, ms, nonce) for shard, ids in by_shard.items())), expiring)
     return {rid for gone, _ in found for rid in gone}, any(full for _, full in found)
 
 
@@ -61,20 +60,17 @@ async def _ahold_shard(r: aioredis.Redis, ids: list[str], shard: int, ms: int, n
             raise
         # Redis is full: it refuses the SETs but takes PEXPIRE, so the leases that are there are kept (else they
         # would lapse and the workers abort what their clients wait for); one gone cannot be set again
-        pipe = r.pipeline(transaction=False)
-        for name in names:
-            pipe.pexpire(name, ms)
-        kept = await pipe.execute(raise_on_error=False)
+        kept = await _apexpire(r, names, ms, raise_on_error=False)
         return {rid for rid, k in zip(ids, kept, strict=True) if not k or isinstance(k, Exception)}, True
     return {rid for rid, was in zip(ids, there, strict=True) if not was}, False
 
 
-async def _aexpire(r: aioredis.Redis, names: list[str], ms: int) -> tuple[set[str], bool]:
+async def _apexpire(r: aioredis.Redis, names: list[str], ms: int, *, raise_on_error: bool = True) -> list:
+    """PEXPIRE each of `names` to `ms`: one pipelined round trip; the replies."""
     pipe = r.pipeline(transaction=False)
     for name in names:
         pipe.pexpire(name, ms)
-    await pipe.execute()
-    return set(), False
+    return await pipe.execute(raise_on_error=raise_on_error)
 
 
 def leases_alive(r: redis.Redis, request_ids: list[str], shard: int = 0) -> set[str]:
