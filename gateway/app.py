@@ -16,31 +16,26 @@ from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway import prompts, responses, tool_calls
+from gateway.chat_api import ChatCompletionRequest, TokenizeRequest
 from gateway.errors import APIError, install_handlers
 from gateway.fast_lane import FastLane, Lane
 from gateway.fleet_view import FleetViews
 from gateway.inbox import Inbox, gateway_id
 from gateway.leases import Leases
 from gateway.middleware import BodyLimit, Instrumentation
-from gateway.openai_api import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    DetokenizeResponse,
-    ModelCard,
-    ModelList,
-    TokenizeRequest,
-    TokenizeResponse,
-)
-from gateway.placement import routing_header, submit, target_for
+from gateway.openai_api import CompletionRequest, DetokenizeRequest
+from gateway.placement import routing_header, submit
 from gateway.prompts import is_short, prepare
 from gateway.relay import relay
+from gateway.response_models import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
 from gateway.router import POLICIES
 from gateway.sse import Disconnect, EventStream
 from gateway.state import GatewayState
+from gateway.targets import target_for
 from gateway.tokenizer import tokenizers_for
 from shared import streams, telemetry
 from shared.fleet_state import FleetSnapshot
+from shared.gc_heap import freeze_startup_heap
 from shared.settings import Settings
 
 log = logging.getLogger("kvfleet.gateway")
@@ -71,6 +66,7 @@ def create_app(settings: Settings) -> Any:
 
         if resolved_path(settings.model):  # warm the default model's tokenizer while workers start
             state.tokenizers.preload(settings.model)
+        freeze_startup_heap("gateway")
         yield
         await state.leases.close()
         await state.inbox.close()

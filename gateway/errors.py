@@ -21,8 +21,8 @@ _REFUSED = OutageLog(log, "a request's write to redis")
 _UNAVAILABLE = OutageLog(log, "a request's call to redis")
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-         409: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-         503: "service_unavailable", 504: "timeout"}
+         405: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
+         429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
 _UNION_TAG = re.compile(r"^(str|int|float|bool|none|list|dict|[a-z-]+\[.*\])$")  # pydantic's union-member locs
 
 
@@ -70,6 +70,8 @@ def validation_error(exc: Any) -> tuple[str | None, str]:
     name it: ("temperature", "temperature: Input should be ... , got 5.0"). Of several errors (a value that
     matches no member of a union) the one that went deepest."""
     errors = exc.errors() or [{"loc": (), "msg": "invalid request"}]
+    if (body := _body_error(errors[0])) is not None:
+        return None, body
     paths = [error_path(e.get("loc", ()), (e.get("ctx") or {}).get("at", "")) for e in errors]
     i = max(range(len(errors)), key=lambda j: (len(paths[j] or ""), -j))
     err, param = errors[i], paths[i]
@@ -78,6 +80,23 @@ def validation_error(exc: Any) -> tuple[str | None, str]:
                                                                                                   dict | list):
         detail += f", got {err['input']!r}"
     return param, f"{param}: {detail}" if param else detail
+
+
+_JSON_TYPE = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
+
+
+def _body_error(err: dict) -> str | None:
+    """The message for a body that is not a JSON object at all (FastAPI's "JSON decode error" at a bare character
+    offset, or "Input should be a valid dictionary" for a list or a string), or None for an error in a field."""
+    loc, kind = tuple(err.get("loc", ())), err.get("type")
+    if kind == "json_invalid":
+        at = f" at character {loc[1]}" if len(loc) > 1 and isinstance(loc[1], int) else ""
+        reason = (err.get("ctx") or {}).get("error", "JSON decode error")
+        return f"the request body is not valid JSON: {reason}{at}"
+    if loc == ("body",) and kind in ("model_attributes_type", "dict_type", "missing"):
+        got = "nothing" if kind == "missing" else f"a JSON {_JSON_TYPE.get(type(err.get('input')), 'value')}"
+        return f"the request body must be a JSON object (its fields: model, messages or prompt, ...), got {got}"
+    return None
 
 
 def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -152,7 +171,19 @@ async def named_response(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def _handled(request: Request, exc: Exception) -> JSONResponse:
+    if isinstance(exc, StarletteHTTPException) and exc.detail in ("Not Found", "Method Not Allowed"):
+        exc = _no_such_endpoint(request, exc)
     return await named_response(request, exc)
+
+
+def _no_such_endpoint(request: Request, exc: StarletteHTTPException) -> APIError:
+    """Starlette's bare "Not Found" (no such path) or "Method Not Allowed", naming what the gateway serves."""
+    served = sorted({(m, r.path) for r in request.app.routes if getattr(r, "include_in_schema", False)
+                     for m in getattr(r, "methods", ()) if m != "HEAD"}, key=lambda mp: (mp[1], mp[0]))
+    what = "no such endpoint" if exc.status_code == 404 else "this method is not allowed on this path"
+    return APIError(exc.status_code, f"{what}: {request.method} {request.url.path}; this gateway serves "
+                    + ", ".join(f"{m} {p}" for m, p in served), code="not_found" if exc.status_code == 404
+                    else "method_not_allowed", headers=getattr(exc, "headers", None))
 
 
 def install_handlers(app: FastAPI) -> None:

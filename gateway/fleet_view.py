@@ -33,6 +33,7 @@ class FleetViews:
         self._shards: list[int] | None = None
         self._shards_at = 0.0
         self._expiry_pushed: dict[tuple[str, int], float] = {}  # (worker, shard) -> loop time of the last push
+        self.live_at = float("-inf")  # loop time of the last read that found a live worker
 
     async def get(self, r: Any) -> FleetView:
         loop = asyncio.get_running_loop()
@@ -49,6 +50,8 @@ class FleetViews:
                 self._shards, self._shards_at = await streams.aread_shards(r), now
             view = await streams.aread_fleet(r, self._shards)
             self._view, self._read_at = view, asyncio.get_running_loop().time()
+            if view.live:
+                self.live_at = self._read_at
             return view
         finally:
             self._reading = None

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.openai_api import ChatLogprobs, CompletionLogprobs, PromptLogprob, TokenLogprob, TopLogprob
+from gateway.response_models import ChatLogprobs, CompletionLogprobs, PromptLogprob, TokenLogprob, TopLogprob
 from gateway.tokenizer import token_strings
 from shared.messages import LOGPROB_FLOOR
 

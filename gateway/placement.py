@@ -1,7 +1,7 @@
-"""Placing one generation in the fleet, from the gateway's side: find the workers that serve the model (its
-prompts are then prepared by gateway.prompts), build each request and check it against the caches, then
-place it: route it among the live workers, reserve its blocks on the chosen one and enqueue it there (or on
-the shared stream when none can take it now; 429 when that is full too). The routing and enqueue spans are
+"""Placing one generation in the fleet, from the gateway's side: for the workers that serve the model
+(gateway.targets; its prompts are then prepared by gateway.prompts), build each request and check it against
+the caches, then place it: route it among the live workers, reserve its blocks on the chosen one and enqueue it
+there (or on the shared stream when none can take it now; 429 when that is full too). The routing and enqueue spans are
 made here; the worker continues the trace from the context the enqueue span puts into the stream entry.
 
 services.fleet_calls builds and places through the same functions (build_request, place).
@@ -25,91 +25,15 @@ from gateway.fleet_view import read_view
 from gateway.prompts import Prepared, Prompt, part_ids
 from gateway.router import prefix_overlap, route
 from gateway.state import GatewayState
-from gateway.tokenizer import same_model
+from gateway.targets import Target
 from shared import keys, streams
 from shared import telemetry as t
 from shared.blocks import block_hashes, blocks_for, request_blocks
-from shared.fleet_state import FleetView
 from shared.messages import GenerationRequest, OutputChunk, WorkerStatus
 from shared.settings import Settings
 
 OPERATIONS = {"chatcmpl": "chat", "cmpl": "text_completion"}  # request id prefix -> gen_ai.operation.name
 MAX_ROUTE_TRIES = 3
-COMEBACK_HEARTBEATS = 2  # how long a fleet with known workers but none live is waited for (live_view)
-COMEBACK_POLL_S = 0.05
-
-
-@dataclass
-class Target:
-    model: str  # the name answered back to the client
-    workers: list[WorkerStatus]
-    view: FleetView
-    tokenizer: Any
-    max_model_len: int
-    block_size: int
-    max_total_blocks: int
-    # Redis was away when the fleet was read: the request is checked against the gateway's own model (its tokenizer
-    # is here), then this is raised (a 503) where it would be placed. Bad input stays a 4xx during an outage.
-    outage: Exception | None = None
-
-
-async def target_for(state: GatewayState, model: str, view: FleetView | None = None) -> Target:
-    """The live workers serving `model` and its tokenizer; 503 when none lives, 404 for an unknown model.
-    `view`: the fleet as live_view read it for this request already (else it is read here)."""
-    settings = state.settings
-    try:
-        view = view if view is not None else await live_view(state)
-    except streams.RedisError as e:
-        if isinstance(e, streams.KeyOfAnotherType) or not same_model(model, settings.model, ""):
-            raise  # a key of another type is no outage: the 503 names it
-            raise
-        return await _own_model(state, model, FleetView(), outage=e)
-    if not view.live and not settings.queue_when_no_workers:
-        silent = f"; {len(view.dead)} stopped reporting their status ({', '.join(view.dead[:5])}): they are down, " \
-                 "or cannot write to Redis (`kvfleet status` shows Redis's state)" if view.dead else ""
-        if view.unreadable:  # another version's status, or one kept in another Redis type
-            silent += f"; {len(view.unreadable)} report a status this gateway cannot read (" + ", ".join(
-                f"{w}: {why}" for w, why in sorted(view.unreadable.items())[:5]) + ")"
-        raise APIError(503, f"no worker is alive to serve requests{silent}; start one with `kvfleet worker`",
-                       code="no_workers", headers={"Retry-After": str(settings.retry_after_s)})
-    workers = view.serving(lambda w: same_model(model, w.model, w.model_path))
-    if not workers and view.live:
-        served = sorted({w.model for w in view.live})
-        raise APIError(404, f"the model {model!r} does not exist; this fleet serves: {', '.join(served)}",
-                       param="model", code="model_not_found")
-    if not workers:  # scale to zero: queue for the gateway's own model
-        if not same_model(model, settings.model, ""):
-            raise APIError(404, f"the model {model!r} does not exist; this gateway serves {settings.model!r}",
-                           param="model", code="model_not_found")
-        return await _own_model(state, model, view)
-    tok = await state.tokenizers.get(workers[0].model_path or settings.model)
-    return Target(model=model, workers=workers, view=view, tokenizer=tok,
-                  max_model_len=min(w.max_model_len for w in workers), block_size=workers[0].block_size,
-                  max_total_blocks=max(w.total_blocks for w in workers))
-
-
-async def live_view(state: GatewayState) -> FleetView:
-    """The fleet view. When workers were seen but none is live, their statuses may have expired while Redis was
-    away (stopped or restarted for longer than status_ttl_s), and each re-registers within a heartbeat of its
-    return: the fleet is re-read for up to COMEBACK_HEARTBEATS heartbeats before it is taken as empty (a 503
-    no_workers comes that much later when all workers crashed; workers that stopped cleanly left the fleet,
-    streams.leave, and do not hold it up). Not with queue_when_no_workers: requests then queue at once."""
-    view = await read_view(state.views, state.redis)
-    if view.live or not view.dead or state.settings.queue_when_no_workers:
-        return view
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + COMEBACK_HEARTBEATS * state.settings.heartbeat_s
-    while not view.live and loop.time() < deadline:
-        await asyncio.sleep(COMEBACK_POLL_S)
-        view = await read_view(state.views, state.redis)
-    return view
-
-
-async def _own_model(state: GatewayState, model: str, view: FleetView, outage: Exception | None = None) -> Target:
-    """No worker to size the request by (none alive: scale to zero; or Redis away): the gateway's own model, its
-    tokenizer, and no window or cache limit (the worker that takes it checks those)."""
-    tok = await state.tokenizers.get(state.settings.model)
-    return Target(model, [], view, tok, max_model_len=0, block_size=16, max_total_blocks=1 << 30, outage=outage)
 
 
 @dataclass
@@ -332,9 +256,10 @@ async def _route_and_enqueue(state: GatewayState, planned: Planned, lease_ttl_s:
             t.set_error(span, "shared queue full")
     if entry_id is None:
         raise APIError(
-            429, f"the fleet is full: no worker can take this request now ({routing_blocks} free KV blocks, "
-                 f"fewer than {settings.worker_queue_bound} requests waiting) and {settings.queue_bound} requests "
-                 "already wait in the shared queue; retry later",
+            429, f"the fleet is full: no worker can take this request now (it needs {routing_blocks} free KV "
+                 f"blocks and a worker with fewer than {settings.worker_queue_bound} requests waiting) and "
+                 f"{settings.queue_bound} requests already wait in the shared queue (KVFLEET_QUEUE_BOUND); retry "
+                 "later",
             code="fleet_overloaded", headers={"Retry-After": str(settings.retry_after_s)})
     return Placement(None, entry_id, policy, shard)
 

@@ -11,15 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.chat_api import ChatCompletionRequest, TokenizeRequest
 from gateway.errors import bad_request, param_of
-from gateway.openai_api import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    DetokenizeResponse,
-    TokenizeRequest,
-    TokenizeResponse,
-)
+from gateway.openai_api import CompletionRequest, DetokenizeRequest
+from gateway.response_models import DetokenizeResponse, TokenizeResponse
 from gateway.tokenizer import chat_ids, prompt_ids
 from shared.sampling_params import SamplingParams
 
@@ -78,7 +73,7 @@ def completion_prompts(tokenizer: Any, prompt: Any) -> list[tuple[list[int], str
 def resolve_max_tokens(target: Any, prompt_len: int, max_tokens: int | None, param: str) -> int | None:
     """max_tokens as the workers will run it; 400 (with both numbers) when prompt + output exceed the window.
     With no worker alive (scale to zero) the window is unknown: the worker that takes it checks.
-    `target`: a gateway.placement.Target."""
+    `target`: a gateway.targets.Target."""
     if not target.workers:
         return max_tokens
     limit = target.max_model_len
@@ -137,7 +132,7 @@ def is_short(body: CompletionRequest | ChatCompletionRequest) -> bool:
 
 def prepare(target: Any, body: CompletionRequest | ChatCompletionRequest) -> Prepared:
     """Check against the vocabulary, tokenize, check the window, build the sampling params: what every door does
-    before placing. 400s name the field. `target`: the gateway.placement.Target the request goes to (its
+    before placing. 400s name the field. `target`: the gateway.targets.Target the request goes to (its
     tokenizer and window). It tokenizes: callers on an event loop run it in the tokenizer threads
     (gateway.tokenizer.Tokenizers.run) unless the input `is_short`."""
     tok = target.tokenizer

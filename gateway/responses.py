@@ -12,7 +12,9 @@ from typing import Any
 
 from gateway.errors import APIError
 from gateway.logprobs import chat_logprobs, completion_logprobs, joined, prompt_logprobs, vllm_prompt_logprobs
-from gateway.openai_api import (
+from gateway.placement import Submitted
+from gateway.relay import chunk_error
+from gateway.response_models import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -24,8 +26,6 @@ from gateway.openai_api import (
     CompletionResponse,
     UsageInfo,
 )
-from gateway.placement import Submitted
-from gateway.relay import chunk_error
 from gateway.tool_calls import ToolCalls
 from shared.messages import OutputChunk, Usage
 

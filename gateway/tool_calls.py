@@ -1,7 +1,7 @@
 """From an answer's text to OpenAI tool calls, for each tool_choice, as vLLM makes them:
 
 - a named function: the answer is held by structured outputs to the function's `parameters` schema
-  (gateway.openai_api.tool_call_schema) and is its arguments; one call, finish_reason "stop" (as OpenAI's for a
+  (gateway.chat_api.tool_call_schema) and is its arguments; one call, finish_reason "stop" (as OpenAI's for a
   forced function);
 - "required": the answer is held to a non-empty array of {"name": one of the tools, "parameters": its
   arguments}; one call each, finish_reason "tool_calls";
@@ -21,8 +21,9 @@ import json
 import uuid
 from dataclasses import dataclass
 
+from gateway.chat_api import ChatCompletionRequest
 from gateway.errors import bad_request
-from gateway.openai_api import ChatCompletionRequest, ChatDelta, ChatMessageOut, FunctionCall, ToolCall
+from gateway.response_models import ChatDelta, ChatMessageOut, FunctionCall, ToolCall
 from gateway.tool_parsers import FORMATS, Call, CallScanner, Piece
 from shared.settings import Settings
 

@@ -57,6 +57,11 @@ def configure(app: Celery, settings: Settings) -> None:
         broker_transport_options={"visibility_timeout": vt, "unacked_restore_interval": max(1, min(10, int(vt / 4))),
                                   "unacked_restore_throttle": 1 if vt < 600 else 10},
         result_backend_transport_options={"visibility_timeout": vt},
+        # A result that cannot be stored (Redis restarting) is retried for about a minute, with backoff, instead of
+        # failing at once: a task that starts as the connection drops would otherwise fail "outside body" on its
+        # STARTED state, never run, and wait out the visibility timeout. Clients' reads of results retry alike.
+        result_backend_always_retry=True, result_backend_max_retries=120,
+        result_backend_base_sleep_between_retries_ms=50, result_backend_max_sleep_between_retries_ms=1000,
     )
 
 

@@ -23,22 +23,23 @@ from typing import Any
 from pydantic import ValidationError
 
 from gateway import tool_calls
+from gateway.chat_api import ChatCompletionRequest
 from gateway.errors import APIError, refusal
-from gateway.openai_api import ChatCompletionRequest, CompletionRequest, CompletionResponse
+from gateway.fleet_view import FleetViews
+from gateway.openai_api import CompletionRequest
 from gateway.placement import (
     OPERATIONS,
     Placement,
     Planned,
     Submitted,
-    Target,
     build_request,
-    live_view,
     place,
-    target_for,
 )
 from gateway.prompts import is_short, part_ids, prepare, prompt_count
+from gateway.response_models import CompletionResponse
 from gateway.responses import chat_body, completion_body, merge_completions
 from gateway.state import GatewayState
+from gateway.targets import Target, live_view, target_for
 from gateway.tokenizer import tokenizers_for
 from gateway.tool_calls import ToolCalls
 from services import job_record
@@ -122,7 +123,10 @@ class FleetCaller:
         self.redis = redis if redis is not None else streams.connect_async(settings.redis_url,
                                                                            health_check_interval=30)
         tool_calls.check_settings(settings)
-        self.gateway = GatewayState(settings=settings, redis=self.redis, tokenizers=tokenizers_for(settings))
+        # read afresh for every request (max age 0), and remembering when a worker was last seen live, as the
+        # gateway's view does (gateway.targets.live_view waits for those after an outage)
+        self.gateway = GatewayState(settings=settings, redis=self.redis, tokenizers=tokenizers_for(settings),
+                                    views=FleetViews(max_age_s=0.0))
 
     async def aclose(self) -> None:
         await self.redis.aclose()

@@ -1,8 +1,8 @@
 """SamplingParams: how one request is sampled. Shared by the engine, the gateway and Celery (no torch).
 
 The limits below bound every field, so no value can overflow a tensor or a generator in the engine; the
-gateway's request models (gateway.openai_api) use the same numbers, and checks that need the model (top_k and
-token ids against the vocabulary) happen where the tokenizer is known (gateway.prompts)."""
+gateway's request models (gateway.openai_api, gateway.chat_api) use the same numbers, and checks that need the
+model (top_k and token ids against the vocabulary) happen where the tokenizer is known (gateway.prompts)."""
 
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ class Settings:
     worker_id: str = field(default_factory=_default_worker_id)
     routing: str = "free_blocks"
     # Requests that no worker fits go to the shared stream; past this many waiting there, answer 429.
-    queue_bound: int = 64
+    queue_bound: int = 1024
     # Every routing policy: a worker with this many requests waiting (enqueued there and not yet counted by its
     # status, plus taken and not yet running) gets no more; the request goes elsewhere, or to the shared stream
     # (then 429).

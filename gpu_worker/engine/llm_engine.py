@@ -2,11 +2,11 @@
 scheduler.update_from_output -> detokenize -> stop strings -> one RequestOutput per request that moved.
 Outputs are deltas (vLLM's RequestOutputKind.DELTA): the token ids, text and logprobs new since the request's
 last output, so a step costs what it produced; the offline API (llm.py) folds them into complete outputs.
-Tokens a request already had (resumed after a takeover, or recomputed after preemption) are never sent again.
+The input processor checks a request and makes its state (gpu_worker.engine.input_processor); that state turns
+the step's tokens into the request's delta (gpu_worker.engine.request_state).
 
 Structured outputs (SamplingParams.structured_outputs): each sequence's grammar masks its logits before the
-sampler and takes each sampled token (gpu_worker.engine.structured); a spec that does not compile is an
-InvalidRequest.
+sampler and takes each sampled token (gpu_worker.engine.structured).
 
 A request with n > 1 runs as n sequences with ids f"{request_id}-{i}" (one scheduler group: they share the
 prompt's blocks) and comes back as one RequestOutput with n CompletionOutputs.
@@ -14,9 +14,7 @@ prompt's blocks) and comes back as one RequestOutput with n CompletionOutputs.
 Prompt logprobs (SamplingParams.prompt_logprobs): the runner scores the prompt's chunks as they are computed
 (the scheduler names the targets). Prompts scored to the end leave their blocks' logprobs in ScoredPrefixes; a
 new request takes those of its leading blocks from there, and the scheduler gives it a prefix-cache hit over
-them (a hit has no logits). The request's first output with tokens carries the whole list once (in that
-sample's CompletionOutput), entry 0 None (the first token has no context); a request resumed with tokens sent
-had it sent already.
+them (a hit has no logits). The request's first output with tokens carries the whole list once.
 
 A failure that belongs to one request fails that request alone: its output is final with finish_reason
 "error" and `error` set, its blocks are freed, and every other request of the step carries on as if nothing
@@ -32,23 +30,22 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from gpu_worker.core.config import CacheConfig, SchedulerConfig
-from gpu_worker.core.kv_cache_manager import compute_block_hashes
 from gpu_worker.core.policies import SchedulingPolicy
 from gpu_worker.core.request import Request
 from gpu_worker.core.sched_output import SchedulerOutput
 from gpu_worker.core.scheduler import RequestRejected, Scheduler, SchedulerStats
 from gpu_worker.engine import isolation, structured
-from gpu_worker.engine.detokenizer import IncrementalDetokenizer, backend_decode
+from gpu_worker.engine.input_processor import InputProcessor, InvalidRequest
 from gpu_worker.engine.isolation import EngineFault
-from gpu_worker.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from gpu_worker.engine.sampler import Sampler, SamplingRow, draw_uniform
+from gpu_worker.engine.outputs import RequestOutput
+from gpu_worker.engine.request_state import RequestState, SequenceState
+from gpu_worker.engine.sampler import Sampler, SamplingRow
 from gpu_worker.engine.scored_prefixes import ScoredPrefixes
-from gpu_worker.engine.structured import Constraint, GrammarError, Grammars
+from gpu_worker.engine.structured import GrammarError
 from gpu_worker.executor.model_loader import checked_max_model_len, eos_token_ids, load_model_files
 from gpu_worker.executor.model_runner import ModelRunner
 from shared.sampling_params import SamplingParams
@@ -61,48 +58,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 __all__ = ["EngineFault", "InvalidRequest", "LLMEngine", "RequestRejected"]
 
 
-class InvalidRequest(RequestRejected):
-    """A request no worker of this model can run (a field out of range): fail it, never hand it on."""
-
-
-@dataclass
-class _Sequence:
-    """One of a request's n samples, with what the engine adds to the scheduler's Request."""
-
-    index: int
-    request: Request
-    detok: IncrementalDetokenizer
-    generator: torch.Generator | None
-    banned_ids: list[int]  # masked while fewer than min_tokens outputs exist
-    num_seen: int  # output tokens already processed (detokenized, logprobs recorded)
-    num_sent: int  # output tokens already in an output (or sent before a takeover)
-    logprobs: list[dict[int, float]] | None  # of the processed tokens not sent yet; None if not asked
-    cumulative_logprob: float | None
-    constraint: Constraint | None = None  # structured outputs: its grammar's state
-
-
-@dataclass
-class _Group:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    seqs: list[_Sequence] = field(default_factory=list)
-    metrics: RequestMetrics | None = None
-    prompt_logprobs: list[dict[int, float] | None] | None = None  # by position (0: None); None: not asked
-    prompt_logprob_ranks: list[int | None] | None = None  # the prompt tokens' ranks, by position
-    prompt_logprobs_due: bool = False  # the next output with tokens carries them (once per request)
-
-    @property
-    def finished(self) -> bool:
-        return all(s.request.is_finished for s in self.seqs)
-
-
 @dataclass
 class _Step:
     """A scheduled step until its forward is collected."""
 
     sched: SchedulerOutput
-    sampling: list[_Sequence]  # its sequences that sample a token, in batch order
+    sampling: list[SequenceState]  # its sequences that sample a token, in batch order
     forward: Future | None = None  # async_output: the forward running in the background
 
 
@@ -110,7 +71,7 @@ class _Step:
 class _Collected:
     """A step after its sampler and scheduler update, before its outputs."""
 
-    sampling: list[_Sequence]  # those that sampled (or failed to)
+    sampling: list[SequenceState]  # those that sampled (or failed to)
     failed: dict[str, str] = field(default_factory=dict)  # group request id -> why it failed
     invalid: set[str] = field(default_factory=set)  # of those, the ones failed by their own input (a 400, not a 500)
     logprobs: dict[str, dict[int, float] | None] = field(default_factory=dict)
@@ -129,17 +90,15 @@ class LLMEngine:
                  cache_config: CacheConfig, eos_token_ids: list[int], seed: int = 0, async_output: bool = False):
         self.runner = runner
         self.tokenizer = tokenizer
-        self._decode = backend_decode(tokenizer)  # the detokenizers' decode, where it is transformers' own
         self.model_name = model_name
         self.max_model_len = scheduler_config.max_model_len
         self.block_size = cache_config.block_size
-        self.eos_token_id = eos_token_ids[0] if eos_token_ids else None
-        self._extra_eos_ids = eos_token_ids[1:]  # more end-of-text ids (Llama 3): treated as stop ids
         self.scheduler = Scheduler(scheduler_config, cache_config)
         self.sampler = Sampler(seed, device=runner.device)
-        self._groups: dict[str, _Group] = {}
-        self._seq_owner: dict[str, tuple[_Group, _Sequence]] = {}  # scheduler request id -> its group
-        self.grammars = Grammars(tokenizer, runner.vocab_size, eos_token_ids)
+        self._groups: dict[str, RequestState] = {}
+        self._seq_owner: dict[str, tuple[RequestState, SequenceState]] = {}  # scheduler request id -> its group
+        self.inputs = InputProcessor(tokenizer, runner.vocab_size, eos_token_ids, runner.device)
+        self.grammars = self.inputs.grammars
         self.scored_prefixes = ScoredPrefixes(self.block_size) if cache_config.enable_prefix_caching else None
         self.async_output = async_output
         self._in_flight: _Step | None = None
@@ -193,28 +152,11 @@ class LLMEngine:
         per sample, the tokens already sent before a worker died; they are recomputed, not sampled again."""
         if request_id in self._groups:
             raise RequestRejected(f"request id {request_id!r} is already running")
-        self._check(prompt_token_ids, params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         resume = resume_output_token_ids or []
-        group = _Group(request_id, prompt, list(prompt_token_ids), metrics=RequestMetrics(arrival))
-        for i in range(params.n):
-            group.seqs.append(self._make_sequence(group, i, params, priority, arrival,
-                                                  resume[i] if i < len(resume) else []))
+        group = self.inputs.new_request(request_id, prompt, prompt_token_ids, params, priority, arrival, resume)
         if params.prompt_logprobs is not None and not any(resume):  # else they went out with the first tokens
-            group.prompt_logprobs_due = True
-            group.prompt_logprobs = [None] * len(prompt_token_ids)
-            group.prompt_logprob_ranks = [None] * len(prompt_token_ids)
-            known = 1  # positions whose logprobs are known from the start: the first has none (no context)
-            if self.scored_prefixes is not None:
-                hashes = compute_block_hashes(prompt_token_ids, self.block_size)
-                for s in group.seqs:  # the KV cache manager's prefix lookup extends these: hashed once
-                    s.request.block_hashes = list(hashes)
-                known = max(known, self.scored_prefixes.fill(prompt_token_ids, hashes, params.prompt_logprobs,
-                                                             group.prompt_logprobs, group.prompt_logprob_ranks))
-            if known < len(prompt_token_ids):  # a 1-token prompt has nothing to score
-                for s in group.seqs:  # any of them may compute the prompt (the leader, or one after a preemption)
-                    s.request.prompt_logprobs = params.prompt_logprobs
-                    s.request.scored_prompt_tokens = known
+            group.ask_prompt_logprobs(params.prompt_logprobs, self.scored_prefixes, self.block_size)
         requests = [s.request for s in group.seqs]
         if len(requests) == 1:
             self.scheduler.add_request(requests[0])
@@ -223,65 +165,6 @@ class LLMEngine:
         self._groups[request_id] = group
         for s in group.seqs:
             self._seq_owner[s.request.request_id] = (group, s)
-
-    def _check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """What the engine needs beyond SamplingParams' own checks: token ids in this model's vocabulary and
-        top_k up to it (the producer may have skipped the gateway's validation)."""
-        vocab = self.runner.vocab_size
-
-        def outside(ids: Any) -> Any:
-            return next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-
-        if (bad := outside(prompt_token_ids)) is not None:
-            raise InvalidRequest(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
-        if (bad := outside(params.stop_token_ids)) is not None:
-            raise InvalidRequest(f"stop_token_ids: {bad!r} is outside the vocabulary [0, {vocab})")
-        if (bad := outside(params.logit_bias or {})) is not None:  # SamplingParams made the keys ints
-            raise InvalidRequest(f"logit_bias: key {bad!r} is outside the vocabulary [0, {vocab})")
-        if not isinstance(params.top_k, int) or not 0 <= params.top_k <= vocab:
-            raise InvalidRequest(f"top_k must be -1 (off) or in [1, {vocab}] (the vocabulary), got {params.top_k!r}")
-        if params.structured_outputs is not None:
-            try:
-                self.grammars.compile(params.structured_outputs)
-            except GrammarError as e:
-                raise InvalidRequest(str(e)) from None
-
-    def _make_sequence(self, group: _Group, index: int, params: SamplingParams, priority: int, arrival: float,
-                       resumed: list[int]) -> _Sequence:
-        sp = params
-        if params.n > 1 or self._extra_eos_ids:
-            sp = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + index,
-                                     stop_token_ids=params.stop_token_ids + [
-                                         e for e in self._extra_eos_ids if not params.ignore_eos])
-        rid = group.request_id if params.n == 1 else f"{group.request_id}-{index}"
-        request = Request(rid, group.prompt_token_ids, sp, eos_token_id=self.eos_token_id, priority=priority,
-                          arrival_time=arrival, output_token_ids=list(resumed))
-        generator = None
-        if sp.seed is not None and not sp.greedy:
-            generator = torch.Generator(device=self.runner.device)
-            generator.manual_seed(sp.seed)
-            for _ in resumed:  # the draws those tokens took, so the continuation is the same
-                draw_uniform(generator, 1, self.runner.device)
-        banned = list(sp.stop_token_ids)
-        if self.eos_token_id is not None and not sp.ignore_eos:
-            banned.append(self.eos_token_id)
-        detok = IncrementalDetokenizer(self.tokenizer, group.prompt_token_ids,
-                                       skip_special_tokens=sp.skip_special_tokens, stop=sp.stop,
-                                       include_stop_str_in_output=sp.include_stop_str_in_output,
-                                       decode=self._decode)
-        if resumed:  # their text was sent too: all of it but what a stop string could still begin with
-            detok.add_tokens(resumed)
-            detok.take_text(finished=False)
-        want_lp = sp.logprobs is not None
-        constraint = None
-        if sp.structured_outputs is not None:
-            try:
-                constraint = Constraint(self.grammars.compile(sp.structured_outputs), resumed)
-            except GrammarError as e:
-                raise InvalidRequest(str(e)) from None
-        return _Sequence(index, request, detok, generator, banned, num_seen=len(resumed), num_sent=len(resumed),
-                         logprobs=[] if want_lp else None, cumulative_logprob=0.0 if want_lp else None,
-                         constraint=constraint)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request (all its samples) and free its blocks; unknown or finished id: no-op."""
@@ -369,7 +252,7 @@ class LLMEngine:
     def _schedule(self) -> _Step:
         sched = self.scheduler.schedule()
         now = time.monotonic()
-        sampling: list[_Sequence] = []
+        sampling: list[SequenceState] = []
         for seq in sched.seqs:
             group, s = self._seq_owner[seq.request_id]
             if group.metrics.first_scheduled_time is None:
@@ -379,7 +262,7 @@ class LLMEngine:
                 sampling.append(s)
         return _Step(sched, sampling)
 
-    def _live(self, s: _Sequence) -> bool:
+    def _live(self, s: SequenceState) -> bool:
         """Whether a sequence scheduled for a step still runs when its forward is done: with async_output, a
         stop string found in the step before, an abort or a grammar's end may have ended it meanwhile (its token
         from this step is dropped, as vLLM's async scheduling drops it)."""
@@ -442,7 +325,7 @@ class LLMEngine:
         """Detokenize the step's new tokens, check stop strings, and build one output per request that moved."""
         failed = done.failed
         now = time.monotonic()
-        touched: dict[str, _Group] = {}
+        touched: dict[str, RequestState] = {}
         for s in done.sampling:
             group = self._seq_owner[s.request.request_id][0]
             touched[group.request_id] = group
@@ -478,36 +361,33 @@ class LLMEngine:
                                       "invalid_request" if group.request_id in done.invalid else "internal"))
         return outputs
 
-    def _finish_step(self, group: _Group, now: float) -> RequestOutput:
-        output = self._output(group, group.finished)
+    def _finish_step(self, group: RequestState, now: float) -> RequestOutput:
+        output = group.delta(group.finished)
         if output.finished:
             group.metrics.finished_time = now
             output.metrics = dataclasses.replace(group.metrics)
             self._forget(group)
         return output
 
-    def _abort_seqs(self, group: _Group) -> None:
+    def _abort_seqs(self, group: RequestState) -> None:
         for s in group.seqs:
             self.scheduler.abort_request(s.request.request_id)
 
-    def _forget(self, group: _Group) -> None:
+    def _forget(self, group: RequestState) -> None:
         del self._groups[group.request_id]
         for s in group.seqs:
             self._seq_owner.pop(s.request.request_id, None)
 
-    def _fail(self, group: _Group, error: str, now: float, kind: str = "internal") -> RequestOutput:
+    def _fail(self, group: RequestState, error: str, now: float, kind: str = "internal") -> RequestOutput:
         """End a request whose own work failed: blocks freed, a final output with finish_reason "error". kind:
         "invalid_request" when its input is at fault (a grammar with a dead end), else "internal"."""
         log.error("request %s failed: %s", group.request_id, error)
         self._abort_seqs(group)
         self._forget(group)
         group.metrics.finished_time = now
-        outs = [CompletionOutput(index=s.index, text="", token_ids=[], logprobs=None, finish_reason="error",
-                                 cumulative_logprob=s.cumulative_logprob) for s in group.seqs]
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, True,
-                             dataclasses.replace(group.metrics), error=error, error_kind=kind)
+        return group.failed(error, kind)
 
-    def _apply_grammars(self, sampling: list[_Sequence], logits: torch.Tensor, failed: dict[str, str],
+    def _apply_grammars(self, sampling: list[SequenceState], logits: torch.Tensor, failed: dict[str, str],
                         invalid: set[str]) -> set[str]:
         """Mask each constrained row of `logits` by its grammar, before the sampler. -> the sequences whose grammar
         is complete with no stop token left to sample (they end with "stop"); a dead end or a grammar that
@@ -524,68 +404,23 @@ class LLMEngine:
         return complete
 
     def _record_prompt_logprobs(self) -> None:
-        """The prompt logprobs the step's forwards scored, into their groups; a group with all of them stops
-        asking the scheduler for more (its requests may use the prefix cache again after a preemption)."""
+        """The prompt logprobs the step's forwards scored, into their requests; those scored to the end are kept by
+        prefix block for later requests."""
         for rid, scored in self.runner.take_prompt_logprobs().items():
             owner = self._seq_owner.get(rid)
             group = owner[0] if owner is not None else None
             if group is None or group.prompt_logprobs is None:
                 continue
-            for position, (entry, rank) in enumerate(zip(scored.entries, scored.ranks, strict=True),
-                                                     scored.first_position):
-                group.prompt_logprobs[position], group.prompt_logprob_ranks[position] = entry, rank
-            entries, lead = group.prompt_logprobs, group.seqs[0].request
-            known = max(1, lead.scored_prompt_tokens)  # positions before it are known already: go on from there
-            while known < len(entries) and entries[known] is not None:
-                known += 1
-            for s in group.seqs:
-                s.request.scored_prompt_tokens = known  # a preempted one may take a hit up to there
-            if known == len(entries):
-                top_n = lead.prompt_logprobs
-                for s in group.seqs:
-                    s.request.prompt_logprobs = None
-                if self.scored_prefixes is not None and top_n is not None:
-                    full = len(group.prompt_token_ids) // self.block_size  # the prompt's blocks, not the output's
-                    self.scored_prefixes.keep(group.prompt_token_ids, lead.block_hashes[:full], top_n, entries,
-                                              group.prompt_logprob_ranks)
+            top_n = group.add_scored_prompt(scored)
+            if top_n is not None and self.scored_prefixes is not None:
+                full = len(group.prompt_token_ids) // self.block_size  # the prompt's blocks, not the output's
+                self.scored_prefixes.keep(group.prompt_token_ids, group.seqs[0].request.block_hashes[:full], top_n,
+                                          group.prompt_logprobs, group.prompt_logprob_ranks)
 
-    def _process_new_tokens(self, s: _Sequence, logprob: dict[int, float] | None) -> None:
-        request = s.request
-        new = request.output_token_ids[s.num_seen:]
-        if not new:
-            return  # aborted or preempted between schedule and update
-        s.num_seen = request.num_output_tokens
-        if s.logprobs is not None and logprob is not None:
-            s.logprobs.append(logprob)
-            s.cumulative_logprob += logprob[new[-1]]
-        sp = request.sampling_params
-        stopped_by_token = request.finish_reason == "stop" and isinstance(request.stop_reason, int | None)
-        if stopped_by_token and not sp.include_stop_str_in_output:
-            new = new[:-1]  # eos / stop id: not part of the text
-        stop = s.detok.add_tokens(new) if new else None
+    def _process_new_tokens(self, s: SequenceState, logprob: dict[int, float] | None) -> None:
+        stop = s.process_new_tokens(logprob)
         if stop is not None:
-            if request.is_finished:
-                request.finish("stop", stop)  # the stop string wins over length
+            if s.request.is_finished:
+                s.request.finish("stop", stop)  # the stop string wins over length
             else:
-                self.scheduler.finish_request(request.request_id, "stop", stop)
-
-    def _output(self, group: _Group, finished: bool) -> RequestOutput:
-        """The group's delta: per sample, what was processed since its last output."""
-        outs = []
-        for s in group.seqs:
-            r = s.request
-            new_ids = r.output_token_ids[s.num_sent:s.num_seen]
-            s.num_sent = s.num_seen
-            logprobs = s.logprobs
-            if logprobs is not None:
-                s.logprobs = []
-            prompt_logprobs = prompt_ranks = None
-            if group.prompt_logprobs_due and new_ids:
-                prompt_logprobs, prompt_ranks = group.prompt_logprobs, group.prompt_logprob_ranks
-                group.prompt_logprobs_due = False
-            outs.append(CompletionOutput(
-                index=s.index, text=s.detok.take_text(r.is_finished), token_ids=new_ids, logprobs=logprobs,
-                finish_reason=r.finish_reason, stop_reason=r.stop_reason, cumulative_logprob=s.cumulative_logprob,
-                prompt_logprobs=prompt_logprobs, prompt_logprob_ranks=prompt_ranks))
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, finished,
-                             dataclasses.replace(group.metrics))
+                self.scheduler.finish_request(s.request.request_id, "stop", stop)

@@ -15,7 +15,7 @@ Requests come from, in order of preference:
      idle time, so two live workers never take the same entry (this, not
      XAUTOCLAIM by idle time alone, because a live worker's long request also looks idle); the output already
      written seeds the Job, so the stream continues where it stopped (a gateway's request, whose output went to
-     its gateway's inbox, goes back to that gateway instead, which places it again: `_back_to_gateway`). Each
+     its gateway's inbox, goes back to that gateway instead, which places it again: EntryCloser.back_to_gateway). Each
      claim bumps the entry's delivery count: the new owner token, which fences the old owner's writes out
      (shared.streams.worker);
   3. its own stream kvfleet:{s}:req:{worker} (the router's choice), and new entries on dead workers' own streams,
@@ -23,8 +23,8 @@ Requests come from, in order of preference:
      1. and 2. find it should this worker die too; the router's reservation there is dropped, as that worker
      may be back already and would never count the request);
   4. when it has room (nothing waiting, free blocks to spare, and everything it took already accounted), the
-     oldest untaken request of the shared stream kvfleet:{s}:req:any, if it fits its free blocks (or it is idle);
-     else it stays, in order, for a worker with more room.
+     oldest untaken requests of the shared stream kvfleet:{s}:req:any, in order, as many as fit its free blocks
+     and sequence slots (the first also when it is idle); the rest stay, in order, for a worker with more room.
 A read or a claim whose reply was lost with the connection (Redis stopped just after answering) delivered its
 entries all the same: the readers' client never sends a command twice (streams.NO_RESEND), and the turn after a
 failed one claims back what is pending on this worker but was never taken (_claim_own).
@@ -40,29 +40,27 @@ before the main thread takes it: a large schema or regex compiles for up to a fe
 the engine's step loop, waits (the compile releases the GIL). A spec that does not compile is left to the main
 thread, which fails the request.
 
-The cancel thread also reads, every LEASE_CHECK_S in one MGET, the leases of the requests the worker holds
-whose gateway holds one (GenerationRequest.lease): a lease seen gone on checks LEASE_CONFIRM_S apart, with no
-failed read between (Redis back from an outage: the gateway sets its leases again within a second) and while
-Redis takes the worker's writes (full or unable to persist, it refuses the gateways' SETs too), becomes a
-cancel, since nobody reads that output any more (its gateway died).
+The cancel thread reads the fleet's cancels, and cancels the requests whose gateway's lease lapsed
+(gpu_worker.serve.lease_watch).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from gpu_worker.serve.request_tracker import Job, RequestTracker
-from shared import keys, streams, telemetry
+from gpu_worker.serve.entry_closer import EntryCloser
+from gpu_worker.serve.lease_watch import LeaseWatch
+from gpu_worker.serve.request_tracker import Job
+from shared import keys, streams
 from shared.blocks import request_blocks
-from shared.messages import SCHEMA_VERSION, ChunkError, DeadLetter, ErrorKind, GenerationRequest
+from shared.messages import SCHEMA_VERSION, ErrorKind
 from shared.outage_log import OutageLog
 from shared.settings import Settings
 
@@ -80,9 +78,14 @@ MAX_BACKOFF_S = 1.0
 # worker's own stream.
 SPARE_READ_BLOCK_MS = 50
 SHARED_LOOK_MS = 200
+# While the last look found requests waiting in the shared stream, or the main thread has yet to account what the
+# reader handed it, the reader's own-stream reads block at most SPARE_READ_BLOCK_MS, room or not: room comes back
+# when the main thread has accounted what it took (the next engine step), and a one-second read then held the shared
+# stream's requests back for a second each (a burst of 64 overflowing there drained at one a second from an idle
+# worker; a burst of 512 ran 0.5 s of steps with half the sequences it could). A look takes as many as fit, up to:
+# a busy worker's main thread accounts them once a step.
+SHARED_TAKE_MAX = 32
 LATEST_KEPT = 4096  # entries whose latest delivery count it remembers (to ignore refusals of older ones)
-LEASE_CHECK_S = 1.0  # read the leases of the requests held this often
-LEASE_CONFIRM_S = 2.0  # a lease must be seen gone this long before its request is aborted
 ORPHAN_SLACK_MS = 1000  # an entry delivered this long before the failed turn began may still be its orphan
 
 
@@ -103,6 +106,7 @@ class Room:
     available_blocks: int = 0  # free blocks less those the requests it holds will still claim
     block_size: int = 16
     idle: bool = False  # nothing running or waiting
+    free_seqs: int = 1  # sequences it may still start (max_num_seqs less those running or waiting)
 
 
 class Intake:
@@ -112,15 +116,13 @@ class Intake:
                  precompile: Any = None):
         self.r, self.settings, self.worker_id = r, settings, worker_id
         self.precompile = precompile  # gpu_worker.engine.structured.Grammars, or None
-        self.metrics = metrics  # gpu_worker.serve.metrics.WorkerMetrics: counts dead letters
+        self.closer = EntryCloser(r, settings, worker_id, metrics)  # entries it closes instead of running them
         self.on_regroup = on_regroup  # after Redis lost the groups: the worker publishes its status at once
         self.redis_failing: set[str] = set()  # the threads whose last turn failed on Redis (-> not ready)
         self.inbox, self.room = inbox, room
-        self.leased = leased  # the request ids the worker holds that carry a lease
-        self.writes_refused = writes_refused  # Redis refuses the worker's writes now (full, or cannot persist)
-        self._next_lease_check = 0.0
-        self._lease_gone: dict[str, float] = {}  # request id -> when its lease was first seen gone
         self.shard = settings.worker_shard  # every stream and key it reads or writes is in its shard
+        # leased: the request ids the worker holds that carry a lease
+        self.leases = LeaseWatch(r, self.shard, leased, writes_refused) if leased is not None else None
         self.own, self.shared = keys.req_stream(worker_id, self.shard), keys.req_any(self.shard)
         # keys of another type (another program's writes) it met: its reads go around them until they are gone
         self.avoided = streams.Avoided(r, f"worker {worker_id}'s reader")
@@ -132,6 +134,7 @@ class Intake:
         self._off_redis = threading.local()  # .s: seconds of a reader thread's turn spent on other work (compiles)
         self._next_shared_look = 0.0  # monotonic time of the next look at the shared stream's head
         self._empty_looks = 0  # looks in a row that found the shared stream empty
+        self._shared_waiting = False  # the last look found requests waiting there
         self._was_spare = False
         self._recheck: queue.SimpleQueue[streams.Ack] = queue.SimpleQueue()  # entries of refused writes
         # monotonic start of the first request-read turn that failed on Redis since the last look for orphans
@@ -335,7 +338,7 @@ class Intake:
             self._next_shared_look, self._empty_looks = 0.0, 0
         self._was_spare = spare
         if (spare and time.monotonic() >= self._next_shared_look and self.shared not in self.avoided
-                and self._take_shared_head(room)):
+                and self._take_shared(room)):
             return
         want: dict[str, str] = {}
         if room.own_backlog:  # its own stream, and the new entries on dead workers' streams like its own
@@ -350,6 +353,10 @@ class Intake:
         until_ms = min(READ_BLOCK_MS, 1000 * (self._next_scan - now))
         if spare:
             until_ms = min(until_ms, 1000 * (self._next_shared_look - now))
+        elif self._shared_waiting or self.handed > room.accounted:
+            # requests wait there, or the main thread has yet to account what this thread handed it (its room then
+            # changes, and the look at the shared stream that follows must not wait out a one-second read)
+            until_ms = min(until_ms, SPARE_READ_BLOCK_MS)
         block_ms = int(max(SPARE_READ_BLOCK_MS, until_ms))
         taken_for_dead = {keys.req_stream(d, self.shard): d for d in self._dead}
         for d in streams.read_requests(self.r, self.worker_id, want, count=8, block_ms=block_ms):
@@ -367,32 +374,37 @@ class Intake:
             return  # malformed: _take dead-lettered it
         streams.release_reservation(self.r, owner, request_id, self.shard)
 
-    def _take_shared_head(self, room: Room) -> bool:
-        """Take the oldest untaken request of the shared stream if it fits the free blocks now (or this
-        worker is idle); otherwise leave it, in order, for a worker with more room."""
-        head = streams.shared_head(self.r, self.shard)
-        self._empty_looks = 0 if head is not None else self._empty_looks + 1
-        wait_ms = (SPARE_READ_BLOCK_MS if head is not None
+    def _take_shared(self, room: Room) -> bool:
+        """Take the oldest untaken requests of the shared stream, in order, as many as fit this worker now: its free
+        blocks (the first one whatever its size when this worker is idle) and its free sequence slots, at most
+        SHARED_TAKE_MAX. Those that do not fit stay, in order, for a worker with more room."""
+        heads = streams.shared_heads(self.r, self.shard, count=max(1, min(room.free_seqs, SHARED_TAKE_MAX)))
+        self._shared_waiting = bool(heads)
+        self._empty_looks = 0 if heads else self._empty_looks + 1
+        wait_ms = (SPARE_READ_BLOCK_MS if heads
                    else min(SHARED_LOOK_MS * 2 ** (self._empty_looks - 1), READ_BLOCK_MS))
         self._next_shared_look = time.monotonic() + wait_ms / 1000
-        if head is None:
+        fit = leading_fit((self._blocks_needed(fields, room.block_size) for fields in heads),
+                          room.available_blocks - self.settings.reserve_blocks, room.idle)
+        if not fit:
             return False
-        try:
-            request = streams.parse_request(head)
-            params = request.params()
-            need = request_blocks(len(request.prompt_token_ids),
-                                  min(params.max_tokens or 1, self.settings.route_max_output_tokens),
-                                  params.n, room.block_size)
-        except (KeyError, TypeError, ValueError):
-            need = 0  # malformed: take it, so _take dead-letters it
-        if not room.idle and need > room.available_blocks - self.settings.reserve_blocks:
-            return False
-        taken = streams.read_requests(self.r, self.worker_id, {self.shared: ">"}, count=1)
+        taken = streams.read_requests(self.r, self.worker_id, {self.shared: ">"}, count=fit)
         for d in taken:
             self._take(d)
         if taken:
-            self._next_shared_look = 0.0  # the next one may fit too
+            self._next_shared_look = 0.0  # the next ones may fit too
         return bool(taken)
+
+    def _blocks_needed(self, fields: dict[str, str], block_size: int) -> int:
+        """What routing counts for a shared stream entry (prompt plus capped output, times n); 0 for a malformed
+        one, so that it is taken and _take dead-letters it."""
+        try:
+            request = streams.parse_request(fields)
+            params = request.params()
+        except (KeyError, TypeError, ValueError):
+            return 0
+        return request_blocks(len(request.prompt_token_ids),
+                              min(params.max_tokens or 1, self.settings.route_max_output_tokens), params.n, block_size)
 
     def _scan_dead(self) -> None:
         """Find the shard's workers whose status expired; forget those that left nothing behind. None while this
@@ -440,7 +452,7 @@ class Intake:
         try:
             request = streams.parse_request(d.fields)
         except (KeyError, TypeError, ValueError) as e:
-            self._drop_malformed(d, f"malformed request entry: {type(e).__name__}: {e}")
+            self.closer.drop_malformed(d, f"malformed request entry: {type(e).__name__}: {e}")
             return
         job = Job(request=request, stream=d.stream, entry_id=d.entry_id, deliveries=d.deliveries)
         handed = self.handed
@@ -452,32 +464,23 @@ class Intake:
         except Exception as e:  # noqa: BLE001
             log.exception("request %s cannot be taken", job.request_id)
             kind: ErrorKind = "invalid_request" if isinstance(e, TypeError | ValueError) else "internal"
-            self._dead_letter(job, f"{type(e).__name__}: {e}", kind=kind)
+            self.closer.dead_letter(job, f"{type(e).__name__}: {e}", kind=kind)
         if self.handed == handed:  # closed here, not handed to the main thread (a Redis error left it pending)
             self.settled.put(job.request_id)
-
-    def _drop_malformed(self, d: streams.Delivery, reason: str) -> None:
-        log.error("entry %s on %s -> %s: %s", d.entry_id, d.stream, keys.DEAD, reason)
-        raw = json.dumps(d.fields)[:65536]
-        streams.dead_letter(self.r, DeadLetter(reason=reason, deliveries=d.deliveries, worker_id=self.worker_id,
-                                               raw=raw))
-        streams.ack_and_delete(self.r, d.ack)
-        if self.metrics is not None:
-            self.metrics.dead_letters.inc()
 
     def _take_job(self, job: Job, d: streams.Delivery, first_run: bool) -> None:
         request = job.request
         if request.v != SCHEMA_VERSION:
-            self._dead_letter(job, f"schema version v={request.v}; this worker reads v={SCHEMA_VERSION}",
-                              kind="invalid_request")
+            self.closer.dead_letter(job, f"schema version v={request.v}; this worker reads v={SCHEMA_VERSION}",
+                                    kind="invalid_request")
             return
         try:
             params = request.params()
         except (TypeError, ValueError) as e:
-            self._dead_letter(job, f"invalid sampling_params: {e}", kind="invalid_request")
+            self.closer.dead_letter(job, f"invalid sampling_params: {e}", kind="invalid_request")
             return
         if d.deliveries > 1 and request.reply_to and not first_run:
-            self._back_to_gateway(job)
+            self.closer.back_to_gateway(job)
             return
         if d.deliveries > 1 or request.attempt > 0:
             job.resume_from(streams.read_all_chunks(self.r, request.request_id, self.shard))
@@ -485,16 +488,17 @@ class Intake:
             streams.ack_and_delete(self.r, d.ack)
             return
         if d.deliveries > self.settings.max_deliveries:
-            self._dead_letter(job, f"delivered {d.deliveries} times (max_deliveries {self.settings.max_deliveries})")
+            self.closer.dead_letter(job, f"delivered {d.deliveries} times (max_deliveries "
+                                         f"{self.settings.max_deliveries})")
             return
         if streams.is_cancelled(self.r, request.request_id):
-            self._finish(job, finish_reason="abort")
+            self.closer.finish(job, finish_reason="abort")
             return
         room = self.room()
         longest = len(request.prompt_token_ids) + max((len(t) for t in job.sent_tokens), default=0)
         need = -(-longest // room.block_size)
         if room.total_blocks and need > room.total_blocks:
-            self._forward(job, need)
+            self.closer.forward(job, need)
             return
         spec = params.structured_outputs
         if spec is not None and self.precompile is not None:
@@ -508,63 +512,14 @@ class Intake:
         self.handed += 1
         self.inbox.put(job)
 
-    def _forward(self, job: Job, need: int) -> None:
-        """This worker's whole cache cannot hold the request (it came from the shared stream, or a dead
-        worker's): pass it straight to the live worker of the shard with the largest cache that can, or fail it
-        (a request never leaves its shard: its lease and output are there)."""
-        able = [w for w in streams.other_workers(self.r, self.worker_id, self.shard).values()
-                if w is not None and not w.draining and w.total_blocks >= need]
-        if not able:
-            self._finish(job, error=ChunkError(kind="invalid_request", message=(
-                f"the request needs {need} KV blocks and no live worker's cache (of shard {self.shard}) holds "
-                "that many")))
-            return
-        target = max(able, key=lambda w: (w.free_blocks, w.total_blocks)).worker_id
-        log.info("request %s needs %d blocks > this cache: forwarded to %s", job.request_id, need, target)
-        streams.forward(self.r, requeue(job.request), target, job.ack, self.shard)
-
-    def _back_to_gateway(self, job: Job) -> None:
-        """A gateway's request taken over from a worker that died (or a drained one): its output so far is in
-        that gateway's inbox, which only the gateway reads. Tell the gateway (a final `worker_lost` chunk): it
-        places the request again with the chunks it relayed, so the worker that takes that one resumes after
-        them. A gateway that is gone gets nothing, and the request ends here."""
-        log.warning("request %s was taken over from a lost worker: handing it back to its gateway", job.request_id)
-        self._finish(job, error=ChunkError(kind="worker_lost", message=(
-            f"the worker running request {job.request_id} was lost; {self.worker_id} took its entry over")))
-
-    def _finish(self, job: Job, **kw) -> None:
-        """Close a request that never reaches the engine: final chunk, then ack, in one step (fenced)."""
-        tracker = RequestTracker(self.worker_id)
-        tracker.add(job)
-        chunk = tracker.final_chunk(job, **kw)
-        rid, reply_to = job.request_id, job.request.reply_to
-        streams.publish(self.r, self.worker_id, output_ttl_s=self.settings.output_ttl_s, chunks=[chunk],
-                        acks=[job.ack], owners={rid: job.ack}, reply_to={rid: reply_to} if reply_to else None,
-                        shard=self.shard)
-
-    def _dead_letter(self, job: Job, reason: str, kind: ErrorKind = "dead_letter") -> None:
-        log.error("request %s -> %s: %s", job.request_id, keys.DEAD, reason)
-        letter = DeadLetter(request=job.request, reason=reason, deliveries=job.deliveries, worker_id=self.worker_id)
-        streams.dead_letter(self.r, letter)
-        message = reason if kind == "invalid_request" else f"request failed: {reason}"
-        self._finish(job, error=ChunkError(kind=kind, message=message))
-        if self.metrics is not None:
-            self.metrics.dead_letters.inc()
-        span = telemetry.start_span("kvfleet.dead_letter", context=telemetry.extract(job.request.trace_context),
-                                    attributes={telemetry.KVFLEET_WORKER_ID: self.worker_id,
-                                                telemetry.KVFLEET_DELIVERIES: job.deliveries})
-        telemetry.set_error(span, reason)
-        span.end()
-
     # ---- cancels -----------------------------------------------------------------------------
     def _cancels(self) -> None:
         self._survive(self._cancel_turn, "cancel read")
 
     def _cancel_turn(self) -> None:
         self._read_cancels_once()
-        if self.leased is not None and time.monotonic() >= self._next_lease_check:
-            self._next_lease_check = time.monotonic() + LEASE_CHECK_S
-            self._check_leases(self.leased())
+        for request_id in self.leases.lapsed() if self.leases is not None else []:
+            self.inbox.put(Cancel(request_id))
 
     def _read_cancels_once(self) -> None:
         if keys.CANCEL in self.avoided:  # another type: no cancels to read (the lease check still runs)
@@ -576,27 +531,14 @@ class Intake:
         for request_id in request_ids:
             self.inbox.put(Cancel(request_id))
 
-    def _check_leases(self, request_ids: list[str]) -> None:
-        """Cancel the requests whose lease is gone and stayed gone for LEASE_CONFIRM_S (one MGET). Not while Redis
-        refuses writes (full, or unable to persist): the gateways cannot set their leases either, so a lapsed one
-        proves nothing; they set them again once Redis takes writes."""
-        if self.writes_refused is not None and self.writes_refused():
-            self._lease_gone.clear()
-            return
-        try:
-            alive = streams.leases_alive(self.r, request_ids, self.shard)
-        except streams.RedisError:
-            self._lease_gone.clear()  # what was seen before the outage proves nothing after it
-            raise
-        now = time.monotonic()
-        self._lease_gone = {rid: self._lease_gone.get(rid, now) for rid in request_ids if rid not in alive}
-        for rid, since in list(self._lease_gone.items()):
-            if now - since >= LEASE_CONFIRM_S:
-                log.warning("request %s: its lease lapsed (its gateway is gone): aborting it", rid)
-                del self._lease_gone[rid]
-                self.inbox.put(Cancel(rid))
 
-
-def requeue(request: GenerationRequest) -> GenerationRequest:
-    """The copy a worker puts back on the shared stream when it hands a request back."""
-    return request.model_copy(update={"attempt": request.attempt + 1, "kv_blocks": 0})
+def leading_fit(needs: Iterable[int], budget: int, idle: bool) -> int:
+    """How many of the shared stream's oldest requests (the blocks each needs, in order) one look takes: while they
+    fit `budget`, the free blocks beyond the reserve; the first whatever its size when the worker is idle. (The
+    fleet simulator takes by the same rule.)"""
+    fit = 0
+    for need in needs:
+        if need > budget and not (fit == 0 and idle):
+            break
+        fit, budget = fit + 1, budget - need
+    return fit

@@ -28,7 +28,8 @@ import uuid
 from collections import OrderedDict
 from typing import Any
 
-from gpu_worker.serve.intake import Cancel, Intake, Room, requeue
+from gpu_worker.serve.entry_closer import requeue
+from gpu_worker.serve.intake import Cancel, Intake, Room
 from gpu_worker.serve.metrics import WorkerMetrics
 from gpu_worker.serve.outbox import Outbox
 from gpu_worker.serve.request_telemetry import RequestTelemetry
@@ -329,7 +330,8 @@ class Worker:
         return Room(own_backlog=not self.draining and backlog < self.max_backlog, spare=spare,
                     draining=self.draining, accounted=self.jobs_seen, total_blocks=s.total_blocks,
                     available_blocks=s.available_blocks(), block_size=s.block_size,
-                    idle=not self.tracker.jobs and backlog == 0)
+                    idle=not self.tracker.jobs and backlog == 0,
+                    free_seqs=max(0, self.max_backlog - s.running - backlog))
 
     def live(self) -> tuple[bool, str]:
         if self.broken:

@@ -15,6 +15,7 @@ import time
 from gpu_worker.core.policies import policy_class
 from gpu_worker.serve.worker import Worker
 from shared import keys, telemetry
+from shared.gc_heap import freeze_startup_heap
 from shared.settings import Settings, hf_offline
 
 log = logging.getLogger("kvfleet.worker")
@@ -192,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
 
             log.info("%s; ready %.1f s after start", warm_up(engine, seed=args.seed).describe(),
                      time.monotonic() - started)
+        freeze_startup_heap(f"worker {settings.worker_id}")
         step_log = None
         if args.step_log:
             from gpu_worker.serve.step_log import StepLog

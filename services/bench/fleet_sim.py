@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gpu_worker.executor.cost_model import CostProfile
+from gpu_worker.serve.intake import SHARED_TAKE_MAX
 from services.bench.fleet_sim_gateway import SimGateway
 from services.bench.fleet_sim_worker import SimWorker, Trace
 from services.bench.fleet_sim_workloads import MIN_THINK_S, SimRequest
@@ -169,14 +170,16 @@ class FleetSim:
             self._at(worker.last_pub + period, PUBLISH, worker)
 
     def _take_shared(self, worker: SimWorker) -> bool:
-        """The intake's _take_shared_head: one request per tick, if the worker has room and the head fits."""
+        """The intake's _take_shared: with room, the shared stream's oldest requests that fit, in order."""
         shared = self.gateway.shared
-        if not shared or not worker.spare() or not worker.fits_shared(shared[0]):
+        if not shared or not worker.spare():
             return False
-        trace = shared.popleft()
-        trace.worker = worker.worker_id
-        worker.inbox.append(trace)
-        return True
+        fit = worker.shared_fit(shared, SHARED_TAKE_MAX)
+        for _ in range(fit):
+            trace = shared.popleft()
+            trace.worker = worker.worker_id
+            worker.inbox.append(trace)
+        return fit > 0
 
     def _offer_shared(self) -> None:
         """A request just went to the shared stream: an idle worker with room takes it at once."""

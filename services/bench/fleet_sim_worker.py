@@ -12,8 +12,9 @@ stream's head only when it has room to spare.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from gpu_worker.core.config import CacheConfig, SchedulerConfig
@@ -21,6 +22,7 @@ from gpu_worker.core.request import Request
 from gpu_worker.core.sched_output import SchedulerOutput
 from gpu_worker.core.scheduler import Scheduler
 from gpu_worker.executor.cost_model import CostProfile, StepShape, sim_token
+from gpu_worker.serve.intake import leading_fit
 from services.bench.fleet_sim_workloads import VOCAB_SIZE, SimRequest
 from shared.blocks import request_blocks
 from shared.messages import WorkerStatus
@@ -176,12 +178,15 @@ class SimWorker:
         blocks beyond the reserve)."""
         return self.backlog() == 0 and self.snapshot.available_blocks > self.settings.reserve_blocks
 
-    def fits_shared(self, trace: Trace) -> bool:
-        req, s = trace.request, self.snapshot
-        need = request_blocks(len(req.prompt), min(req.output_len, self.settings.route_max_output_tokens), 1,
-                              self.block_size)
-        idle = not self.held and not self.inbox
-        return idle or need <= s.available_blocks - self.settings.reserve_blocks
+    def shared_fit(self, traces: Iterable[Trace], most: int) -> int:
+        """How many of the shared stream's oldest requests (in order) the intake's look takes: as many as fit the free
+        blocks beyond the reserve (the first whatever its size when the worker is idle) and its free sequence
+        slots, at most `most`."""
+        s, cap = self.snapshot, self.settings.route_max_output_tokens
+        limit = max(1, min(most, self.profile.max_num_seqs - s.running - self.backlog()))
+        needs = (request_blocks(len(t.request.prompt), min(t.request.output_len, cap), 1, self.block_size)
+                 for t in itertools.islice(traces, limit))
+        return leading_fit(needs, s.available_blocks - self.settings.reserve_blocks, not self.held and not self.inbox)
 
 
 def _params(output_len: int) -> SamplingParams:

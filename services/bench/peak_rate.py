@@ -126,7 +126,7 @@ class Peak:
 
 def _library() -> ctypes.CDLL | None:
     """The compiled loops (once per source and CPU), or None without a C++ compiler."""
-    from gpu_worker.executor.ops.cpu.kernels import build_library
+    from gpu_worker.executor.ops.cpu.native_build import build_library
 
     try:
         lib = ctypes.CDLL(str(build_library(SOURCE, FLAGS, "peak_rate")))

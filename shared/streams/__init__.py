@@ -112,6 +112,15 @@ from shared.streams.requests import (  # noqa: F401
     enqueue_commands,
     parse_request,
 )
+from shared.streams.shard_members import (  # noqa: F401
+    leave,
+    other_workers,
+    pending_owners,
+    prune_dead_worker,
+    register_shard,
+    request_streams,
+    shard_workers,
+)
 from shared.streams.worker import (  # noqa: F401
     DEAD_LETTER_MAXLEN,
     Ack,
@@ -124,15 +133,9 @@ from shared.streams.worker import (  # noqa: F401
     ensure_group,
     forward,
     is_cancelled,
-    leave,
-    other_workers,
-    pending_owners,
-    prune_dead_worker,
     read_cancels,
     read_requests,
     reclaim_own,
-    register_shard,
     release_reservation,
-    request_streams,
-    shared_head,
+    shared_heads,
 )

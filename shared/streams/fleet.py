@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 from shared import fleet_state, keys
 from shared.fleet_state import FleetSnapshot, FleetView, StreamInfo
 from shared.streams.client import LuaScript, arun_script, wrong_type
-from shared.streams.key_types import RECHECK_S, afind, araise_named, report
+from shared.streams.key_types import RECHECK_S, afind, araise_named, aread_set
 
 # ---- fleet reads ----------------------------------------------------------------------------------
 # What the gateway routes on, and what GET /v1/fleet, `kvfleet status` / `top` and the gateway's fleet
@@ -26,25 +26,24 @@ async def aping(r: aioredis.Redis) -> None:
 
 async def aread_shards(r: aioredis.Redis) -> list[int]:
     """The shards workers ever lived in (shard 0 always). A member that is not a shard number (a foreign write) is
-    left out, where it failed every read of the fleet; a kvfleet:shards of another type is read around (_around)."""
-    try:
-        members = {str(k) for k in await r.smembers(keys.SHARDS)}
-    except redis.ResponseError as e:
-        await _around(r, e, [keys.SHARDS])
+    left out, where it failed every read of the fleet; a kvfleet:shards of another type is read around (key_types.read_set)."""
+    members = await aread_set(r, keys.SHARDS, "the fleet reads")
+    if members is None:
         members = {str(k) for k in (await _by_status_keys(r)).values()}
     return sorted({0} | {int(k) for k in members if k.isascii() and k.isdigit()})
 
 
 async def aread_members(r: aioredis.Redis, in_use: list[int]) -> dict[str, int]:
     """Every worker ever seen in the shards `in_use`, with its shard: one round trip. A shard's workers set of
-    another type is read around (_around): that shard's live workers are found by their status keys."""
+    another type is read around (key_types.read_set): that shard's live workers are found by their status keys."""
     pipe = r.pipeline(transaction=False)
     for k in in_use:
         pipe.smembers(keys.workers(k))
     members: dict[str, int] = {}
     for k, found in zip(in_use, await pipe.execute(raise_on_error=False), strict=True):
         if isinstance(found, Exception):
-            await _around(r, found, [keys.workers(k)])
+            found = await aread_set(r, keys.workers(k), "the fleet reads", found)
+        if found is None:
             found = [w for w, shard in (await _by_status_keys(r)).items() if shard == k]
         members.update((w, k) for w in found)
     return members
@@ -55,15 +54,6 @@ async def aread_members(r: aioredis.Redis, in_use: list[int]) -> dict[str, int]:
 # logged once a minute and named by `kvfleet status` and GET /v1/fleet (afleet_snapshot). Before, every request got
 # a 503 naming the key: one stray write kept the whole fleet from taking requests until an operator deleted it.
 _scanned: dict[int, tuple[float, dict[str, int]]] = {}  # id(client) -> (when, worker -> shard)
-
-
-async def _around(r: aioredis.Redis, e: Exception, names: list[str]) -> None:
-    """`e` came from reading the sets `names`: when one holds another type, report it (and return: the caller reads
-    around it); else raise `e`."""
-    if wrong_type(e) and (found := await afind(r, names)):
-        report(found, "the fleet reads")
-        return
-    raise e
 
 
 async def _by_status_keys(r: aioredis.Redis) -> dict[str, int]:
@@ -141,7 +131,7 @@ async def afleet_snapshot(r: aioredis.Redis) -> FleetSnapshot:
         dead_letters = await r.xlen(keys.DEAD)
     except redis.ResponseError as e:  # a WRONGTYPE names the key (`kvfleet status` shows it)
         await araise_named(r, e)
-    # the sets the reads went around (_around): named here, where an operator looks
+    # the sets the reads went around (key_types.read_set): named here, where an operator looks
     around = await afind(r, [keys.SHARDS, *(keys.workers(k) for k in view.in_use)])
     return fleet_state.snapshot(view, infos, dead_letters, time.time(), await _aredis_state(r),
                                 [str(f) for f in around])

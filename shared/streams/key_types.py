@@ -11,8 +11,8 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
-from typing import Any, NoReturn
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any, NoReturn, TypeVar
 
 import redis
 import redis.asyncio as aioredis
@@ -21,9 +21,13 @@ from shared import keys
 from shared.streams.client import KeyOfAnotherType, wrong_type
 
 log = logging.getLogger("kvfleet.streams")
+T = TypeVar("T")
 
 REPORT_EVERY_S = 60.0  # a key of another type is logged once a minute, not at every retry
 RECHECK_S = 5.0  # a worker looks again this often at the keys it reads around
+# A read refused for a key's type (WRONGTYPE) whose keys, looked at right after, hold no other type (the key expired
+# or was deleted in between: a Redis paused past a foreign string's TTL) is read again, up to this many times in a row
+READS_OF_A_TYPE_THAT_CHANGED = 3
 
 
 def _of_another_type(names: Sequence[str], types: Sequence[Any]) -> list[KeyOfAnotherType]:
@@ -81,6 +85,62 @@ async def araise_named(r: aioredis.Redis | Any, e: BaseException, names: Iterabl
         if found:
             raise found[0] from e
     raise e
+
+
+async def arun_named(r: aioredis.Redis | Any, call: Callable[[], Awaitable[T]], names: Sequence[str]) -> T:
+    """await call(), a step on `names` that writes nothing before it meets a key of another type (the enqueue scripts
+    check or pcall first). A WRONGTYPE raises KeyOfAnotherType naming the key among `names`; one whose keys hold no
+    other type when looked at (the key expired or was deleted in between: the read_set race) runs the step again, up
+    to READS_OF_A_TYPE_THAT_CHANGED times in all, the last one as araise_named raises."""
+    for _ in range(READS_OF_A_TYPE_THAT_CHANGED - 1):
+        try:
+            return await call()
+        except redis.ResponseError as e:
+            if not wrong_type(e) or isinstance(e, KeyOfAnotherType):
+                raise
+            if found := await afind(r, names):
+                raise found[0] from e
+    try:
+        return await call()
+    except redis.ResponseError as e:
+        await araise_named(r, e, names)
+
+
+def read_set(r: redis.Redis, name: str, what: str, error: Exception | None = None) -> set[str] | None:
+    """The members of the set `name` (read here, or whose read already failed with `error`); None when it holds
+    another type (reported for `what`: the caller reads around it). A read refused for its type while the TYPE that
+    looks right after finds none (the key expired or was deleted in between: a Redis paused past another program's
+    string's TTL runs the read before the pause and the TYPE after it; chaos seed 229 got two 503s from it) reads the
+    set again, up to READS_OF_A_TYPE_THAT_CHANGED times; any other error is raised."""
+    for _ in range(READS_OF_A_TYPE_THAT_CHANGED):
+        if error is None:
+            try:
+                return {str(m) for m in r.smembers(name)}
+            except redis.ResponseError as e:
+                error = e
+        if not wrong_type(error):
+            raise error
+        if found := find(r, [name]):
+            report(found, what)
+            return None
+        last, error = error, None  # of its own type again, or gone: read it again
+    raise last
+
+
+async def aread_set(r: aioredis.Redis, name: str, what: str, error: Exception | None = None) -> set[str] | None:
+    """read_set, on an asyncio client (the re-reads: arun_named)."""
+    async def read() -> set[str]:
+        nonlocal error
+        if error is not None:  # the first read failed already (in the caller's pipeline)
+            failed, error = error, None
+            raise failed
+        return {str(m) for m in await r.smembers(name)}
+
+    try:
+        return await arun_named(r, read, [name])
+    except KeyOfAnotherType as found:
+        report([found], what)
+        return None
 
 
 _logged: dict[tuple[str, str], float] = {}  # (what, key) -> when this process last said so (report)

@@ -21,7 +21,7 @@ from pydantic import TypeAdapter, ValidationError
 from shared import keys
 from shared.messages import OutputChunk
 from shared.streams.client import CONNECTION_ERRORS, wrong_type, xread
-from shared.streams.key_types import afind, find
+from shared.streams.key_types import READS_OF_A_TYPE_THAT_CHANGED, afind, find
 
 log = logging.getLogger("kvfleet.streams")
 
@@ -102,6 +102,7 @@ class _OutputCursor:
         self.down_since: float | None = None
         self.next_silence_check = time.monotonic() + SILENCE_CHECK_S
         self.failures = 0
+        self.type_changes = 0  # reads in a row refused for a type their keys no longer held (type_changed)
 
     def streams(self) -> dict[str, str]:
         """XREAD's argument; OutputTimeout once nothing came for timeout_s."""
@@ -141,6 +142,15 @@ class _OutputCursor:
             return True
         return False
 
+    def type_changed(self, e: Exception) -> bool:
+        """A read refused for a key's type (WRONGTYPE) while none of its keys holds another type now: the key expired
+        or was deleted in between (a Redis paused past another program's string's TTL), so read again, up to
+        READS_OF_A_TYPE_THAT_CHANGED times in a row."""
+        if not wrong_type(e) or self.type_changes >= READS_OF_A_TYPE_THAT_CHANGED:
+            return False
+        self.type_changes += 1
+        return True
+
     def check_kept(self, output_exists: bool, entry_exists: bool) -> None:
         """After an outage with nothing new read: OutputLost when Redis restarted without the request (its
         output stream, seen before, is gone; or no output yet and its request entry is gone)."""
@@ -156,6 +166,7 @@ class _OutputCursor:
                              "its data or was flushed, or the gateway stalled past the lease TTL)")
 
     def new_chunks(self, reply: Any) -> list[OutputChunk]:
+        self.type_changes = 0
         new_id, chunks = _parse_xread(reply)
         if new_id is None:
             return []
@@ -197,6 +208,8 @@ def iter_output(r: redis.Redis, request_id: str, shard: int = 0, *, timeout_s: f
         except redis.ResponseError as e:
             if wrong_type(e) and (found := find(r, cursor.names())):
                 raise found[0] from e  # the worker writes past it: no chunk would ever come
+            if cursor.type_changed(e):
+                continue
             raise
         if kept:
             cursor.check_kept(*kept)
@@ -230,6 +243,8 @@ async def aiter_output(r: aioredis.Redis, request_id: str, shard: int = 0, *, ti
         except redis.ResponseError as e:
             if wrong_type(e) and (found := await afind(r, cursor.names())):
                 raise found[0] from e
+            if cursor.type_changed(e):
+                continue
             raise
         if kept:
             cursor.check_kept(*kept)

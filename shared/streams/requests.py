@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 from shared import keys
 from shared.messages import GenerationRequest
 from shared.streams.client import LuaScript, arun_script
-from shared.streams.key_types import araise_named
+from shared.streams.key_types import arun_named
 
 CANCEL_STREAM_MAXLEN = 10_000
 # how long an enqueue without a lease stays marked (keys.enqueued): far past redis-py's resend of a command (3
@@ -148,14 +148,10 @@ async def aenqueue_routed(r: aioredis.Redis, request: GenerationRequest, worker_
     and nothing is reserved."""
     names = [keys.status(worker_id, shard), keys.reserved(worker_id, shard), keys.req_stream(worker_id, shard),
              _guard_key(request, shard, lease_ttl_s)]
-    try:
-        return await arun_script(
-            r, _ENQUEUE_ROUTED, names,
-            [request.request_id, request.kv_blocks, -1 if min_headroom is None else min_headroom,
-             int(reservation_ttl_s * 1000), request.model_dump_json(), keys.FIELD,
-             -1 if queue_bound is None else queue_bound, _guard_ms(lease_ttl_s), int(push_expiry), call_nonce()])
-    except redis.ResponseError as e:
-        await araise_named(r, e, names)
+    args = [request.request_id, request.kv_blocks, -1 if min_headroom is None else min_headroom,
+            int(reservation_ttl_s * 1000), request.model_dump_json(), keys.FIELD,
+            -1 if queue_bound is None else queue_bound, _guard_ms(lease_ttl_s), int(push_expiry), call_nonce()]
+    return await arun_named(r, lambda: arun_script(r, _ENQUEUE_ROUTED, names, args), names)
 
 
 async def aenqueue_shared(r: aioredis.Redis, request: GenerationRequest, shard: int, *, bound: int | None,
@@ -164,12 +160,9 @@ async def aenqueue_shared(r: aioredis.Redis, request: GenerationRequest, shard: 
     untaken there; with `lease_ttl_s`, the request's lease is set with it. KeyOfAnotherType names a key of
     another type (the shared stream, say)."""
     names = [keys.req_any(shard), _guard_key(request, shard, lease_ttl_s)]
-    try:
-        return await arun_script(r, _ENQUEUE_SHARED, names, [-1 if bound is None else bound, keys.GROUP,
-                                                             request.model_dump_json(), keys.FIELD,
-                                                             _guard_ms(lease_ttl_s), call_nonce()])
-    except redis.ResponseError as e:
-        await araise_named(r, e, names)
+    args = [-1 if bound is None else bound, keys.GROUP, request.model_dump_json(), keys.FIELD, _guard_ms(lease_ttl_s),
+            call_nonce()]
+    return await arun_named(r, lambda: arun_script(r, _ENQUEUE_SHARED, names, args), names)
 
 
 def call_nonce() -> str:

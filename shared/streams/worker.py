@@ -1,6 +1,6 @@
-"""The worker side: its consumer-group reads, takeover of what dead workers left pending, the forward of a request
-its cache cannot hold, dead letters and cancels (gpu_worker.serve.intake), and its leaving. Its writes of output,
-acks and status are shared.streams.flush.
+"""The worker side: its consumer-group reads, the claims of what dead workers left pending (who they are:
+shared.streams.shard_members), the forward of a request its cache cannot hold, dead letters and cancels
+(gpu_worker.serve.intake). Its writes of output, acks and status are shared.streams.flush.
 
 The owner token of a stream entry (shared.streams.flush's fencing) is (consumer, delivery count) of the entry's
 pending-list record: Redis sets both atomically with every XREADGROUP and XCLAIM here (each claim bumps the count),
@@ -9,18 +9,16 @@ so a worker that lost the entry to another (or to a later run under its own id) 
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Container, Sequence
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any
 
 import redis
 
 from shared import keys
-from shared.fleet_state import NOT_A_STRING, UnreadableStatus, parse_status, unreadable
-from shared.messages import DeadLetter, GenerationRequest, WorkerStatus
-from shared.streams.client import LuaScript, group_missing, run_script, wrong_type, xread, xreadgroup
-from shared.streams.key_types import RECHECK_S, find, report
+from shared.messages import DeadLetter, GenerationRequest
+from shared.streams.client import LuaScript, run_script, wrong_type, xread, xreadgroup
+from shared.streams.key_types import find, report
 from shared.streams.requests import ENQUEUE_MARK_TTL_S, GUARD_LUA, call_nonce
 
 log = logging.getLogger("kvfleet.streams")
@@ -77,15 +75,15 @@ def read_requests(r: redis.Redis, consumer: str, want: dict[str, str], *, count:
     return [Delivery(stream, entry_id, fields) for stream, entries in reply or [] for entry_id, fields in entries]
 
 
-def shared_head(r: redis.Redis, shard: int = 0) -> dict[str, str] | None:
-    """The fields of the oldest entry of the shard's shared stream that no worker has taken yet (None: none
-    waits). An empty stream costs one XLEN, the common case of this poll (entries go when they are acked)."""
+def shared_heads(r: redis.Redis, shard: int = 0, count: int = 1) -> list[dict[str, str]]:
+    """The fields of the `count` oldest entries of the shard's shared stream that no worker has taken yet, oldest
+    first ([]: none waits). An empty stream costs one XLEN, the common case of this poll (entries go when they are
+    acked)."""
     if not r.xlen(keys.req_any(shard)):
-        return None
+        return []
     groups = {g["name"]: g for g in r.xinfo_groups(keys.req_any(shard))}
     last = groups.get(keys.GROUP, {}).get("last-delivered-id", "0-0")
-    head = r.xrange(keys.req_any(shard), min=f"({last}", max="+", count=1)
-    return head[0][1] if head else None
+    return [fields for _, fields in r.xrange(keys.req_any(shard), min=f"({last}", max="+", count=count)]
 
 
 def claim_pending(r: redis.Redis, stream: str, owner: str, consumer: str, *, min_idle_ms: int,
@@ -133,131 +131,11 @@ def reclaim_own(r: redis.Redis, ack: Ack, consumer: str) -> Delivery | None:
     return Delivery(ack.stream, ack.entry_id, claimed[0][1], pending[0]["times_delivered"] + 1)
 
 
-def register_shard(r: redis.Redis, shard: int) -> None:
-    """A worker lives in `shard`: the fleet reads (aread_fleet) look there from now on."""
-    r.sadd(keys.SHARDS, shard)
-
-
-def request_streams(r: redis.Redis, shard: int = 0) -> list[str]:
-    """Every stream of the shard an entry may be pending on for any worker: the shared stream and each known
-    worker's own (a worker also reads new entries on the streams of workers it takes for dead, as itself: such an
-    entry stays pending on it there)."""
-    return [keys.req_any(shard)] + [keys.req_stream(w, shard) for w in sorted(shard_workers(r, shard))]
-
-
-_scanned: dict[tuple[int, int], tuple[float, set[str]]] = {}  # (id(client), shard) -> (when, workers)
-
-
-def shard_workers(r: redis.Redis, shard: int = 0) -> set[str]:
-    """Every worker of the shard ever seen: its workers set. A set of another type (another program's write) is
-    read around: the workers are then those with a request stream in the shard (a SCAN, at most every RECHECK_S per
-    client), so the takeover still finds a dead worker (whose status is gone) and claims what it left pending. Once
-    the set is back (an operator deleted the key; the live workers add themselves with their next status), the dead
-    workers it lost are added back from their streams, to be taken over."""
-    try:
-        members = set(r.smembers(keys.workers(shard)))
-    except redis.ResponseError as e:
-        if not (wrong_type(e) and (found := find(r, [keys.workers(shard)]))):
-            raise
-        report(found, "the takeover scan")
-        at, members = _scanned.get((id(r), shard), (float("-inf"), set()))
-        if time.monotonic() - at >= RECHECK_S:
-            members = _by_streams(r, shard)
-            _scanned[(id(r), shard)] = (time.monotonic(), members)
-        return members
-    if _scanned.pop((id(r), shard), None) is not None and (lost := _by_streams(r, shard) - members):
-        r.sadd(keys.workers(shard), *lost)
-        members |= lost
-    return members
-
-
-def _by_streams(r: redis.Redis, shard: int) -> set[str]:
-    """The workers with a request stream in the shard (a SCAN of every master)."""
-    prefix = keys.req_stream("", shard)
-    return {name[len(prefix):] for name in r.scan_iter(match=keys.req_stream("*", shard), count=1000, _type="stream")
-            if name != keys.req_any(shard)}
-
-
-def pending_owners(r: redis.Redis, streams: Sequence[str]) -> dict[str, set[str]]:
-    """For each of `streams` (one shard's: one slot, one round trip), the consumers that hold pending entries on
-    it: one XPENDING summary a stream, so a takeover scan costs one command per stream however many workers
-    are dead. A stream or group that does not exist holds none."""
-    pipe = r.pipeline(transaction=False)
-    for stream in streams:
-        pipe.xpending(stream, keys.GROUP)
-    owners: dict[str, set[str]] = {}
-    for stream, summary in zip(streams, pipe.execute(raise_on_error=False), strict=True):
-        if isinstance(summary, Exception):
-            if group_missing(summary):
-                continue
-            raise summary
-        owners[stream] = {c["name"] for c in summary.get("consumers") or [] if int(c["pending"])}
-    return owners
-
-
 def release_reservation(r: redis.Redis, worker_id: str, request_id: str, shard: int = 0) -> None:
     """Drop `worker_id`'s reservation of a request another worker took from its stream (it was taken for dead:
     should it be back, its next status will not count the request, and the reservation would hold its blocks
     until the hash expires)."""
     r.hdel(keys.reserved(worker_id, shard), request_id)
-
-
-def other_workers(r: redis.Redis, worker_id: str, shard: int = 0) -> dict[str, WorkerStatus | None]:
-    """Every other worker of the shard ever seen, by id, with its status: None when the status expired (the
-    worker is dead). One whose status this version cannot read is left out (shared.fleet_state.parse_status).
-    One MGET: the statuses share the shard's slot."""
-    members = sorted(shard_workers(r, shard) - {worker_id})
-    raw = r.mget([keys.status(w, shard) for w in members]) if members else []
-    # MGET answers nil for a key of another type too (another version's or program's write): such a status is
-    # there, unreadable, not gone. TYPE tells them apart, asked only for the few that came back nil ("string": it
-    # was written since the MGET; left out until the next look)
-    missing = [w for w, s in zip(members, raw, strict=True) if s is None]
-    kinds: dict[str, str] = {}
-    if missing:
-        pipe = r.pipeline(transaction=False)
-        for w in missing:
-            pipe.type(keys.status(w, shard))
-        kinds = dict(zip(missing, pipe.execute(), strict=True))
-    others: dict[str, WorkerStatus | None] = {}
-    for w, s in zip(members, raw, strict=True):
-        try:
-            if kinds.get(w, "none") != "none":
-                if kinds[w] != "string":
-                    raise unreadable(w, NOT_A_STRING)
-                continue
-            others[w] = None if s is None else parse_status(w, s)
-        except UnreadableStatus:
-            pass
-    return others
-
-
-# Forget a dead worker, in one step: only if its status is still gone, its stream empty and nothing pending on
-# it in any other stream of the shard (KEYS[5...]: the shared one, the other workers' own); a gateway's XADD or a
-# restart between a check and the delete is never lost.
-_PRUNE_DEAD = LuaScript("""
-if redis.call('EXISTS', KEYS[1]) == 1 or redis.call('XLEN', KEYS[2]) > 0 then return 0 end
-for i = 5, #KEYS do
-  local pending = redis.pcall('XPENDING', KEYS[i], ARGV[1], '-', '+', 1, ARGV[2])
-  if type(pending) == 'table' and pending['err'] == nil and #pending > 0 then return 0 end
-end
-redis.call('DEL', KEYS[2], KEYS[3])
-redis.pcall('SREM', KEYS[4], ARGV[2])  -- a workers set of another type: read around (shard_workers)
-for i = 5, #KEYS do redis.pcall('XGROUP', 'DELCONSUMER', KEYS[i], ARGV[1], ARGV[2]) end
-return 1
-""")
-
-
-def prune_dead_worker(r: redis.Redis, dead: str, shard: int = 0, shard_streams: Sequence[str] | None = None) -> bool:
-    """Forget a dead worker of the shard that left nothing behind (no status, its own stream empty, nothing
-    pending on it in the shard's other streams: `request_streams`, read here unless the caller just did): delete
-    its stream and reservations, drop it from the shard's workers and from the other streams' groups,
-    atomically. False: it still has requests to take over (or came back)."""
-    if shard_streams is None:
-        shard_streams = request_streams(r, shard)
-    others = [s for s in shard_streams if s != keys.req_stream(dead, shard)]
-    return bool(run_script(r, _PRUNE_DEAD, [keys.status(dead, shard), keys.req_stream(dead, shard),
-                                            keys.reserved(dead, shard), keys.workers(shard), *others],
-                           [keys.GROUP, dead]))
 
 
 def is_cancelled(r: redis.Redis, request_id: str) -> bool:
@@ -363,11 +241,3 @@ def read_cancels(r: redis.Redis, after: str, *, block_ms: int = 1000, count: int
                 log.error("skipping unreadable entry %s of %s (no %r field): %s", entry_id, keys.CANCEL, keys.FIELD,
                           str(fields)[:200])
     return after, ids
-
-
-def leave(r: redis.Redis, worker_id: str, shard: int = 0) -> bool:
-    """The worker stops: delete its status, so to the others it is dead at once and they take over what it
-    left; when it left nothing, it leaves the fleet too (as prune_dead_worker forgets a dead one), so gateways
-    do not wait for it to come back (gateway.placement). True: it left the fleet."""
-    r.delete(keys.status(worker_id, shard))
-    return prune_dead_worker(r, worker_id, shard)

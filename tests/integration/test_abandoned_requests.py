@@ -6,8 +6,9 @@ end even when nobody reads it. A gateway that hangs (SIGSTOP) past the TTL mid-s
 that the worker aborted its request: it places it again after what it had relayed, and its client gets the whole
 answer, each token once. A Redis that hangs past the TTL mid-stream costs nothing but the wait: the gateway
 sets the lapsed lease again (the request's entry is still there) before the worker confirms the lapse, the
-stream goes on where it was, and requests sent during the hang are answered after it. The worker is the real
-one with slower forwards (tests/slow_worker.py)."""
+stream goes on where it was, and requests sent during the hang are answered after it. A gateway stopped by
+SIGTERM (a rolling update) refuses new connections at once and lets its open streams run to their end before it
+exits. The worker is the real one with slower forwards (tests/slow_worker.py)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ pytestmark = pytest.mark.integration
 WID = "w-lease"
 TTL_S = 2.0
 PROMPT = "Once upon a time, in a land of many rivers,"
+REFERENCE_TOKENS = 300
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +81,16 @@ class Stream(threading.Thread):
                         self.finish = choice.get("finish_reason") or self.finish
         except httpx.HTTPError as e:  # the killed gateway's stream breaks off
             self.error = e
+
+
+@pytest.fixture(scope="module")
+def reference(fleet) -> str:
+    """The undisturbed greedy answer of REFERENCE_TOKENS tokens, which each test's disturbed stream must match: the
+    same prompt each time, so it is run once (9 s of the slow worker's steps)."""
+    stream = Stream(fleet, fleet.live, max_tokens=REFERENCE_TOKENS)
+    stream.run()
+    assert stream.error is None and stream.finish == "length", stream.error
+    return stream.text
 
 
 def final_chunk(r, rid: str) -> OutputChunk | None:
@@ -137,14 +149,11 @@ def test_a_request_the_python_client_placed_runs_to_the_end_unread(fleet, r):
     assert final.finish_reason == "length" and final.usage.completion_tokens == 250
 
 
-def test_a_gateway_that_hangs_past_the_lease_ttl_places_its_request_again(fleet, r):
+def test_a_gateway_that_hangs_past_the_lease_ttl_places_its_request_again(fleet, r, reference):
     """SIGSTOP the gateway mid-stream for longer than the lease TTL and the worker's confirmation: the worker
     aborts the request (nobody seemed to read it), its blocks come back. On SIGCONT the gateway's lease refresh
     finds the lease gone, and it places the request again after what it had relayed. Its client, which only
     waited, gets the whole greedy answer, each token once, as an undisturbed stream does."""
-    reference = Stream(fleet, fleet.live, max_tokens=300)
-    reference.run()
-    assert reference.error is None and reference.finish == "length", reference.error
 
     hung = Stream(fleet, fleet.live, max_tokens=300)
     hung.start()
@@ -161,23 +170,20 @@ def test_a_gateway_that_hangs_past_the_lease_ttl_places_its_request_again(fleet,
     hung.join(90)
     assert not hung.is_alive(), fleet.tail()
     assert hung.error is None and hung.finish == "length", (hung.error, fleet.tail())
-    assert hung.text == reference.text  # each token once: nothing skipped, nothing twice
+    assert hung.text == reference  # each token once: nothing skipped, nothing twice
     assert hung.usage["completion_tokens"] == 300, hung.usage
     log = fleet.logs[f"gateway-{fleet.live}"].read_text(errors="replace")
     assert f"placed again as {rid}~1" in log, fleet.tail()
     fleet.wait_for(lambda: idle_with_every_block_free(status(r)), what="the worker to be idle with every block free")
 
 
-def test_a_redis_that_hangs_past_the_lease_ttl_fails_nothing(fleet, r):
+def test_a_redis_that_hangs_past_the_lease_ttl_fails_nothing(fleet, r, reference):
     """SIGSTOP redis-server mid-stream for 5 s (2.5 lease TTLs; under the grace and the clients' timeouts): every
     connection stays open, every command waits, the stream's lease expires. When Redis goes on, the gateway's
     refresh finds the lease gone but the request's entry still pending, and sets the lease again before the
     worker's second look: the worker goes on, nothing is placed again (before, every request in flight was),
     and the client gets the whole greedy answer, each token once. Two requests sent during the hang are
     answered whole after it. Nothing exits."""
-    reference = Stream(fleet, fleet.live, max_tokens=300)
-    reference.run()
-    assert reference.error is None and reference.finish == "length", reference.error
     gateway_log = fleet.logs[f"gateway-{fleet.live}"]
     logged_before = gateway_log.stat().st_size
     hung = Stream(fleet, fleet.live, max_tokens=300)
@@ -197,10 +203,47 @@ def test_a_redis_that_hangs_past_the_lease_ttl_fails_nothing(fleet, r):
         stream.join(90)
         assert not stream.is_alive(), fleet.tail()
     assert hung.error is None and hung.finish == "length", (hung.error, fleet.tail())
-    assert hung.text == reference.text and hung.usage["completion_tokens"] == 300, hung.usage
+    assert hung.text == reference and hung.usage["completion_tokens"] == 300, hung.usage
     for stream in late:
         assert stream.error is None and stream.finish == "length", (stream.error, fleet.tail())
-        assert stream.text == reference.text[:len(stream.text)] and stream.usage["completion_tokens"] == 100
+        assert stream.text == reference[:len(stream.text)] and stream.usage["completion_tokens"] == 100
     log = gateway_log.read_bytes()[logged_before:].decode(errors="replace")
     assert "still queued or running: set again" in log and "placed again" not in log, fleet.tail()
     assert fleet.workers[WID].poll() is None and fleet.gateways[fleet.live].poll() is None, fleet.tail()
+
+
+def test_a_gateway_stopped_by_sigterm_finishes_its_open_streams_first(fleet, r, reference):
+    """A rolling update (Kubernetes sends SIGTERM after preStop): the gateway stops taking connections at once,
+    lets its open streams run to their end (--graceful-timeout), then exits. Its clients get whole answers, each
+    token once; nothing is cancelled, placed again or lost."""
+    port = fleet.start_gateway("--graceful-timeout", "60")
+    gateway = fleet.gateways[port]
+    fleet.wait_for(lambda: _answers(fleet.url(port)), timeout_s=60, what="the new gateway to answer")
+    open_streams = [Stream(fleet, port, max_tokens=300) for _ in range(2)]
+    for stream in open_streams:
+        stream.start()
+    fleet.wait_for(lambda: all(s.events >= 5 for s in open_streams), what="the streams to get going")
+    gateway.send_signal(signal.SIGTERM)
+    stopped_at = time.monotonic()
+    assert fleet.wait_for(lambda: not _answers(fleet.url(port)), timeout_s=5, what="new connections refused")
+    refused_after = time.monotonic() - stopped_at
+    assert all(s.is_alive() and s.events < 300 for s in open_streams), "the streams ended before the gateway stopped"
+    for stream in open_streams:
+        stream.join(90)
+        assert not stream.is_alive(), fleet.tail()
+        assert stream.error is None and stream.finish == "length", (stream.error, fleet.tail())
+        assert stream.text == reference and stream.usage["completion_tokens"] == 300, stream.usage
+    assert gateway.wait(30) in (0, -signal.SIGTERM), fleet.tail()
+    fleet.gateways.pop(port)
+    log = fleet.logs[f"gateway-{port}"].read_text(errors="replace")
+    assert "cancelling" not in log and "placed again" not in log, log[-3000:]
+    fleet.wait_for(lambda: idle_with_every_block_free(status(r)), what="the worker to be idle with every block free")
+    assert r.xpending(keys.req_stream(WID), keys.GROUP)["pending"] == 0
+    print(f"\nnew connections refused {refused_after:.2f} s after SIGTERM; both open streams ran to their end")
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False

@@ -11,10 +11,11 @@ from collections import Counter
 import pytest
 
 from gateway.errors import APIError
-from gateway.placement import Target, build_request, place
+from gateway.placement import build_request, place
 from gateway.prompts import Prompt
 from gateway.router import POLICIES
 from gateway.state import GatewayState
+from gateway.targets import Target
 from gateway.tokenizer import Tokenizers
 from shared import keys, streams
 from shared.messages import GenerationRequest, WorkerStatus

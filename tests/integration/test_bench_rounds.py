@@ -93,9 +93,10 @@ def test_rounds_alternate_with_the_peer_and_the_ratio_is_the_median_of_the_round
     _fake_venv(tmp_path)
     shape = ModelShape.from_config(AutoConfig.from_pretrained(tiny_llama_dir))
     requests_json = tmp_path / "requests.json"
-    # kvfleet's rounds long enough (~0.5 s) for a spinning peer to show
-    workload = Workload(name="tiny x40", path="tiny.json",
-                        requests=[BenchRequest(i, [1000 + i, *range(400, 420)], 60) for i in range(40)])
+    # kvfleet's rounds long enough for a spinning peer to show: ~0.6 s at the ~12,000 tokens/s the tiny model makes on
+    # a Zen 5 (40 requests made 0.19 s there, under the 0.2 s the check below needs)
+    workload = Workload(name="tiny x120", path="tiny.json",
+                        requests=[BenchRequest(i, [1000 + i, *range(400, 420)], 60) for i in range(120)])
     requests_json.write_text(json.dumps(workload.to_peer_json(tiny_llama_dir)))
     ours, peer, inter = run_interleaved(tiny_llama_dir, workload, shape, requests_json, _args(tmp_path, 3),
                                         progress=False, probe=True)

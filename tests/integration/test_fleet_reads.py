@@ -5,6 +5,7 @@ prompt prefixes were routed."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from fleet_harness import run_async as run
@@ -14,7 +15,7 @@ from services.redis_server import RedisServer
 from shared import keys, streams
 from shared.blocks import block_hashes
 from shared.fleet_state import FleetView
-from shared.messages import GenerationRequest, WorkerStatus
+from shared.messages import GenerationRequest, OutputChunk, WorkerStatus
 
 pytestmark = pytest.mark.integration
 
@@ -144,3 +145,102 @@ def test_keys_of_another_type_are_left_out_not_raised(redis_url):
         assert await r.get(keys.reserved("w0")) == "3"  # left as it was
 
     run(redis_url, body)
+
+
+FOREIGN_PX = 300  # ms: another program's string in one of kvfleet's keys, which expires as an operator would delete it
+
+
+def looked_at_after_it_expired(real, before_the_look=None):
+    """`real` (streams' find or afind, which TYPEs the keys a read refused for their type) run once the foreign
+    strings planted with FOREIGN_PX have expired, and after `before_the_look` (a worker's next status, say): what a
+    Redis paused between the refused read and the look does (chaos seed 229)."""
+    if asyncio.iscoroutinefunction(real):
+        async def slow(r, names):
+            await asyncio.sleep(2 * FOREIGN_PX / 1000)
+            if before_the_look is not None:
+                await before_the_look(r)
+            return await real(r, names)
+        return slow
+
+    def slow_sync(r, names):
+        time.sleep(2 * FOREIGN_PX / 1000)
+        if before_the_look is not None:
+            before_the_look(r)
+        return real(r, names)
+    return slow_sync
+
+
+def test_a_set_whose_other_type_is_gone_by_the_time_it_is_looked_at_is_read_again(redis_url, monkeypatch):
+    """The workers set (and kvfleet:shards) held another program's string when the fleet read was refused, and the
+    string expired before the TYPE that looks for it (Redis paused between them: chaos seed 229). The look finds no
+    key of another type, and the read raised the bare WRONGTYPE: the gateway answered 503 redis_key_of_another_type
+    from a fleet with live workers. Now the set is read again, as the worker's next status left it."""
+    from shared.streams import key_types
+
+    async def the_worker_registers_again(r):
+        await r.sadd(keys.workers(), "w0")
+        await r.sadd(keys.SHARDS, "0")
+
+    monkeypatch.setattr(key_types, "afind", looked_at_after_it_expired(key_types.afind, the_worker_registers_again))
+
+    async def body(r):
+        await r.set(keys.status("w0"), status("w0", 40).model_dump_json())
+        for name in (keys.workers(), keys.SHARDS):
+            await r.set(name, "another program's", px=FOREIGN_PX)
+        view = await streams.aread_fleet(r)
+        assert [w.worker_id for w in view.live] == ["w0"] and await r.type(keys.workers()) == "set"
+
+    run(redis_url, body)
+
+
+def test_an_enqueue_refused_for_a_type_that_is_gone_by_the_time_it_is_looked_at_runs_again(redis_url, monkeypatch):
+    """The same race for the enqueue scripts: a worker's stream (or the shared one) held another program's string when
+    the routed (or shared) enqueue was refused, and the string expired before the look. The gateway answered 503
+    redis_key_of_another_type once for a key no longer there. Now the script runs again (it wrote nothing before it
+    met the other type) and enqueues once; a key still of another type is still named."""
+    from shared.streams import key_types
+
+    monkeypatch.setattr(key_types, "afind", looked_at_after_it_expired(key_types.afind))
+
+    async def body(r):
+        await r.set(keys.status("w0"), status("w0", 40).model_dump_json())
+        for stream in (keys.req_stream("w0"), keys.req_any()):
+            await r.set(stream, "another program's", px=FOREIGN_PX)
+        routed = await streams.aenqueue_routed(r, GenerationRequest(request_id="a", prompt_token_ids=[1], kv_blocks=2),
+                                               "w0", 0, min_headroom=0, lease_ttl_s=30)
+        shared = await streams.aenqueue_shared(r, GenerationRequest(request_id="b", prompt_token_ids=[1]), 0,
+                                               bound=8, lease_ttl_s=30)
+        assert [e[0] for e in await r.xrange(keys.req_stream("w0"))] == [routed]
+        assert [e[0] for e in await r.xrange(keys.req_any())] == [shared]
+        assert await r.hgetall(keys.reserved("w0")) == {"a": "2"}
+        await r.set(keys.req_any(), "another program's")  # one that stays: named, nothing enqueued
+        with pytest.raises(streams.KeyOfAnotherType) as named:
+            await streams.aenqueue_shared(r, GenerationRequest(request_id="c", prompt_token_ids=[1]), 0, bound=8)
+        assert named.value.key == keys.req_any()
+
+    run(redis_url, body)
+
+
+def test_the_takeover_scan_and_an_output_reader_read_again_past_a_type_that_changed_back(redis_url, monkeypatch):
+    """The same race for a worker's takeover scan (the shard's workers set) and for a request's output reader (its
+    output stream: another program's string there, gone by the time it is looked at, then the worker's output): each
+    reads again instead of failing its turn, or the request."""
+    from shared.streams import key_types, output, shard_members
+
+    sync = streams.connect(redis_url)
+    try:
+        sync.set(keys.status("w0"), status("w0", 40).model_dump_json())
+        sync.set(keys.workers(), "another program's", px=FOREIGN_PX)
+        monkeypatch.setattr(key_types, "find", looked_at_after_it_expired(key_types.find,
+                                                                          lambda r: r.sadd(keys.workers(), "w0")))
+        assert shard_members.shard_workers(sync) == {"w0"}
+
+        sync.set(keys.out_stream("typed"), "another program's", px=FOREIGN_PX)
+        written = [OutputChunk(request_id="typed", seq=0, token_ids=[5], text="a", worker_id="w0", delivery=1),
+                   OutputChunk(request_id="typed", seq=1, token_ids=[6], text="b", worker_id="w0", delivery=1,
+                               final=True, finish_reason="stop")]
+        monkeypatch.setattr(output, "find", looked_at_after_it_expired(
+            output.find, lambda r: streams.publish(r, "w0", output_ttl_s=60, chunks=written)))
+        assert [c.text for c in streams.iter_output(sync, "typed", timeout_s=10)] == ["a", "b"]
+    finally:
+        sync.close()

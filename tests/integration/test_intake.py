@@ -100,12 +100,71 @@ def test_reads_its_own_stream_and_the_shared_one_only_with_room(r, start_intake)
     room.accounted, room.spare, room.available_blocks = intake.handed, True, 2  # reserve_blocks 2: 0 to spare
     time.sleep(QUIET_S)
     assert inbox.empty(), "the shared head (1 block) does not fit what this busy worker has free"
-    assert streams.shared_head(r) is not None
+    assert streams.shared_heads(r)
 
     room.available_blocks = 60
     job = next_job(inbox)
     assert (job.request_id, job.stream, job.deliveries) == ("shared-1", keys.req_any(), 1)
-    assert streams.shared_head(r) is None
+    assert streams.shared_heads(r) == []
+
+
+def test_a_look_at_the_shared_stream_takes_as_many_as_fit_in_order(r, start_intake):
+    """With room, one look takes the shared stream's oldest requests, in order, as many as the worker's free
+    sequence slots and free blocks hold; the rest stay for its next look, or for another worker."""
+    streams.ensure_group(r, keys.req_any())
+    for i in range(10):
+        streams.enqueue(r, request(f"s{i}"), None)  # one block each
+    room = roomy(free_seqs=6, idle=False)
+    intake, inbox = start_intake(room)
+    got = [next_job(inbox).request_id for _ in range(6)]
+    time.sleep(QUIET_S)
+    assert got == [f"s{i}" for i in range(6)] and inbox.empty(), "six free slots: six taken in one look"
+    room.accounted, room.free_seqs, room.available_blocks = intake.handed, 32, 5  # reserve_blocks 2: 3 to spare
+    got = [next_job(inbox).request_id for _ in range(3)]
+    time.sleep(QUIET_S)
+    assert got == ["s6", "s7", "s8"] and inbox.empty(), "three blocks to spare: three taken"
+    assert [streams.parse_request(f).request_id for f in streams.shared_heads(r, count=5)] == ["s9"]
+
+
+def test_the_shared_streams_requests_are_taken_as_soon_as_room_comes_back(r, start_intake):
+    """A worker that took a shared request looks again as soon as its main thread has accounted it, not after its
+    own stream's read of up to a heartbeat: before, an idle worker drained a burst that overflowed into the shared
+    stream at one request a second (300 short requests at once: the last of the 128 taken answered after 64.6 s)."""
+    streams.ensure_group(r, keys.req_any())
+    for i in range(6):
+        streams.enqueue(r, request(f"s{i}"), None)
+    room = roomy(free_seqs=1)  # one at a time: each waits for the main thread to account the one before
+    intake, inbox = start_intake(room, heartbeat_s=1.0)
+    began = time.monotonic()
+    for i in range(6):
+        assert next_job(inbox).request_id == f"s{i}"
+        room.accounted = intake.handed
+    took = time.monotonic() - began
+    assert took < 2.5, f"six shared requests, each taken once the one before was accounted, took {took:.1f} s"
+
+
+def test_a_burst_that_overflowed_into_the_shared_stream_is_taken_once_the_first_requests_are_accounted(
+        r, start_intake):
+    """A burst reaches an idle worker's own stream and the shared one at once. The reader hands the first requests to
+    the main thread, which accounts them only after its next step; meanwhile the reader must not sit in a one-second
+    read of its own stream (before: a 512-request burst ran 8 decode steps of 64 sequences, 0.5 s, before the
+    worker took the first 32 from the shared stream)."""
+    streams.ensure_group(r, keys.req_any())
+    room = roomy(free_seqs=32)
+    intake, inbox = start_intake(room, heartbeat_s=5.0)
+    time.sleep(1.5)  # idle: its looks at the (empty) shared stream are a second apart by now
+    pipe = r.pipeline(transaction=False)
+    for i in range(4):
+        streams.enqueue_commands(pipe, request(f"s{i}"), None, 0)
+    streams.enqueue_commands(pipe, request("own-1"), ME, 0)
+    pipe.execute()
+    assert next_job(inbox).request_id == "own-1"
+    time.sleep(0.2)  # the main thread's step with own-1
+    room.accounted = intake.handed
+    began = time.monotonic()
+    got = sorted(next_job(inbox).request_id for _ in range(4))
+    took = time.monotonic() - began
+    assert got == ["s0", "s1", "s2", "s3"] and took < 0.45, f"the shared stream's requests came {took:.2f} s after"
 
 
 def test_forwards_a_request_its_whole_cache_cannot_hold_to_a_worker_whose_cache_can(r, start_intake):

@@ -30,7 +30,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import httpx
@@ -329,6 +329,39 @@ def test_the_python_client_rides_out_a_short_outage(fleet):
     assert text == reference
 
 
+def _sent_as_the_worker_resumes(fleet: Fleet, client, outage: Callable[[], None]) -> dict[str, object]:
+    """With worker w0 paused (SIGSTOP), `outage()`; then a completion through the gateway and one through the Python
+    client `client`, and w0 resumed 0.3 s after they went in, so they always come before its next heartbeat: their
+    answers (the gateway's HTTP response, the client's text or its exception)."""
+    answers: dict[str, object] = {}
+
+    def through_gateway() -> None:
+        with fleet.http() as h:
+            answers["gateway"] = h.post("/v1/completions", timeout=60, json={
+                "model": fleet.model, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
+                "ignore_eos": True})
+
+    def through_client() -> None:
+        try:
+            handle = client.submit(PROMPT, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+            answers["client"] = handle.result(60)["choices"][0]["text"]
+        except Exception as e:  # noqa: BLE001 (the caller asserts)
+            answers["client"] = e
+
+    fleet.signal_worker("w0", signal.SIGSTOP)
+    try:
+        outage()
+        senders = [threading.Thread(target=through_gateway), threading.Thread(target=through_client)]
+        for t in senders:
+            t.start()
+        time.sleep(0.3)
+    finally:
+        fleet.signal_worker("w0", signal.SIGCONT)
+    for t in senders:
+        t.join(60)
+    return answers
+
+
 def test_requests_right_after_an_outage_past_the_status_ttl_wait_for_the_worker(fleet):
     """The chaos soak (seed 53) got a 503 no_workers here: Redis came back, the worker's status had expired
     while it was away, and a request came before the worker's next heartbeat re-registered it. The worker is
@@ -338,37 +371,45 @@ def test_requests_right_after_an_outage_past_the_status_ttl_wait_for_the_worker(
 
     reference = _complete(fleet)
     port = fleet.redis.port
-    answers: dict[str, object] = {}
 
-    def through_gateway() -> None:
-        with fleet.http() as h:
-            answers["gateway"] = h.post("/v1/completions", timeout=60, json={
-                "model": fleet.model, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
-                "ignore_eos": True})
-
-    def through_client(client: FleetClient) -> None:
-        try:
-            handle = client.submit(PROMPT, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-            answers["client"] = handle.result(60)["choices"][0]["text"]
-        except Exception as e:  # noqa: BLE001 (asserted below)
-            answers["client"] = e
+    def outage() -> None:
+        _stop_redis(fleet, keep_data=True)
+        time.sleep(3.5)  # longer than the status TTL (3 s): the status has expired when Redis loads its AOF
+        _start_redis(fleet, port)
+        assert streams.connect(fleet.redis.url).get(keys.status("w0")) is None
 
     with FleetClient(fleet.redis.url) as client:
-        fleet.signal_worker("w0", signal.SIGSTOP)
-        try:
-            _stop_redis(fleet, keep_data=True)
-            time.sleep(3.5)  # longer than the status TTL (3 s): the status has expired when Redis loads its AOF
-            _start_redis(fleet, port)
-            assert streams.connect(fleet.redis.url).get(keys.status("w0")) is None
-            senders = [threading.Thread(target=through_gateway), threading.Thread(target=through_client,
-                                                                                   args=(client,))]
-            for t in senders:
-                t.start()
-            time.sleep(0.3)
-        finally:
-            fleet.signal_worker("w0", signal.SIGCONT)
-        for t in senders:
-            t.join(60)
+        answers = _sent_as_the_worker_resumes(fleet, client, outage)
+    assert answers["gateway"].status_code == 200, answers["gateway"].text
+    assert answers["gateway"].json()["choices"][0]["text"] == reference
+    assert answers["client"] == reference
+
+
+def test_requests_right_after_an_outage_that_also_lost_the_workers_set_wait_for_the_worker(fleet):
+    """The chaos soak (seed 227) got a 503 no_workers from a fleet of three live workers: another program's string
+    had replaced the shard's workers set and expired while Redis was paused past the status TTL, so when Redis came
+    back the gateway found neither a status nor a member to wait for. It now also waits (up to two heartbeats) for
+    workers it saw live moments before, and so does the Python client. Here the set is deleted while the worker is
+    paused, then Redis is away past the status TTL; the requests come before the worker's next heartbeat."""
+    from services.client import FleetClient
+
+    reference = _complete(fleet)  # the gateway has just seen the worker live
+    port = fleet.redis.port
+
+    def outage() -> None:
+        r = streams.connect(fleet.redis.url)
+        r.delete(keys.workers(0))
+        r.close()
+        _stop_redis(fleet, keep_data=True)
+        time.sleep(3.5)  # longer than the status TTL (3 s)
+        _start_redis(fleet, port)
+        r = streams.connect(fleet.redis.url)
+        assert r.get(keys.status("w0")) is None and not r.exists(keys.workers(0))
+        r.close()
+
+    with FleetClient(fleet.redis.url) as client:
+        client.submit(PROMPT, max_tokens=2).result(60)  # it, too, has just seen the worker live
+        answers = _sent_as_the_worker_resumes(fleet, client, outage)
     assert answers["gateway"].status_code == 200, answers["gateway"].text
     assert answers["gateway"].json()["choices"][0]["text"] == reference
     assert answers["client"] == reference

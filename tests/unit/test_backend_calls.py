@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from gateway.chat_api import ChatCompletionRequest
 from gateway.errors import APIError
-from gateway.openai_api import ChatCompletionRequest, CompletionRequest
+from gateway.openai_api import CompletionRequest
 from services.call_errors import (
     FleetUnavailable,
     GenerationFailed,

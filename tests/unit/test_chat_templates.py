@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from gateway.openai_api import ChatCompletionRequest
+from gateway.chat_api import ChatCompletionRequest
 from shared.models import chat_template_text
 
 pytestmark = pytest.mark.unit

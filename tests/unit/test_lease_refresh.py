@@ -1,21 +1,19 @@
 """gateway.leases alone, against a recording stand-in for the asyncio Redis client: every lease a gateway
 holds is refreshed in one round trip per turn (a script per shard) (never one per request); released leases and those
 no relay touched for max_idle_s are not refreshed; a failed refresh is retried soon. And the worker side's
-rule (gpu_worker.serve.intake): a lease must stay gone for LEASE_CONFIRM_S before its request is cancelled. A lease
+rule (gpu_worker.serve.lease_watch): a lease must stay gone for LEASE_CONFIRM_S before its request is cancelled. A lease
 found gone while its request's entry is still there lapsed in a stall: set again, not lost."""
 
 from __future__ import annotations
 
 import asyncio
-import queue
 
 import pytest
 import redis
 
 from gateway.leases import Leases
-from gpu_worker.serve.intake import LEASE_CONFIRM_S, Cancel, Intake
+from gpu_worker.serve.lease_watch import LEASE_CONFIRM_S, LeaseWatch
 from shared import keys, streams
-from shared.settings import Settings
 from shared.streams.leases import _HOLD
 
 pytestmark = pytest.mark.unit
@@ -200,14 +198,12 @@ def test_the_worker_cancels_a_request_only_once_its_lease_stayed_gone(monkeypatc
     alive = {"kept"}
     monkeypatch.setattr(streams, "leases_alive", lambda _r, ids, _shard: {i for i in ids if i in alive})
     clock = [100.0]
-    monkeypatch.setattr("gpu_worker.serve.intake.time.monotonic", lambda: clock[0])
-    inbox: queue.Queue = queue.Queue()
-    intake = Intake(None, Settings(worker_id="w"), "w", inbox, lambda: None)
-    intake._check_leases(["kept", "gone"])
-    assert inbox.empty()
+    monkeypatch.setattr("gpu_worker.serve.lease_watch.time.monotonic", lambda: clock[0])
+    watch = LeaseWatch(None, 0, lambda: ["kept", "gone"])
+    assert watch.lapsed() == []
     clock[0] += LEASE_CONFIRM_S
-    intake._check_leases(["kept", "gone"])
-    assert [inbox.get_nowait()] == [Cancel("gone")] and inbox.empty()
+    assert watch.lapsed() == ["gone"]
+    assert watch.lapsed() == []  # the next check is not due yet
 
 
 def test_the_worker_cancels_no_request_for_its_lease_while_redis_refuses_writes(monkeypatch):
@@ -216,16 +212,12 @@ def test_the_worker_cancels_no_request_for_its_lease_while_redis_refuses_writes(
     gone for a whole LEASE_CONFIRM_S before its request is cancelled."""
     monkeypatch.setattr(streams, "leases_alive", lambda _r, ids, _shard: set())
     clock, refused = [100.0], [True]
-    monkeypatch.setattr("gpu_worker.serve.intake.time.monotonic", lambda: clock[0])
-    inbox: queue.Queue = queue.Queue()
-    intake = Intake(None, Settings(worker_id="w"), "w", inbox, lambda: None, writes_refused=lambda: refused[0])
+    monkeypatch.setattr("gpu_worker.serve.lease_watch.time.monotonic", lambda: clock[0])
+    watch = LeaseWatch(None, 0, lambda: ["lapsed"], writes_refused=lambda: refused[0])
     for _ in range(3):
-        intake._check_leases(["lapsed"])
+        assert watch.check(["lapsed"]) == []
         clock[0] += LEASE_CONFIRM_S
-    assert inbox.empty()
     refused[0] = False
-    intake._check_leases(["lapsed"])
-    assert inbox.empty()
+    assert watch.check(["lapsed"]) == []
     clock[0] += LEASE_CONFIRM_S
-    intake._check_leases(["lapsed"])
-    assert [inbox.get_nowait()] == [Cancel("lapsed")]
+    assert watch.check(["lapsed"]) == ["lapsed"]

@@ -1,4 +1,4 @@
-"""gateway.placement.live_view: a fleet with workers seen before but none live (statuses expired while Redis was
+"""gateway.targets.live_view: a fleet with workers seen before but none live (statuses expired while Redis was
 away) is re-read until one re-registers, for up to COMEBACK_HEARTBEATS heartbeats; an empty fleet, a live one
 and a scale-to-zero gateway are answered at once. The fleet reads are a stand-in here (one module's unit test);
 tests/integration/test_redis_outage.py does the same against a real Redis restart."""
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import asyncio
 
-from gateway import placement
-from gateway.placement import live_view
+from gateway import targets
 from gateway.state import GatewayState
+from gateway.targets import live_view
 from shared.fleet_state import FleetView
 from shared.messages import WorkerStatus
 from shared.settings import Settings
@@ -20,8 +20,9 @@ LIVE = WorkerStatus(worker_id="w0", model="m", max_model_len=64, block_size=16, 
 class Views:
     """Answers the fleet reads from a list of views (the last one from then on), counting them."""
 
-    def __init__(self, *views: FleetView):
+    def __init__(self, *views: FleetView, live_at: float = float("-inf")):
         self.views, self.reads = list(views), 0
+        self.live_at = live_at  # loop time this gateway last saw a live worker (gateway.fleet_view.FleetViews)
 
     async def get(self, _r: object) -> FleetView:
         self.reads += 1
@@ -53,7 +54,7 @@ def test_known_workers_that_never_come_back_are_waited_for_two_heartbeats_then_g
     views = Views(FleetView(dead=["w0"]))
     view, waited = _run(_state(views))
     assert not view.live and view.dead == ["w0"]
-    assert waited >= placement.COMEBACK_HEARTBEATS * 0.5
+    assert waited >= targets.COMEBACK_HEARTBEATS * 0.5
     assert views.reads > 2  # re-read meanwhile, not one sleep
 
 
@@ -63,6 +64,21 @@ def test_live_empty_and_scale_to_zero_fleets_are_answered_at_once():
                             (Views(FleetView(dead=["w0"])), {"queue_when_no_workers": True})]:
         _run(_state(views, **settings))
         assert views.reads == 1
+
+
+def test_workers_seen_live_moments_ago_are_waited_for_though_no_set_lists_them():
+    """The workers set gone too (another program's string replaced it and expired while Redis was away): no dead
+    member to wait for, but this gateway saw a live worker within status_ttl_s + redis_grace_s."""
+    async def go(seen_ago: float) -> tuple[FleetView, int]:
+        views = Views(FleetView(), FleetView(), FleetView(live=[LIVE]),
+                      live_at=asyncio.get_running_loop().time() - seen_ago)
+        view = await live_view(_state(views, status_ttl_s=3.0, redis_grace_s=15.0))
+        return view, views.reads
+
+    view, reads = asyncio.run(go(seen_ago=10.0))
+    assert [w.worker_id for w in view.live] == ["w0"] and reads == 3
+    view, reads = asyncio.run(go(seen_ago=30.0))  # long ago: an empty fleet is answered at once
+    assert not view.live and reads == 1
 
 
 def test_a_view_read_already_for_the_request_is_not_read_again():
@@ -77,10 +93,10 @@ def test_a_view_read_already_for_the_request_is_not_read_again():
     state = _state(views)
     state.tokenizers = Tokenizers()
 
-    async def go() -> tuple[placement.Target, float]:
+    async def go() -> tuple[targets.Target, float]:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        target = await placement.target_for(state, "m", FleetView(live=[LIVE]))
+        target = await targets.target_for(state, "m", FleetView(live=[LIVE]))
         return target, loop.time() - t0
 
     target, took = asyncio.run(go())

@@ -14,9 +14,10 @@ import pytest
 from fastapi import Body, Depends, FastAPI
 from pydantic import ValidationError
 
+from gateway.chat_api import ChatCompletionRequest
 from gateway.errors import APIError, install_handlers, validation_error
 from gateway.middleware import BodyLimit
-from gateway.openai_api import ChatCompletionRequest, CompletionRequest
+from gateway.openai_api import CompletionRequest
 from gateway.prompts import prepare
 from gateway.tokenizer import Tokenizers
 from shared.sampling_params import SamplingParams
@@ -291,3 +292,39 @@ def test_unknown_fields_are_ignored_and_named_once(caplog):
     warned = [r.getMessage() for r in caplog.records if "does not know" in r.getMessage()]
     assert warned == ["CompletionRequest: ignoring field(s) this API does not know: kvfleet_test_other, "
                       "kvfleet_test_unknown (each named once)"], warned
+
+
+def test_a_body_that_is_no_json_object_and_an_unknown_endpoint_are_named():
+    app = FastAPI()
+    install_handlers(app)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest) -> dict:
+        return {"model": body.model}
+
+    async def main() -> dict[str, httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            post = lambda raw: c.post("/v1/chat/completions", content=raw,  # noqa: E731
+                                      headers={"content-type": "application/json"})
+            return {"broken": await post(b'{"model": "m",}'), "array": await post(b"[]"),
+                    "string": await post(b'"hi"'), "empty": await post(b""),
+                    "other path": await c.post("/v1/embeddings", json={"input": "x"}),
+                    "other method": await c.get("/v1/chat/completions")}
+
+    r = asyncio.run(main())
+    for name, resp in r.items():
+        assert set(resp.json()["error"]) == {"message", "type", "param", "code"}, name
+    broken = r["broken"].json()["error"]
+    assert r["broken"].status_code == 400 and broken["param"] is None
+    assert broken["message"].startswith("the request body is not valid JSON: Expecting property name"), broken
+    assert "at character 14" in broken["message"], broken
+    for name, got in (("array", "a JSON array"), ("string", "a JSON string"), ("empty", "nothing")):
+        err = r[name].json()["error"]
+        assert r[name].status_code == 400 and err["message"].endswith(f"must be a JSON object (its fields: model, "
+                                                                       f"messages or prompt, ...), got {got}"), err
+    other = r["other path"].json()["error"]
+    assert r["other path"].status_code == 404 and other["code"] == "not_found"
+    assert other["message"] == "no such endpoint: POST /v1/embeddings; this gateway serves POST /v1/chat/completions"
+    method = r["other method"].json()["error"]
+    assert r["other method"].status_code == 405 and method["type"] == "invalid_request_error"
+    assert method["message"].startswith("this method is not allowed on this path: GET /v1/chat/completions;"), method

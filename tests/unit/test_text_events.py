@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from gateway.openai_api import (
+from gateway.response_models import (
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatDelta,

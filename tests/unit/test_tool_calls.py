@@ -9,8 +9,8 @@ import json
 import pytest
 from pydantic import ValidationError
 
+from gateway.chat_api import ChatCompletionRequest, Tool, tool_call_schema
 from gateway.errors import APIError, validation_error
-from gateway.openai_api import ChatCompletionRequest, Tool, tool_call_schema
 from gateway.tool_calls import ToolCalls, check_settings, for_request, merged, read_forced
 from shared.settings import Settings
 
