@@ -106,8 +106,8 @@ def run(args: argparse.Namespace) -> int:
         script = Path(tmp) / "post.lua"
         script.write_text(WRK_SCRIPT % args.max_tokens)
         server = start_kvfleet("smollm2", args.workers, None, Path(tmp),
-                               ["--simulate", args.profile, "--gateways", str(args.gateways), "--no-warmup"],
-                               cpus=rest)
+                               ["--simulate", args.profile, "--no-warmup"], cpus=rest,
+                               gateways=args.gateways)
         try:
             wait_ready(server, args.startup_timeout, workers=args.workers)
             port = int(server.url.rsplit(":", 1)[1])

@@ -90,12 +90,13 @@ def stop(server: Server, grace_s: float = STOP_GRACE_S) -> None:
 
 
 def start_kvfleet(model: str, workers: int, routing: str | None, log_dir: Path, extra: list[str],
-                  cpus: set[int] | None = None) -> Server:
-    """`kvfleet up` on a free port with a private Redis whose data lives (and dies) in a temporary directory
-    (the whole fleet on `cpus`, when given)."""
-    port = free_port()
+                  cpus: set[int] | None = None, gateways: int = 1) -> Server:
+    """`kvfleet up` on free ports (`gateways` replicas, on consecutive ones) with a private Redis whose data lives
+    (and dies) in a temporary directory (the whole fleet on `cpus`, when given)."""
+    port = free_port(gateways)
     data_dir = tempfile.mkdtemp(prefix="redis-", dir=log_dir)
     cmd = [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--workers", str(workers),
+           "--gateways", str(gateways),
            "--model", model, "--data-dir", data_dir, *(["--routing", routing] if routing else []), *extra]
     server = _spawn("kvfleet", cmd, child_env(PYTHONUNBUFFERED="1"), log_dir, f"http://127.0.0.1:{port}",
                     cpus=cpus)
