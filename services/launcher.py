@@ -25,7 +25,7 @@ from typing import IO
 
 from gateway import server as gateway_server
 from gpu_worker.serve.worker_cmd import cpu_list
-from services import private_redis
+from services import ports, private_redis
 from services.redis_cluster import RedisCluster
 from services.supervisor import REDIS_POLICY, ChildRestarts, exit_reason
 from shared.settings import Settings, child_env, is_set, redacted_url
@@ -243,6 +243,11 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--workers must be >= 1")
     if args.gateways < 1:
         raise SystemExit(f"--gateways must be >= 1, got {args.gateways}")
+    if taken := [args.port + g for g in range(args.gateways) if not ports.bindable(args.port + g, args.host)]:
+        which = ("" if args.gateways == 1 else
+                 f" (gateway i listens on --port + i: {args.port}-{args.port + args.gateways - 1})")
+        raise SystemExit(f"kvfleet up: port {', '.join(map(str, taken))} on {args.host} is in use{which}; is a fleet "
+                         "already running there? Stop it, or choose another --port")
     if args.redis_cluster is not None and (args.redis_cluster < 1 or args.redis_url is not None):
         raise SystemExit("--redis-cluster takes a number of masters >= 1, and no --redis-url")
     shards = args.redis_shards or (4 * args.redis_cluster if args.redis_cluster else None)

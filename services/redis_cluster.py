@@ -12,7 +12,8 @@ import socket
 import time
 from urllib.parse import quote
 
-from services.redis_server import RedisServer, free_port
+from services.ports import free_port
+from services.redis_server import RedisServer
 from shared import streams
 
 SLOTS = streams.CLUSTER_SLOTS

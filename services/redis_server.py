@@ -8,58 +8,18 @@ services.private_redis) and by the tests (a temp dir, removed on stop). Stopped 
 from __future__ import annotations
 
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 from urllib.parse import quote
 
+from services.ports import free_port
+
 CONFIG_FILE = "redis.conf"
 LOG_FILE = "redis.log"
 PID_FILE = "redis.pid"  # in a data dir: a server still running on it (Redis removes it when it stops cleanly)
-
-
-LOWEST_PORT = 10000
-
-
-def _ephemeral_low() -> int:
-    """The first port of the kernel's ephemeral range (where outgoing connections get their local ports)."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port(count: int = 1) -> int:
-    """The first of `count` consecutive ports free on 127.0.0.1, below the kernel's ephemeral range. A port from
-    bind(0) is an ephemeral one, which any outgoing connection may take before the server binds it (in CI, a second
-    gateway's --port+1 was held by a client socket). Below the range, only another listener can."""
-    high = _ephemeral_low() - count
-    if high <= LOWEST_PORT:  # an unusual range: take the kernel's choice, one port at a time
-        while True:
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                s.bind(("127.0.0.1", 0))
-                base = s.getsockname()[1]
-            if all(_bindable(base + i) for i in range(1, count)):
-                return base
-    rng = random.SystemRandom()
-    while True:
-        base = rng.randrange(LOWEST_PORT, high)
-        if all(_bindable(base + i) for i in range(count)):
-            return base
 
 
 def redis_server_binary() -> str:

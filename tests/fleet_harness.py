@@ -24,8 +24,9 @@ from typing import Any
 import httpx
 
 from services.launcher import stop_all
+from services.ports import free_port
 from services.redis_cluster import RedisCluster
-from services.redis_server import RedisServer, free_port
+from services.redis_server import RedisServer
 from shared import keys, streams
 from shared.messages import OutputChunk
 

@@ -95,7 +95,8 @@ def bench_engine(args: argparse.Namespace) -> dict[str, float]:
 def bench_fleet(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     import httpx
 
-    from services.redis_server import RedisServer, free_port
+    from services.ports import free_port
+    from services.redis_server import RedisServer
     from shared import streams
     from shared.messages import GenerationRequest
     from shared.sampling_params import SamplingParams

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 
 from services.bench.peers import REPO_ROOT
-from services.redis_server import free_port
+from services.ports import free_port
 from shared.settings import child_env
 
 STOP_GRACE_S = 60.0  # a fleet drains its workers on SIGTERM

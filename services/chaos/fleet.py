@@ -22,7 +22,8 @@ from pathlib import Path
 import httpx
 
 from services.launcher import stop_all
-from services.redis_server import RedisServer, free_port
+from services.ports import free_port
+from services.redis_server import RedisServer
 from shared.settings import child_env
 
 RESTART_DELAY_S = 1.0

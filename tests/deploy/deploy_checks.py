@@ -152,7 +152,8 @@ def run_redis_command(argv: list[str], env: dict[str, str], password: str, tmp_p
     `redis-server` on PATH; `docker-entrypoint.sh` execs what follows it, as the image's does once it dropped
     root). `paths`: container directory -> directory under tmp_path (created), replaced in every argument. Yields its pid and a
     client that authenticates with `password`; stops it by pid."""
-    from services.redis_server import free_port, redis_server_binary
+    from services.ports import free_port
+    from services.redis_server import redis_server_binary
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from services.redis_server import free_port
+from services.ports import free_port
 
 pytestmark = pytest.mark.e2e
 

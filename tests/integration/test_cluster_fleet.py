@@ -22,7 +22,7 @@ import pytest
 from fleet_harness import Fleet, Stream, stream_prompt, wait_for
 
 from services.client import FleetClient
-from services.redis_server import free_port
+from services.ports import free_port
 from shared import keys, streams
 from shared.settings import Settings
 

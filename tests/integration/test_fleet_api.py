@@ -19,7 +19,7 @@ import openai
 import pytest
 from fleet_harness import API_KEY, REPO, STOP_PROMPT, Fleet, text_and_a_stop_string
 
-from services.redis_server import free_port
+from services.ports import free_port
 
 pytestmark = pytest.mark.integration
 

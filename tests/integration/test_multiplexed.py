@@ -11,7 +11,8 @@ import asyncio
 import pytest
 import redis
 
-from services.redis_server import RedisServer, free_port
+from services.ports import free_port
+from services.redis_server import RedisServer
 from shared import keys, streams
 from shared.messages import OutputChunk
 from shared.streams.client import LuaScript

@@ -24,7 +24,7 @@ from fleet_harness import API_KEY, REPO, Fleet
 from otlp_receiver import OtlpReceiver
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.redis_server import free_port
+from services.ports import free_port
 
 pytestmark = pytest.mark.integration
 

@@ -19,7 +19,7 @@ from fleet_harness import wait_for
 from services import job_record, private_redis
 from services.client import FleetClient
 from services.fleet_calls import FleetCaller
-from services.redis_server import free_port
+from services.ports import free_port
 from services.supervisor import REDIS_POLICY, ChildRestarts
 from shared.settings import Settings
 

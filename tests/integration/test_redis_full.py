@@ -27,7 +27,7 @@ from fleet_harness import API_KEY, REPO, Fleet
 
 from services.call_errors import FleetUnavailable
 from services.client import FleetClient
-from services.redis_server import free_port
+from services.ports import free_port
 from shared import keys, streams
 from shared.settings import Settings
 

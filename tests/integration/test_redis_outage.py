@@ -37,7 +37,8 @@ import httpx
 import pytest
 from fleet_harness import API_KEY, Fleet
 
-from services.redis_server import RedisServer, free_port
+from services.ports import free_port
+from services.redis_server import RedisServer
 from shared import keys, streams
 from shared.messages import GenerationRequest
 

@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from services import status_cmd
-from services.redis_server import free_port
+from services.ports import free_port
 
 pytestmark = pytest.mark.integration
 

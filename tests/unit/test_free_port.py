@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import socket
 
-from services import redis_server
-from services.redis_server import free_port
+from services import ports
+from services.ports import free_port
 
 
 def test_a_run_of_ports_is_free_and_below_the_ephemeral_range():
-    low = redis_server._ephemeral_low()
+    low = ports._ephemeral_low()
     for count in (1, 2, 4):
         base = free_port(count)
-        assert redis_server.LOWEST_PORT <= base and base + count - 1 < low
+        assert ports.LOWEST_PORT <= base and base + count - 1 < low
         held = []
         try:
             for port in range(base, base + count):  # each binds and listens, as a gateway replica would
@@ -36,13 +36,13 @@ def test_a_run_skips_a_base_whose_next_port_is_taken(monkeypatch):
             def randrange(self, lo, hi):
                 return next(bases)
 
-        monkeypatch.setattr(redis_server, "_ephemeral_low", lambda: 65000)
-        monkeypatch.setattr(redis_server.random, "SystemRandom", Draws)
+        monkeypatch.setattr(ports, "_ephemeral_low", lambda: 65000)
+        monkeypatch.setattr(ports.random, "SystemRandom", Draws)
         assert free_port(2) == busy + 1
 
 
 def test_an_unusual_range_falls_back_to_the_kernels_choice(monkeypatch):
-    monkeypatch.setattr(redis_server, "_ephemeral_low", lambda: redis_server.LOWEST_PORT)
+    monkeypatch.setattr(ports, "_ephemeral_low", lambda: ports.LOWEST_PORT)
     base = free_port(2)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as a, socket.socket(socket.AF_INET, socket.SOCK_STREAM) as b:
         a.bind(("127.0.0.1", base))
