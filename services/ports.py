@@ -33,20 +33,19 @@ def bindable(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
+def _kernel_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def free_port(count: int = 1) -> int:
     """The first of `count` consecutive ports free on 127.0.0.1, below the kernel's ephemeral range. A port from
     bind(0) is an ephemeral one, which any outgoing connection may take before the server binds it (in CI, a second
-    gateway's --port+1 was held by a client socket). Below the range, only another listener can."""
-    high = _ephemeral_low() - count
-    if high <= LOWEST_PORT:  # an unusual range: take the kernel's choice, one port at a time
-        while True:
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                s.bind(("127.0.0.1", 0))
-                base = s.getsockname()[1]
-            if all(bindable(base + i) for i in range(1, count)):
-                return base
-    rng = random.SystemRandom()
+    gateway's --port+1 was held by a client socket). Below the range, only another listener can. (An unusual range
+    with no room below it: the kernel's choice.)"""
+    high, rng = _ephemeral_low() - count, random.SystemRandom()
     while True:
-        base = rng.randrange(LOWEST_PORT, high)
+        base = rng.randrange(LOWEST_PORT, high) if high > LOWEST_PORT else _kernel_port()
         if all(bindable(base + i) for i in range(count)):
             return base

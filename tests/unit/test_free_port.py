@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import socket
 
+import pytest
+
 from services import ports
 from services.ports import free_port
+
+pytestmark = pytest.mark.unit
 
 
 def test_a_run_of_ports_is_free_and_below_the_ephemeral_range():
