@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any
 
 import redis
@@ -53,19 +54,25 @@ async def aread_members(r: aioredis.Redis, in_use: list[int]) -> dict[str, int]:
 # their live workers are then found by their status keys (a SCAN, at most every RECHECK_S per client), and the key is
 # logged once a minute and named by `kvfleet status` and GET /v1/fleet (afleet_snapshot). Before, every request got
 # a 503 naming the key: one stray write kept the whole fleet from taking requests until an operator deleted it.
-_scanned: dict[int, tuple[float, dict[str, int]]] = {}  # id(client) -> (when, worker -> shard)
+# A scan whose workers hold no live one is not kept (aread_fleet): after Redis was away past the status TTL every
+# status has expired, the workers re-register within a heartbeat, and a gateway waits only two heartbeats for them
+# (gateway.targets.live_view). Kept for RECHECK_S, a scan made as Redis came back, before they were back, hid them,
+# and requests got 503 no_workers from a fleet of three live workers (chaos seed 257: the set a string for 20 s, Redis
+# paused 11 s within it, and another version's status in the fleet, which such a scan finds alone).
+# Per client, and gone with it (keyed by id, a new client could take over a freed one's scan).
+_scanned: weakref.WeakKeyDictionary[Any, tuple[float, dict[str, int]]] = weakref.WeakKeyDictionary()
 
 
 async def _by_status_keys(r: aioredis.Redis) -> dict[str, int]:
     """Every worker with a status, with its shard, found by a SCAN of the status keys (every master of a cluster);
     the last scan's answer when it is under RECHECK_S old."""
-    at, found = _scanned.get(id(r), (float("-inf"), {}))
+    at, found = _scanned.get(r, (float("-inf"), {}))
     if time.monotonic() - at >= RECHECK_S:
         found = {}
         async for name in r.scan_iter(match=keys.STATUSES, count=1000):
             if (worker := keys.status_of(name)) is not None:
                 found[worker[0]] = worker[1]
-        _scanned[id(r)] = (time.monotonic(), found)
+        _scanned[r] = (time.monotonic(), found)
     return found
 
 
@@ -77,6 +84,7 @@ async def aread_fleet(r: aioredis.Redis, in_use: list[int] | None = None) -> Fle
     shards = await aread_members(r, in_use)
     view = FleetView(shards=shards, in_use=in_use)
     if not shards:
+        _scanned.pop(r, None)  # no live worker: a scan that found none is not kept either (_scanned)
         return view
     members = sorted(shards)
     pipe = r.pipeline(transaction=False)
@@ -99,6 +107,8 @@ async def aread_fleet(r: aioredis.Redis, in_use: list[int] | None = None) -> Fle
             continue
         view.live.append(status)
         view.reservations[w] = 0 if isinstance(reserved, Exception) else reserved_blocks(reserved, status.total_blocks)
+    if not view.live:
+        _scanned.pop(r, None)  # the workers came from a scan, maybe: the next read scans again (_scanned)
     return view
 
 

@@ -147,6 +147,29 @@ def test_keys_of_another_type_are_left_out_not_raised(redis_url):
     run(redis_url, body)
 
 
+def test_a_worker_back_after_its_status_expired_is_seen_at_once_around_a_workers_set_of_another_type(redis_url):
+    """The shard's workers set is another program's string, so the fleet read finds the workers by a SCAN of their
+    status keys, which it keeps for RECHECK_S. Chaos seed 257 paused Redis past the status TTL: a scan made as Redis
+    came back found none of the three workers (their statuses had expired; another version's status was there), and
+    the gateway, which waits two heartbeats for them to re-register, got no live worker from that kept scan and
+    answered 503 no_workers. A scan that leads to no live worker is not kept now; one that found a live worker is."""
+    async def body(r):
+        await r.set(keys.workers(0), "another program's string")
+        await r.set(keys.status("w-foreign"), '{"free_blocks": 1}')  # another version's status, unreadable here
+        view = await streams.aread_fleet(r)  # Redis is back; w0's status expired while it was away
+        assert view.live == [] and list(view.unreadable) == ["w-foreign"]
+        await r.set(keys.status("w0"), status("w0", 40).model_dump_json())  # w0's next heartbeat
+        assert [w.worker_id for w in (await streams.aread_fleet(r)).live] == ["w0"]
+        await r.delete(keys.status("w-foreign"), keys.status("w0"))
+        assert (await streams.aread_fleet(r)).live == []  # no status at all: the scan found none
+        await r.set(keys.status("w0"), status("w0", 40).model_dump_json())
+        assert [w.worker_id for w in (await streams.aread_fleet(r)).live] == ["w0"]
+        await r.set(keys.status("w1"), status("w1", 40).model_dump_json())  # registers after a scan that found w0
+        assert [w.worker_id for w in (await streams.aread_fleet(r)).live] == ["w0"]  # kept: w1 at the next scan
+
+    run(redis_url, body)
+
+
 FOREIGN_PX = 300  # ms: another program's string in one of kvfleet's keys, which expires as an operator would delete it
 
 

@@ -386,12 +386,16 @@ def test_requests_right_after_an_outage_past_the_status_ttl_wait_for_the_worker(
     assert answers["client"] == reference
 
 
-def test_requests_right_after_an_outage_that_also_lost_the_workers_set_wait_for_the_worker(fleet):
+@pytest.mark.parametrize("lost", ["deleted", "another program's string"])
+def test_requests_right_after_an_outage_that_also_lost_the_workers_set_wait_for_the_worker(fleet, lost):
     """The chaos soak (seed 227) got a 503 no_workers from a fleet of three live workers: another program's string
     had replaced the shard's workers set and expired while Redis was paused past the status TTL, so when Redis came
     back the gateway found neither a status nor a member to wait for. It now also waits (up to two heartbeats) for
-    workers it saw live moments before, and so does the Python client. Here the set is deleted while the worker is
-    paused, then Redis is away past the status TTL; the requests come before the worker's next heartbeat."""
+    workers it saw live moments before, and so does the Python client. Seed 257 got the same 503 while the string
+    was still there: the fleet read then finds the workers by a scan of their status keys, and it kept the scan made
+    as Redis came back, which found none, past the workers' return (shared.streams.fleet._scanned). Here the set is
+    deleted, or replaced by a string that outlasts the test, while the worker is paused; then Redis is away past the
+    status TTL, and the requests come before the worker's next heartbeat."""
     from services.client import FleetClient
 
     reference = _complete(fleet)  # the gateway has just seen the worker live
@@ -400,17 +404,26 @@ def test_requests_right_after_an_outage_that_also_lost_the_workers_set_wait_for_
     def outage() -> None:
         r = streams.connect(fleet.redis.url)
         r.delete(keys.workers(0))
+        if lost != "deleted":
+            r.set(keys.workers(0), lost, px=60_000)
         r.close()
         _stop_redis(fleet, keep_data=True)
         time.sleep(3.5)  # longer than the status TTL (3 s)
         _start_redis(fleet, port)
         r = streams.connect(fleet.redis.url)
-        assert r.get(keys.status("w0")) is None and not r.exists(keys.workers(0))
+        assert r.get(keys.status("w0")) is None
+        assert r.type(keys.workers(0)) == ("none" if lost == "deleted" else "string")
         r.close()
 
-    with FleetClient(fleet.redis.url) as client:
-        client.submit(PROMPT, max_tokens=2).result(60)  # it, too, has just seen the worker live
-        answers = _sent_as_the_worker_resumes(fleet, client, outage)
+    try:
+        with FleetClient(fleet.redis.url) as client:
+            client.submit(PROMPT, max_tokens=2).result(60)  # it, too, has just seen the worker live
+            answers = _sent_as_the_worker_resumes(fleet, client, outage)
+    finally:
+        r = streams.connect(fleet.redis.url)
+        if r.type(keys.workers(0)) == "string":
+            r.delete(keys.workers(0))  # the worker adds itself again at its next heartbeat
+        r.close()
     assert answers["gateway"].status_code == 200, answers["gateway"].text
     assert answers["gateway"].json()["choices"][0]["text"] == reference
     assert answers["client"] == reference
