@@ -7,6 +7,7 @@ shared.streams.worker's."""
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Sequence
 
 import redis
@@ -30,7 +31,9 @@ def request_streams(r: redis.Redis, shard: int = 0) -> list[str]:
     return [keys.req_any(shard)] + [keys.req_stream(w, shard) for w in sorted(shard_workers(r, shard))]
 
 
-_scanned: dict[tuple[int, int], tuple[float, set[str]]] = {}  # (id(client), shard) -> (when, workers)
+# client -> shard -> (when, workers): per client, and gone with it (keyed by id, a new client could take over a freed
+# one's scan)
+_scanned: weakref.WeakKeyDictionary[redis.Redis, dict[int, tuple[float, set[str]]]] = weakref.WeakKeyDictionary()
 
 
 def shard_workers(r: redis.Redis, shard: int = 0) -> set[str]:
@@ -39,14 +42,14 @@ def shard_workers(r: redis.Redis, shard: int = 0) -> set[str]:
     client), so the takeover still finds a dead worker (whose status is gone) and claims what it left pending. Once
     the set is back (an operator deleted the key; the live workers add themselves with their next status), the dead
     workers it lost are added back from their streams, to be taken over."""
-    members = read_set(r, keys.workers(shard), "the takeover scan")
+    members, scans = read_set(r, keys.workers(shard), "the takeover scan"), _scanned.setdefault(r, {})
     if members is None:
-        at, members = _scanned.get((id(r), shard), (float("-inf"), set()))
+        at, members = scans.get(shard, (float("-inf"), set()))
         if time.monotonic() - at >= RECHECK_S:
             members = _by_streams(r, shard)
-            _scanned[(id(r), shard)] = (time.monotonic(), members)
+            scans[shard] = (time.monotonic(), members)
         return members
-    if _scanned.pop((id(r), shard), None) is not None and (lost := _by_streams(r, shard) - members):
+    if scans.pop(shard, None) is not None and (lost := _by_streams(r, shard) - members):
         r.sadd(keys.workers(shard), *lost)
         members |= lost
     return members
@@ -132,7 +135,7 @@ def prune_dead_worker(r: redis.Redis, dead: str, shard: int = 0, shard_streams: 
     pruned = bool(run_script(r, _PRUNE_DEAD, [keys.status(dead, shard), keys.req_stream(dead, shard),
                                               keys.reserved(dead, shard), keys.workers(shard), *others],
                              [keys.GROUP, dead]))
-    if pruned and (scanned := _scanned.get((id(r), shard))) is not None:
+    if pruned and (scanned := _scanned.get(r, {}).get(shard)) is not None:
         scanned[1].discard(dead)  # read around a workers set of another type: not found again until the next SCAN
     return pruned
 
