@@ -58,7 +58,8 @@ async def aread_members(r: aioredis.Redis, in_use: list[int]) -> dict[str, int]:
 # status has expired, the workers re-register within a heartbeat, and a gateway waits only two heartbeats for them
 # (gateway.targets.live_view). Kept for RECHECK_S, a scan made as Redis came back, before they were back, hid them,
 # and requests got 503 no_workers from a fleet of three live workers (chaos seed 257: the set a string for 20 s, Redis
-# paused 11 s within it, and another version's status in the fleet, which such a scan finds alone).
+# paused 11 s within it, and another version's status in the fleet, which such a scan finds alone). A fleet with no
+# live worker so scans at each read, while that key stays: a gateway's reads come at most every fleet_view_max_age_s.
 # Per client, and gone with it (keyed by id, a new client could take over a freed one's scan).
 _scanned: weakref.WeakKeyDictionary[Any, tuple[float, dict[str, int]]] = weakref.WeakKeyDictionary()
 
