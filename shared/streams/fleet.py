@@ -84,14 +84,20 @@ async def aread_fleet(r: aioredis.Redis, in_use: list[int] | None = None) -> Fle
     in_use = in_use if in_use is not None else await aread_shards(r)
     shards = await aread_members(r, in_use)
     view = FleetView(shards=shards, in_use=in_use)
-    if not shards:
-        _scanned.pop(r, None)  # no live worker: a scan that found none is not kept either (_scanned)
-        return view
-    members = sorted(shards)
+    if shards:
+        await _read_statuses(r, view)
+    if not view.live:
+        _scanned.pop(r, None)  # the workers may have come from a scan: the next read scans again (_scanned)
+    return view
+
+
+async def _read_statuses(r: aioredis.Redis, view: FleetView) -> None:
+    """Each of the view's workers into live (with its reservations), dead or unreadable: one round trip."""
+    members = sorted(view.shards)
     pipe = r.pipeline(transaction=False)
     for w in members:
-        pipe.get(keys.status(w, shards[w]))
-        pipe.hvals(keys.reserved(w, shards[w]))
+        pipe.get(keys.status(w, view.shards[w]))
+        pipe.hvals(keys.reserved(w, view.shards[w]))
     # a key of another type (another version's or program's write) comes back as its error, not raised: that
     # worker's status is unreadable, its reservations none
     replies = await pipe.execute(raise_on_error=False)
@@ -108,9 +114,6 @@ async def aread_fleet(r: aioredis.Redis, in_use: list[int] | None = None) -> Fle
             continue
         view.live.append(status)
         view.reservations[w] = 0 if isinstance(reserved, Exception) else reserved_blocks(reserved, status.total_blocks)
-    if not view.live:
-        _scanned.pop(r, None)  # the workers came from a scan, maybe: the next read scans again (_scanned)
-    return view
 
 
 def reserved_blocks(values: list[str], most: int) -> int:
