@@ -28,17 +28,10 @@ Requests come from, in order of preference:
 A read or a claim whose reply was lost with the connection (Redis stopped just after answering) delivered its
 entries all the same: the readers' client never sends a command twice (streams.NO_RESEND), and the turn after a
 failed one claims back what is pending on this worker but was never taken (_claim_own).
-A request delivered more than `max_deliveries` times goes to kvfleet:dead and its reader gets an error; one
-its whole cache cannot hold is forwarded to the live worker with room that can. So does an entry that cannot
-be read (bad JSON, a missing field, a schema version other than shared.messages.SCHEMA_VERSION) or whose
-sampling parameters are invalid (the worker trusts no producer): dead-lettered with the reason and acked, so
-it never blocks the stream. The threads survive any error: logged with its traceback, retried after a
-backoff; `dead_threads()` lets the worker notice one that died anyway.
-
-A request with structured outputs has its grammar compiled here (`precompile`: the engine's grammar cache),
-before the main thread takes it: a large schema or regex compiles for up to a few seconds, and this thread, not
-the engine's step loop, waits (the compile releases the GIL). A spec that does not compile is left to the main
-thread, which fails the request.
+Every entry read or claimed is judged by gpu_worker.serve.admission before the main thread sees it: handed over
+as a Job, or closed here (malformed, delivered too often, cancelled, too large for this worker, a gateway's to
+place again), so that no entry can block the stream. The threads survive any error: logged with its traceback,
+retried after a backoff; `dead_threads()` lets the worker notice one that died anyway.
 
 The cancel thread reads the fleet's cancels, and cancels the requests whose gateway's lease lapsed
 (gpu_worker.serve.lease_watch).
@@ -50,17 +43,15 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from gpu_worker.serve.admission import Admission
 from gpu_worker.serve.entry_closer import EntryCloser
 from gpu_worker.serve.lease_watch import LeaseWatch
-from gpu_worker.serve.request_tracker import Job
 from shared import keys, streams
 from shared.blocks import request_blocks
-from shared.messages import SCHEMA_VERSION, ErrorKind
 from shared.outage_log import OutageLog
 from shared.settings import Settings
 
@@ -85,7 +76,6 @@ SHARED_LOOK_MS = 200
 # worker; a burst of 512 ran 0.5 s of steps with half the sequences it could). A look takes as many as fit, up to:
 # a busy worker's main thread accounts them once a step.
 SHARED_TAKE_MAX = 32
-LATEST_KEPT = 4096  # entries whose latest delivery count it remembers (to ignore refusals of older ones)
 ORPHAN_SLACK_MS = 1000  # an entry delivered this long before the failed turn began may still be its orphan
 
 
@@ -115,12 +105,15 @@ class Intake:
                  leased: Callable[[], list[str]] | None = None, writes_refused: Callable[[], bool] | None = None,
                  precompile: Any = None):
         self.r, self.settings, self.worker_id = r, settings, worker_id
-        self.precompile = precompile  # gpu_worker.engine.structured.Grammars, or None
-        self.closer = EntryCloser(r, settings, worker_id, metrics)  # entries it closes instead of running them
         self.on_regroup = on_regroup  # after Redis lost the groups: the worker publishes its status at once
         self.redis_failing: set[str] = set()  # the threads whose last turn failed on Redis (-> not ready)
         self.inbox, self.room = inbox, room
         self.shard = settings.worker_shard  # every stream and key it reads or writes is in its shard
+        # judges each entry it reads or claims: a Job into the inbox, or the entry closed here (precompile: the
+        # engine's grammar cache, gpu_worker.engine.structured.Grammars, or None)
+        self.admission = Admission(r, settings, self.shard, inbox, room, EntryCloser(r, settings, worker_id, metrics),
+                                   precompile)
+        self.settled = self.admission.settled  # requests whose entry it closed itself (see Admission)
         # leased: the request ids the worker holds that carry a lease
         self.leases = LeaseWatch(r, self.shard, leased, writes_refused) if leased is not None else None
         self.own, self.shared = keys.req_stream(worker_id, self.shard), keys.req_any(self.shard)
@@ -131,7 +124,6 @@ class Intake:
         self._shard_streams: list[str] = []  # the request streams, as the last scan that found a dead one read them
         self._next_scan = 0.0
         self._on_redis_since = float("-inf")  # monotonic: its Redis calls have gone through without a break since
-        self._off_redis = threading.local()  # .s: seconds of a reader thread's turn spent on other work (compiles)
         self._next_shared_look = 0.0  # monotonic time of the next look at the shared stream's head
         self._empty_looks = 0  # looks in a row that found the shared stream empty
         self._shared_waiting = False  # the last look found requests waiting there
@@ -139,16 +131,13 @@ class Intake:
         self._recheck: queue.SimpleQueue[streams.Ack] = queue.SimpleQueue()  # entries of refused writes
         # monotonic start of the first request-read turn that failed on Redis since the last look for orphans
         self._orphans_since: float | None = None
-        # entry (stream, id) -> the delivery count it last took it with (read, claimed at start or claimed back): a
-        # refusal of an older delivery, reported by a later flush too, must not claim it once more (each claim
-        # counts toward max_deliveries)
-        self._latest: OrderedDict[tuple[str, str], int] = OrderedDict()
-        self.handed = 0  # jobs put into the inbox; `spare` is stale until the main thread accounted them all
-        # requests whose entry it took and closed itself (dead-lettered, forwarded, finished, handed back to their
-        # gateway): the worker's next status drops their reservations, as it does for those it runs
-        self.settled: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._threads = [threading.Thread(target=self._requests, name="kvfleet-intake", daemon=True),
                          threading.Thread(target=self._cancels, name="kvfleet-cancels", daemon=True)]
+
+    @property
+    def handed(self) -> int:
+        """Jobs put into the inbox so far: `spare` is stale until the main thread accounted them all."""
+        return self.admission.handed
 
     def start(self, stopping: Callable[[], bool] = lambda: False) -> Intake:
         """Join the fleet's streams and take what a previous run under this id left pending, then start the
@@ -231,11 +220,13 @@ class Intake:
                 if regroup:
                     self._regroup()
                     regroup = False
-                began, self._off_redis.s = time.monotonic(), 0.0
+                began = time.monotonic()
+                self.admission.compile_seconds()  # (from 0 for this turn)
                 if failures:  # a try after failed ones: if it goes through, Redis is back from this moment
                     self._on_redis_since = began
                 turn()
-                if time.monotonic() - began - self._off_redis.s > self.settings.status_ttl_s:
+                # a long grammar compile is not Redis hanging: it does not delay taking over dead workers
+                if time.monotonic() - began - self.admission.compile_seconds() > self.settings.status_ttl_s:
                     self._on_redis_since = time.monotonic()  # its calls hung: Redis was paused, say
                 failures = 0
                 self.redis_failing.discard(what)
@@ -291,19 +282,19 @@ class Intake:
 
     def _claim_own(self, delivered_within_ms: int | None = None) -> None:
         """Claim back (and take) what is pending on this worker id but was not taken by this run (what it took is
-        in `_latest`), on its own stream, the shared one and the streams of workers it took for dead. At start:
-        all of it (a previous run's, or a try of the start that Redis broke off). After a failed turn: what was
-        delivered within `delivered_within_ms`, by reads whose reply was lost (one delivered before, which
-        `_latest` may have forgotten if thousands came after it, is left alone); nobody ran those, so a gateway's
-        request among them runs here instead of going back to its gateway."""
+        in `admission.latest`), on its own stream, the shared one and the streams of workers it took for dead. At
+        start: all of it (a previous run's, or a try of the start that Redis broke off). After a failed turn: what
+        was delivered within `delivered_within_ms`, by reads whose reply was lost (one delivered before, which
+        `admission.latest` may have forgotten if thousands came after it, is left alone); nobody ran those, so a
+        gateway's request among them runs here instead of going back to its gateway."""
         lost_replies = delivered_within_ms is not None
         for stream in dict.fromkeys(s for s in [self.own, *self._request_streams()] if s not in self.avoided):
-            taken = {entry_id for s, entry_id in self._latest if s == stream}
+            taken = self.admission.taken_on(stream)
             claimed = streams.claim_pending(self.r, stream, self.worker_id, self.worker_id, min_idle_ms=0, skip=taken,
                                             max_idle_ms=delivered_within_ms)
             for d in claimed:
                 if d.fields is not None:  # None: the entry was deleted meanwhile
-                    self._take(d, first_run=lost_replies and d.deliveries == 2)
+                    self.admission.take(d, first_run=lost_replies and d.deliveries == 2)
             if claimed and lost_replies:
                 log.warning("claimed %d request(s) on %s delivered here by reads whose reply was lost", len(claimed),
                             stream)
@@ -323,11 +314,11 @@ class Intake:
             return
         while not self._recheck.empty():
             ack = self._recheck.get_nowait()
-            if self._latest.get((ack.stream, ack.entry_id), 0) > ack.deliveries:
+            if self.admission.taken_since(ack):
                 continue  # taken again since that delivery was refused
             if (d := streams.reclaim_own(self.r, ack, self.worker_id)) is not None:
                 log.warning("request entry %s on %s is still pending here: claimed again", d.entry_id, d.stream)
-                self._take(d)
+                self.admission.take(d)
         if time.monotonic() >= self._next_scan:  # takeover needs no room: what it claims queues like new work
             self._next_scan = time.monotonic() + self.settings.heartbeat_s
             self._scan_dead()
@@ -360,7 +351,7 @@ class Intake:
         block_ms = int(max(SPARE_READ_BLOCK_MS, until_ms))
         taken_for_dead = {keys.req_stream(d, self.shard): d for d in self._dead}
         for d in streams.read_requests(self.r, self.worker_id, want, count=8, block_ms=block_ms):
-            self._take(d)
+            self.admission.take(d)
             if (owner := taken_for_dead.get(d.stream)) is not None:
                 self._release_reservation(owner, d)
 
@@ -371,7 +362,7 @@ class Intake:
         try:
             request_id = streams.parse_request(d.fields or {}).request_id
         except (KeyError, TypeError, ValueError):
-            return  # malformed: _take dead-lettered it
+            return  # malformed: admission dead-lettered it
         streams.release_reservation(self.r, owner, request_id, self.shard)
 
     def _take_shared(self, room: Room) -> bool:
@@ -390,14 +381,14 @@ class Intake:
             return False
         taken = streams.read_requests(self.r, self.worker_id, {self.shared: ">"}, count=fit)
         for d in taken:
-            self._take(d)
+            self.admission.take(d)
         if taken:
             self._next_shared_look = 0.0  # the next ones may fit too
         return bool(taken)
 
     def _blocks_needed(self, fields: dict[str, str], block_size: int) -> int:
         """What routing counts for a shared stream entry (prompt plus capped output, times n); 0 for a malformed
-        one, so that it is taken and _take dead-letters it."""
+        one, so that it is taken and admission dead-letters it."""
         try:
             request = streams.parse_request(fields)
             params = request.params()
@@ -435,82 +426,10 @@ class Intake:
         claimed = streams.claim_pending(self.r, stream, owner, self.worker_id, min_idle_ms=min_idle_ms)
         for d in claimed:
             if d.fields is not None:  # None: the entry was deleted meanwhile
-                self._take(d)
+                self.admission.take(d)
         if claimed:
             log.info("claimed %d request(s) left pending by %s on %s", len(claimed), owner, stream)
         return len(claimed)
-
-    def _take(self, d: streams.Delivery, first_run: bool = False) -> None:
-        """Hand one delivery to the main thread, or close it here. An error that is not Redis's is this
-        entry's fault: it is dead-lettered, so it cannot stop the reader or the stream. A Redis error leaves it
-        pending here, untaken: the next turn's _claim_own takes it. `first_run`: a delivery count over 1
-        that only counts a read whose reply was lost (nobody ran the request before)."""
-        self._latest[(d.stream, d.entry_id)] = d.deliveries
-        self._latest.move_to_end((d.stream, d.entry_id))
-        if len(self._latest) > LATEST_KEPT:
-            self._latest.popitem(last=False)
-        try:
-            request = streams.parse_request(d.fields)
-        except (KeyError, TypeError, ValueError) as e:
-            self.closer.drop_malformed(d, f"malformed request entry: {type(e).__name__}: {e}")
-            return
-        job = Job(request=request, stream=d.stream, entry_id=d.entry_id, deliveries=d.deliveries)
-        handed = self.handed
-        try:
-            self._take_job(job, d, first_run)
-        except streams.RedisError:
-            self._latest.pop((d.stream, d.entry_id), None)
-            raise
-        except Exception as e:  # noqa: BLE001
-            log.exception("request %s cannot be taken", job.request_id)
-            kind: ErrorKind = "invalid_request" if isinstance(e, TypeError | ValueError) else "internal"
-            self.closer.dead_letter(job, f"{type(e).__name__}: {e}", kind=kind)
-        if self.handed == handed:  # closed here, not handed to the main thread (a Redis error left it pending)
-            self.settled.put(job.request_id)
-
-    def _take_job(self, job: Job, d: streams.Delivery, first_run: bool) -> None:
-        request = job.request
-        if request.v != SCHEMA_VERSION:
-            self.closer.dead_letter(job, f"schema version v={request.v}; this worker reads v={SCHEMA_VERSION}",
-                                    kind="invalid_request")
-            return
-        try:
-            params = request.params()
-        except (TypeError, ValueError) as e:
-            self.closer.dead_letter(job, f"invalid sampling_params: {e}", kind="invalid_request")
-            return
-        if d.deliveries > 1 and request.reply_to and not first_run:
-            self.closer.back_to_gateway(job)
-            return
-        if d.deliveries > 1 or request.attempt > 0:
-            job.resume_from(streams.read_all_chunks(self.r, request.request_id, self.shard))
-        if job.done:
-            streams.ack_and_delete(self.r, d.ack)
-            return
-        if d.deliveries > self.settings.max_deliveries:
-            self.closer.dead_letter(job, f"delivered {d.deliveries} times (max_deliveries "
-                                         f"{self.settings.max_deliveries})")
-            return
-        if streams.is_cancelled(self.r, request.request_id):
-            self.closer.finish(job, finish_reason="abort")
-            return
-        room = self.room()
-        longest = len(request.prompt_token_ids) + max((len(t) for t in job.sent_tokens), default=0)
-        need = -(-longest // room.block_size)
-        if room.total_blocks and need > room.total_blocks:
-            self.closer.forward(job, need)
-            return
-        spec = params.structured_outputs
-        if spec is not None and self.precompile is not None:
-            began = time.monotonic()
-            try:
-                self.precompile.compile(spec)
-            except Exception:  # noqa: BLE001 (the main thread's add_request fails the request with the reason)
-                pass
-            # a long compile is not Redis hanging (_survive): it does not delay taking over dead workers
-            self._off_redis.s = getattr(self._off_redis, "s", 0.0) + time.monotonic() - began
-        self.handed += 1
-        self.inbox.put(job)
 
     # ---- cancels -----------------------------------------------------------------------------
     def _cancels(self) -> None:
