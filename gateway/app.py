@@ -1,5 +1,5 @@
 """The gateway's FastAPI app: OpenAI-compatible /v1/completions and /v1/chat/completions (SSE when
-stream=true), /v1/models, /v1/fleet, /health (ready), /livez, /metrics. `create_app(settings)`."""
+stream=true), /v1/models (and /v1/models/{id}), /v1/fleet, /health (ready), /livez, /metrics. `create_app(settings)`."""
 
 from __future__ import annotations
 
@@ -177,8 +177,8 @@ def create_app(settings: Settings) -> Any:
         target = await target_for(state, body.model)
         return await state.tokenizers.run(prompts.detokenize, target, body)
 
-    @app.get("/v1/models", dependencies=[Depends(authorized)])
-    async def models() -> ModelList:
+    async def model_cards() -> dict[str, ModelCard]:
+        """The models the live workers serve (the gateway's own when none lives and it queues for one)."""
         view = await streams.aread_fleet(state.redis)
         cards: dict[str, ModelCard] = {}
         for w in view.live:
@@ -187,7 +187,21 @@ def create_app(settings: Settings) -> Any:
             card.max_model_len = min(card.max_model_len or w.max_model_len, w.max_model_len)
         if not cards and settings.queue_when_no_workers:
             cards[settings.model] = ModelCard(id=settings.model)
-        return ModelList(data=list(cards.values()))
+        return cards
+
+    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    async def models() -> ModelList:
+        return ModelList(data=list((await model_cards()).values()))
+
+    @app.get("/v1/models/{model:path}", dependencies=[Depends(authorized)])
+    async def model(model: str) -> ModelCard:
+        """OpenAI's "retrieve model" (`client.models.retrieve(id)`): the served model's card, or 404."""
+        cards = await model_cards()
+        if model not in cards:
+            raise APIError(404, f"the model {model!r} does not exist; this fleet serves: "
+                                f"{', '.join(sorted(cards)) or 'no model now (no live worker)'}",
+                           param="model", code="model_not_found")
+        return cards[model]
 
     @app.get("/v1/fleet", dependencies=[Depends(authorized)])
     async def fleet_status() -> dict[str, Any]:  # a FleetSnapshot, served as it is

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Annotated, Any, Literal
+import types
+from functools import cache
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -196,6 +198,18 @@ class SamplingFields(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """A null for a field with a default that is not itself null (temperature, top_p, n, stream, ...) means
+        that default, as in OpenAI's API, where those fields are "number or null" (LangChain and other clients send
+        `"temperature": null` for "not set"). A field whose default is null keeps its null (max_tokens: up to the
+        context window); a required one (model, prompt, messages) is still refused."""
+        if isinstance(data, dict) and None in data.values():
+            defaulted = _null_means_default(cls)
+            data = {k: v for k, v in data.items() if v is not None or k not in defaulted}
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
     def _no_lone_surrogates(cls, data: Any, info: ValidationInfo) -> Any:
         if info.mode == "json":  # pydantic's JSON parser refuses a lone surrogate itself (the fast lane then
             return data  # hands the body to the app, whose json.loads takes it, and this names the field)
@@ -242,6 +256,15 @@ class SamplingFields(BaseModel):
             repetition_penalty=self.repetition_penalty, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None)
+
+
+@cache
+def _null_means_default(model: type[BaseModel]) -> frozenset[str]:
+    """The fields of `model` that have a default and whose type does not take None (SamplingFields'
+    _null_is_the_default)."""
+    return frozenset(name for name, f in model.model_fields.items()
+                     if not f.is_required() and f.annotation is not Any and types.NoneType not in get_args(f.annotation)
+                     and f.annotation is not types.NoneType)
 
 
 class CompletionRequest(SamplingFields):

@@ -93,6 +93,34 @@ def test_health_models_and_fleet_status(fleet, client, model):
     assert httpx.get(probes + "/metrics").headers["content-type"].startswith("text/plain")
 
 
+def test_a_model_is_retrieved_by_its_id_and_an_unknown_one_is_a_404(fleet, client):
+    """OpenAI's "retrieve model" (`client.models.retrieve`), with the served id as /v1/models lists it (a path here,
+    slashes and all); another id is a 404 model_not_found that names the served one."""
+    card = client.models.retrieve(fleet.model)
+    assert card.id == fleet.model and card.object == "model" and card.workers == 2 and card.max_model_len == 1024
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("no-such-model")
+    assert e.value.body["code"] == "model_not_found" and fleet.model in e.value.body["message"]
+
+
+def test_null_fields_take_their_defaults_as_openai_reads_them(fleet, model):
+    """Clients that send `"temperature": null` for "not set" (LangChain, hand-written JSON) are served: a null is
+    the field's default, as in OpenAI's API. A null for a required field is still a 400 that names it."""
+    body = {"model": model, "prompt": "The quick brown fox", "max_tokens": 6, "temperature": None, "top_p": None,
+            "n": None, "stream": None, "presence_penalty": None, "frequency_penalty": None, "seed": 7}
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    r = httpx.post(fleet.url() + "/v1/completions", headers=auth, json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1 and r.json()["usage"]["completion_tokens"] == 6
+    chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": None,
+            "logprobs": None, "stream": None}
+    r = httpx.post(fleet.url() + "/v1/chat/completions", headers=auth, json=chat, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["logprobs"] is None
+    r = httpx.post(fleet.url() + "/v1/completions", headers=auth, json={"model": model, "prompt": None}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+
+
 def test_completion_and_its_stream_agree(client, model):
     prompt = "The quick brown fox jumps over the lazy dog because"
     full = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0,

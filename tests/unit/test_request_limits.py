@@ -328,3 +328,27 @@ def test_a_body_that_is_no_json_object_and_an_unknown_endpoint_are_named():
     method = r["other method"].json()["error"]
     assert r["other method"].status_code == 405 and method["type"] == "invalid_request_error"
     assert method["message"].startswith("this method is not allowed on this path: GET /v1/chat/completions;"), method
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_a_null_field_takes_its_default_as_in_openais_api(chat):
+    """`"temperature": null` means "not set" in OpenAI's API (its fields are "number or null"): the default, not a
+    400. A field whose default is null keeps the null (max_tokens: no cap but the context window); a required
+    field's null is still refused, naming it."""
+    model = ChatCompletionRequest if chat else CompletionRequest
+    given = {"model": "m"} | ({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})
+    nulls = {"temperature": None, "top_p": None, "n": None, "top_k": None, "min_p": None, "stream": None,
+             "presence_penalty": None, "frequency_penalty": None, "repetition_penalty": None, "priority": None,
+             "ignore_eos": None, "skip_special_tokens": None, "max_tokens": None, "stop": None, "seed": None}
+    body = model.model_validate(given | nulls)
+    default = model.model_validate(given)
+    for field in nulls:
+        if field == "max_tokens":
+            assert body.max_tokens is None
+        else:
+            assert getattr(body, field) == getattr(default, field), field
+    assert model.model_validate_json(json.dumps(given | nulls)) == body  # the fast lane parses JSON itself
+    with pytest.raises(ValidationError) as e:
+        model.model_validate(given | {"model": None})
+    assert validation_error(e.value)[0] == "model"
+    assert refused({"temperature": "hot"}, chat)[0] == "temperature"  # a wrong value is still refused
