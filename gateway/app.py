@@ -195,13 +195,16 @@ def create_app(settings: Settings) -> Any:
 
     @app.get("/v1/models/{model:path}", dependencies=[Depends(authorized)])
     async def model(model: str) -> ModelCard:
-        """OpenAI's "retrieve model" (`client.models.retrieve(id)`): the served model's card, or 404."""
+        """OpenAI's "retrieve model" (`client.models.retrieve(id)`): the served model's card, or 404. An id that is
+        an absolute path (a model served from its directory) matches with or without its leading slash, which some
+        HTTP clients fold into the one before it."""
         cards = await model_cards()
-        if model not in cards:
+        card = next((c for name, c in cards.items() if name.lstrip("/") == model.lstrip("/")), None)
+        if card is None:
             raise APIError(404, f"the model {model!r} does not exist; this fleet serves: "
                                 f"{', '.join(sorted(cards)) or 'no model now (no live worker)'}",
                            param="model", code="model_not_found")
-        return cards[model]
+        return card
 
     @app.get("/v1/fleet", dependencies=[Depends(authorized)])
     async def fleet_status() -> dict[str, Any]:  # a FleetSnapshot, served as it is

@@ -95,9 +95,11 @@ def test_health_models_and_fleet_status(fleet, client, model):
 
 def test_a_model_is_retrieved_by_its_id_and_an_unknown_one_is_a_404(fleet, client):
     """OpenAI's "retrieve model" (`client.models.retrieve`), with the served id as /v1/models lists it (a path here,
-    slashes and all); another id is a 404 model_not_found that names the served one."""
+    slashes and all, with or without its leading one); another id is a 404 model_not_found that names the served
+    one."""
     card = client.models.retrieve(fleet.model)
     assert card.id == fleet.model and card.object == "model" and card.workers == 2 and card.max_model_len == 1024
+    assert client.models.retrieve(fleet.model.lstrip("/")).id == fleet.model  # a client that folds the "//"
     with pytest.raises(openai.NotFoundError) as e:
         client.models.retrieve("no-such-model")
     assert e.value.body["code"] == "model_not_found" and fleet.model in e.value.body["message"]
