@@ -194,7 +194,7 @@ def create_app(settings: Settings) -> Any:
         return ModelList(data=list((await model_cards()).values()))
 
     @app.get("/v1/models/{model:path}", dependencies=[Depends(authorized)])
-    async def model(model: str) -> ModelCard:
+    async def retrieve_model(model: str) -> ModelCard:
         """OpenAI's "retrieve model" (`client.models.retrieve(id)`): the served model's card, or 404. An id that is
         an absolute path (a model served from its directory) matches with or without its leading slash, which some
         HTTP clients fold into the one before it."""
