@@ -52,6 +52,20 @@ class FleetReader:
         self.loop.close()
 
 
+UP_URL_HINT = ("`kvfleet up` starts its own Redis, with a password, and prints the file that holds its URL "
+               "(DATA_DIR/redis-url): pass it with --redis-url \"$(cat DATA_DIR/redis-url)\" or KVFLEET_REDIS_URL")
+
+
+def hint(e: Exception) -> str:
+    """What to do about a Redis that cannot be read, where the error says."""
+    text = str(e)
+    if type(e).__name__ == "AuthenticationError" or "NOAUTH" in text or "password" in text.lower():
+        return f". The URL needs the Redis's password: {UP_URL_HINT}"  # (redis-py's is a ConnectionError too)
+    if isinstance(e, streams.CONNECTION_ERRORS):
+        return f". Is a Redis running there? {UP_URL_HINT}"
+    return ""
+
+
 def redis_memory(memory: dict[str, Any] | None) -> str:
     """" | redis 3.3 of 64.0 MiB", and when it is past its cap under noeviction, that it refuses writes."""
     if not memory:
@@ -142,7 +156,7 @@ def _curses_loop(stdscr: Any, reader: FleetReader, interval: float, where: str) 
             body = render(now, prev, width=max(20, stdscr.getmaxyx()[1] - 1))
             prev = now
         except Exception as e:  # noqa: BLE001 (Redis away: say so and keep trying)
-            body = [f"cannot read the fleet: {type(e).__name__}: {e}; retrying"]
+            body = [f"cannot read the fleet: {type(e).__name__}: {str(e).rstrip('.')}{hint(e)}; retrying"]
         stdscr.erase()
         height, width = stdscr.getmaxyx()
         header = f"kvfleet top — {where} — every {interval:g}s — q quits"
@@ -166,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
                 time.sleep(args.interval)
                 print("\n".join(render(reader.read(), first)))
             except Exception as e:  # noqa: BLE001 (redis errors: name the Redis, never the password)
-                print(f"cannot read the fleet from {where}: {type(e).__name__}: {e}")
+                print(f"cannot read the fleet from {where}: {type(e).__name__}: {str(e).rstrip('.')}{hint(e)}")
                 return 1
             return 0
         import curses
