@@ -1,5 +1,5 @@
-"""`kvfleet status` (and `kvfleet top`, which shares its reader) against a Redis it cannot read says what to do: a real Redis with a password (as `kvfleet up`
-starts one), asked without it, and a port where nothing listens."""
+"""`kvfleet status` (and `kvfleet top`, which shares its reader) against a Redis it cannot read says what to do: a
+real Redis with a password (as `kvfleet up` starts one), asked without it, and a port where nothing listens."""
 
 from __future__ import annotations
 
