@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from services.top import FleetReader, hint, render
+from services.top import FleetReader, render, unreadable
 from shared.settings import Settings, redacted_url
 
 
@@ -26,8 +26,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"cannot reach Redis at {redacted_url(settings.redis_url)}: {e}")
         return 1
     except Exception as e:  # redis errors: say which Redis, never the password
-        print(f"cannot read the fleet from {redacted_url(settings.redis_url)}: {type(e).__name__}: "
-              f"{str(e).rstrip('.')}{hint(e)}")
+        print(f"cannot read the fleet from {redacted_url(settings.redis_url)}: {unreadable(e)}")
         return 1
     finally:
         reader.close()

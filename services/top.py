@@ -56,14 +56,14 @@ UP_URL_HINT = ("`kvfleet up` starts its own Redis, with a password, and prints t
                "(DATA_DIR/redis-url): pass it with --redis-url \"$(cat DATA_DIR/redis-url)\" or KVFLEET_REDIS_URL")
 
 
-def hint(e: Exception) -> str:
-    """What to do about a Redis that cannot be read, where the error says."""
-    text = str(e)
-    if type(e).__name__ == "AuthenticationError" or "NOAUTH" in text or "password" in text.lower():
-        return f". The URL needs the Redis's password: {UP_URL_HINT}"  # (redis-py's is a ConnectionError too)
+def unreadable(e: Exception) -> str:
+    """Why the fleet could not be read, and what to do where the error says (a missing password, no Redis)."""
+    why = f"{type(e).__name__}: {str(e).rstrip('.')}"
+    if isinstance(e, streams.AuthenticationError):  # (before CONNECTION_ERRORS: redis-py's is one too)
+        return f"{why}. The URL needs the Redis's password: {UP_URL_HINT}"
     if isinstance(e, streams.CONNECTION_ERRORS):
-        return f". Is a Redis running there? {UP_URL_HINT}"
-    return ""
+        return f"{why}. Is a Redis running there? {UP_URL_HINT}"
+    return why
 
 
 def redis_memory(memory: dict[str, Any] | None) -> str:
@@ -156,7 +156,7 @@ def _curses_loop(stdscr: Any, reader: FleetReader, interval: float, where: str) 
             body = render(now, prev, width=max(20, stdscr.getmaxyx()[1] - 1))
             prev = now
         except Exception as e:  # noqa: BLE001 (Redis away: say so and keep trying)
-            body = [f"cannot read the fleet: {type(e).__name__}: {str(e).rstrip('.')}{hint(e)}; retrying"]
+            body = [f"cannot read the fleet: {unreadable(e)}; retrying"]
         stdscr.erase()
         height, width = stdscr.getmaxyx()
         header = f"kvfleet top — {where} — every {interval:g}s — q quits"
@@ -180,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
                 time.sleep(args.interval)
                 print("\n".join(render(reader.read(), first)))
             except Exception as e:  # noqa: BLE001 (redis errors: name the Redis, never the password)
-                print(f"cannot read the fleet from {where}: {type(e).__name__}: {str(e).rstrip('.')}{hint(e)}")
+                print(f"cannot read the fleet from {where}: {unreadable(e)}")
                 return 1
             return 0
         import curses

@@ -32,6 +32,7 @@ from shared.streams.client import (  # noqa: F401
     CANNOT_PERSIST,
     CONNECTION_ERRORS,
     FULL,
+    AuthenticationError,
     Client,
     LuaScript,
     RedisError,

@@ -116,6 +116,7 @@ def xreadgroup(r: Any, group: str, consumer: str, streams: dict[str, str], *, co
 # Modules outside this package catch these instead of importing redis.
 
 CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError)  # Redis away or too slow: worth a retry
+AuthenticationError = redis.AuthenticationError  # a missing or wrong password (a ConnectionError too)
 RedisError = redis.RedisError  # any failed command: the worker's threads log it and try again
 Client = redis.Redis  # what `connect` returns (the worker's threads share one)
 

@@ -26,5 +26,7 @@ def test_status_without_the_password_or_without_a_redis_says_where_the_url_is(ca
         code, out = status(capsys, srv.url.replace(":s3cret@", "@"))
         assert code == 1 and "needs the Redis's password" in out and "DATA_DIR/redis-url" in out, out
         assert "s3cret" not in out
+        code, out = status(capsys, srv.url.replace(":s3cret@", ":wrong@"))  # a wrong one: the same advice
+        assert code == 1 and "needs the Redis's password" in out and "wrong" not in out, out
     code, out = status(capsys, f"redis://127.0.0.1:{free_port()}/0")
     assert code == 1 and "Is a Redis running there?" in out and "DATA_DIR/redis-url" in out, out
